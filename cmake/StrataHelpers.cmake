@@ -1,0 +1,44 @@
+# strata_cc_library / strata_cc_test / strata_cc_bench: one target per module,
+# one test binary per suite, the same warnings everywhere.
+include_guard(GLOBAL)
+
+# GCC 12 reports false maybe-uninitialized warnings through std::optional.
+set(STRATA_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-maybe-uninitialized)
+
+# strata_cc_library(NAME name SRCS ... [DEPS ...] [PRIVATE_DEPS ...])
+# Creates strata_<name> and its alias strata::<name>. The project root is the
+# include root, so headers are included as "runtime/status.h".
+function(strata_cc_library)
+  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(strata_${A_NAME} ${A_SRCS})
+  add_library(strata::${A_NAME} ALIAS strata_${A_NAME})
+  target_include_directories(strata_${A_NAME} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(strata_${A_NAME} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
+  target_compile_options(strata_${A_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${STRATA_WARNINGS}>)
+endfunction()
+
+# strata_cc_test(NAME name SRCS ... [DEPS ...] [LABELS ...])
+# A GoogleTest binary, registered with ctest test by test (gtest_discover_tests).
+function(strata_cc_test)
+  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
+  add_executable(${A_NAME} ${A_SRCS})
+  target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gtest_main GTest::gmock)
+  target_compile_options(${A_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${STRATA_WARNINGS}>)
+  set(_labels ${A_LABELS})
+  if(NOT _labels)
+    set(_labels unit)
+  endif()
+  gtest_discover_tests(${A_NAME}
+    PROPERTIES LABELS "${_labels}" SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
+    DISCOVERY_TIMEOUT 60)
+endfunction()
+
+# strata_cc_bench(NAME name SRCS ... [DEPS ...])
+function(strata_cc_bench)
+  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${A_NAME} ${A_SRCS})
+  target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} benchmark::benchmark)
+  target_compile_options(${A_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${STRATA_WARNINGS}>)
+endfunction()
+
+include(GoogleTest)

@@ -1,0 +1,141 @@
+#include "runtime/units.h"
+
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+
+namespace strata {
+namespace {
+
+std::string Lower(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    if (!std::isspace(static_cast<unsigned char>(c))) {
+      out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+  }
+  return out;
+}
+
+// Splits "1.5GiB" into 1.5 and "gib".
+Result<std::pair<double, std::string>> SplitNumber(std::string_view text, std::string_view what) {
+  std::string s = Lower(text);
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  double value = 0;
+  auto [ptr, ec] = std::from_chars(s.data(), s.data() + i, value);
+  if (i == 0 || ec != std::errc() || ptr != s.data() + i || !std::isfinite(value)) {
+    return InvalidArgumentError("parse " + std::string(what) + " '" + std::string(text) +
+                                "': expected a non-negative number with an optional suffix");
+  }
+  return std::make_pair(value, s.substr(i));
+}
+
+Result<uint64_t> Scale(std::string_view text, double value, double multiple,
+                       std::string_view what) {
+  double v = value * multiple;
+  if (v >= 18446744073709551615.0) {
+    return InvalidArgumentError("parse " + std::string(what) + " '" + std::string(text) +
+                                "': too large");
+  }
+  if (multiple == 1 && v != std::floor(v)) {
+    return InvalidArgumentError("parse " + std::string(what) + " '" + std::string(text) +
+                                "': expected a whole number");
+  }
+  return static_cast<uint64_t>(std::llround(v));
+}
+
+std::string Printf(const char* format, double v, const char* unit) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), format, v, unit);
+  return buf;
+}
+
+}  // namespace
+
+Result<uint64_t> ParseBytes(std::string_view text) {
+  STRATA_ASSIGN_OR_RETURN(auto split, SplitNumber(text, "size"));
+  const std::string& suffix = split.second;
+  double m;
+  if (suffix.empty() || suffix == "b") {
+    m = 1;
+  } else if (suffix == "k" || suffix == "kb" || suffix == "kib") {
+    m = 0x1p10;
+  } else if (suffix == "m" || suffix == "mb" || suffix == "mib") {
+    m = 0x1p20;
+  } else if (suffix == "g" || suffix == "gb" || suffix == "gib") {
+    m = 0x1p30;
+  } else if (suffix == "t" || suffix == "tb" || suffix == "tib") {
+    m = 0x1p40;
+  } else {
+    return InvalidArgumentError("parse size '" + std::string(text) + "': unknown suffix '" +
+                                suffix + "' (use K, M, G, T or KiB, MiB, GiB, TiB)");
+  }
+  return Scale(text, split.first, m, "size");
+}
+
+Result<uint64_t> ParseCount(std::string_view text) {
+  STRATA_ASSIGN_OR_RETURN(auto split, SplitNumber(text, "count"));
+  const std::string& suffix = split.second;
+  double m;
+  if (suffix.empty()) {
+    m = 1;
+  } else if (suffix == "k") {
+    m = 1e3;
+  } else if (suffix == "m") {
+    m = 1e6;
+  } else if (suffix == "g" || suffix == "b") {
+    m = 1e9;
+  } else if (suffix == "t") {
+    m = 1e12;
+  } else {
+    return InvalidArgumentError("parse count '" + std::string(text) + "': unknown suffix '" +
+                                suffix + "' (use K, M, B or G, T)");
+  }
+  return Scale(text, split.first, m, "count");
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    ++u;
+  }
+  if (u == 0) return std::to_string(bytes) + " B";
+  return Printf("%.2f %s", v, units[u]);
+}
+
+std::string FormatCount(uint64_t count) {
+  if (count < 1000) return std::to_string(count);
+  const char* units[] = {"", "K", "M", "B", "T"};
+  double v = static_cast<double>(count);
+  int u = 0;
+  while (v >= 1000 && u < 4) {
+    v /= 1000;
+    ++u;
+  }
+  return Printf("%.2f %s", v, units[u]);
+}
+
+std::string FormatRate(double bytes_per_sec) {
+  const char* units[] = {"B/s", "KB/s", "MB/s", "GB/s", "TB/s"};
+  double v = bytes_per_sec;
+  int u = 0;
+  while (v >= 1000 && u < 4) {
+    v /= 1000;
+    ++u;
+  }
+  return Printf("%.2f %s", v, units[u]);
+}
+
+std::string FormatSeconds(double s) {
+  if (s >= 1) return Printf("%.2f %s", s, "s");
+  if (s >= 1e-3) return Printf("%.1f %s", s * 1e3, "ms");
+  if (s >= 1e-6) return Printf("%.0f %s", s * 1e6, "us");
+  return Printf("%.0f %s", s * 1e9, "ns");
+}
+
+}  // namespace strata
