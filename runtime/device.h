@@ -47,7 +47,8 @@
 // that stream after it is skipped, and every later StreamSynchronize (and
 // Synchronize) on it returns the first error. Events recorded after the
 // failure still complete (waiters never hang) and EventSynchronize reports
-// the error.
+// the error. (On CUDA, work already handed to the driver when the failure
+// is observed still runs; host tasks and copies after that are skipped.)
 //
 // Thread-safety: a Device and its methods are thread-safe. Stream, Event and
 // buffer objects are values: one owner at a time; enqueuing on the same
