@@ -1,4 +1,6 @@
 // Backend-independent parts of comm.h: names and the NCCL id rendezvous file.
+#include "runtime/comm.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
@@ -7,14 +9,14 @@
 #include <cerrno>
 #include <thread>
 
-#include "runtime/comm.h"
-
 namespace strata {
 
 std::string_view ReduceOpName(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMax: return "max";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kMax:
+      return "max";
   }
   return "unknown";
 }
@@ -50,7 +52,8 @@ Status WriteNcclUniqueIdFile(const std::string& path, const NcclUniqueId& id) {
   return OkStatus();
 }
 
-Result<NcclUniqueId> ReadNcclUniqueIdFile(const std::string& path, std::chrono::milliseconds timeout) {
+Result<NcclUniqueId> ReadNcclUniqueIdFile(const std::string& path,
+                                          std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int fd = -1;
   for (;;) {
@@ -83,23 +86,26 @@ Result<NcclUniqueId> ReadNcclUniqueIdFile(const std::string& path, std::chrono::
   }
   ::close(fd);
   if (done != id.bytes.size()) {
-    return DataLossError(fmt::format("read nccl id file {}: {} bytes, expected {}; delete it and restart rank 0",
-                                     path, done, id.bytes.size()));
+    return DataLossError(
+        fmt::format("read nccl id file {}: {} bytes, expected {}; delete it and restart rank 0",
+                    path, done, id.bytes.size()));
   }
   return id;
 }
 
 #if !STRATA_HAVE_NCCL
 Result<NcclUniqueId> NewNcclUniqueId() {
-  return UnimplementedError("new nccl unique id: this build has no NCCL; rebuild with STRATA_NCCL=ON");
+  return UnimplementedError(
+      "new nccl unique id: this build has no NCCL; rebuild with STRATA_NCCL=ON");
 }
 
-Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId&, int rank, int world_size,
-                                                             Device& device) {
-  return UnimplementedError(fmt::format(
-      "create nccl communicator rank {}/{} on {}: this build has no NCCL; rebuild with STRATA_NCCL=ON or "
-      "use the local backend",
-      rank, world_size, device.name()));
+Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId&, int rank,
+                                                             int world_size, Device& device) {
+  return UnimplementedError(
+      fmt::format("create nccl communicator rank {}/{} on {}: this build has no NCCL; rebuild with "
+                  "STRATA_NCCL=ON or "
+                  "use the local backend",
+                  rank, world_size, device.name()));
 }
 #endif
 

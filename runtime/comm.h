@@ -79,8 +79,8 @@ class Communicator {
   virtual Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                            StreamRef stream) = 0;
   // recv[i] = op over ranks of send[rank * recv_count + i], for i < recv_count.
-  virtual Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
-                               StreamRef stream) = 0;
+  virtual Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                               ReduceOp op, StreamRef stream) = 0;
   // recv[r * send_count + i] = send of rank r [i].
   virtual Status AllGather(const void* send, void* recv, size_t send_count, DType dtype,
                            StreamRef stream) = 0;
@@ -120,6 +120,7 @@ Status WriteNcclUniqueIdFile(const std::string& path, const NcclUniqueId& id);
 // Waits up to `timeout` for `path` to appear, then reads the id.
 // Unavailable naming the path when it does not appear in time; DataLoss when
 // its size is wrong.
-Result<NcclUniqueId> ReadNcclUniqueIdFile(const std::string& path, std::chrono::milliseconds timeout);
+Result<NcclUniqueId> ReadNcclUniqueIdFile(const std::string& path,
+                                          std::chrono::milliseconds timeout);
 
 }  // namespace strata

@@ -72,7 +72,10 @@ class StickyError {
 class CudaStream final : public internal::StreamImpl {
  public:
   CudaStream(const Device* owner, int ordinal, cudaStream_t stream, std::string name)
-      : StreamImpl(owner), ordinal_(ordinal), stream_(stream), name_(std::move(name)),
+      : StreamImpl(owner),
+        ordinal_(ordinal),
+        stream_(stream),
+        name_(std::move(name)),
         sticky_(std::make_shared<StickyError>()) {}
   ~CudaStream() override {
     cudaSetDevice(ordinal_);
@@ -124,7 +127,8 @@ void CUDART_CB RunHostTask(void* arg) {
   } catch (...) {
     s = InternalError("host task threw a non-standard exception");
   }
-  if (!s.ok()) payload->sticky->Set(std::move(s).WithContext("async work on " + payload->stream_name));
+  if (!s.ok())
+    payload->sticky->Set(std::move(s).WithContext("async work on " + payload->stream_name));
 }
 
 Result<DeviceCaps> QueryCaps(int ordinal) {
@@ -159,10 +163,14 @@ int CudaDeviceCount() {
 
 cudaMemcpyKind ToCuda(CopyKind kind) {
   switch (kind) {
-    case CopyKind::kHostToDevice: return cudaMemcpyHostToDevice;
-    case CopyKind::kDeviceToHost: return cudaMemcpyDeviceToHost;
-    case CopyKind::kDeviceToDevice: return cudaMemcpyDeviceToDevice;
-    case CopyKind::kHostToHost: return cudaMemcpyHostToHost;
+    case CopyKind::kHostToDevice:
+      return cudaMemcpyHostToDevice;
+    case CopyKind::kDeviceToHost:
+      return cudaMemcpyDeviceToHost;
+    case CopyKind::kDeviceToDevice:
+      return cudaMemcpyDeviceToDevice;
+    case CopyKind::kHostToHost:
+      return cudaMemcpyHostToHost;
   }
   return cudaMemcpyDefault;
 }
@@ -176,7 +184,8 @@ class CudaDevice final : public Device {
     cudaStream_t s = nullptr;
     STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
                                 fmt::format("create default stream on {}", caps_.name));
-    default_stream_ = std::make_unique<CudaStream>(this, ordinal_, s, caps_.name + ":default stream");
+    default_stream_ =
+        std::make_unique<CudaStream>(this, ordinal_, s, caps_.name + ":default stream");
     Register(default_stream_->sticky());
     if (caps_.async_alloc) {
       STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&alloc_stream_, cudaStreamNonBlocking),
@@ -227,8 +236,9 @@ class CudaDevice final : public Device {
     STRATA_RETURN_IF_ERROR(Select("allocate host memory"));
     const size_t rounded = (bytes + 4095) / 4096 * 4096;
     void* p = nullptr;
-    STRATA_RETURN_IF_CUDA_ERROR(cudaHostAlloc(&p, rounded, cudaHostAllocPortable),
-                                fmt::format("cudaHostAlloc {} for {}", FormatBytes(rounded), caps_.name));
+    STRATA_RETURN_IF_CUDA_ERROR(
+        cudaHostAlloc(&p, rounded, cudaHostAllocPortable),
+        fmt::format("cudaHostAlloc {} for {}", FormatBytes(rounded), caps_.name));
     return HostAllocation(this, p, rounded, HostMemoryLock::kLocked);
   }
 
@@ -237,8 +247,8 @@ class CudaDevice final : public Device {
     cudaStream_t s = nullptr;
     STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
                                 fmt::format("create stream on {}", caps_.name));
-    auto impl = std::make_unique<CudaStream>(this, ordinal_, s,
-                                             fmt::format("{}:stream {}", caps_.name, next_stream_id_++));
+    auto impl = std::make_unique<CudaStream>(
+        this, ordinal_, s, fmt::format("{}:stream {}", caps_.name, next_stream_id_++));
     Register(impl->sticky());
     return Stream(std::move(impl));
   }
@@ -253,7 +263,8 @@ class CudaDevice final : public Device {
 
   StreamRef DefaultStream() override { return StreamRef(default_stream_.get()); }
 
-  Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind, StreamRef stream) override {
+  Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                   StreamRef stream) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "copy"));
     if (bytes == 0) return OkStatus();
     if (dst == nullptr || src == nullptr) {
@@ -270,9 +281,11 @@ class CudaDevice final : public Device {
 
   Status LaunchHostTask(StreamRef stream, std::function<Status()> task) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "launch host task"));
-    if (!task) return InvalidArgumentError(fmt::format("launch host task on {}: empty function", s->name()));
+    if (!task)
+      return InvalidArgumentError(fmt::format("launch host task on {}: empty function", s->name()));
     STRATA_RETURN_IF_ERROR(Select("launch host task"));
-    auto payload = std::make_unique<HostTaskPayload>(HostTaskPayload{std::move(task), s->sticky(), s->name()});
+    auto payload =
+        std::make_unique<HostTaskPayload>(HostTaskPayload{std::move(task), s->sticky(), s->name()});
     STRATA_RETURN_IF_CUDA_ERROR(cudaLaunchHostFunc(s->stream(), &RunHostTask, payload.get()),
                                 fmt::format("launch host task on {}", s->name()));
     payload.release();  // owned by the callback now
@@ -365,7 +378,8 @@ class CudaDevice final : public Device {
   }
 
   Status Select(std::string_view op) {
-    STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(ordinal_), fmt::format("{} on {}: select device", op, caps_.name));
+    STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(ordinal_),
+                                fmt::format("{} on {}: select device", op, caps_.name));
     return OkStatus();
   }
 
@@ -377,7 +391,8 @@ class CudaDevice final : public Device {
   Result<CudaStream*> CheckStream(StreamRef stream, std::string_view op) const {
     if (!stream) return InvalidArgumentError(fmt::format("{} on {}: null stream", op, caps_.name));
     if (stream.impl()->owner() != this) {
-      return InvalidArgumentError(fmt::format("{} on {}: the stream belongs to another device", op, caps_.name));
+      return InvalidArgumentError(
+          fmt::format("{} on {}: the stream belongs to another device", op, caps_.name));
     }
     return static_cast<CudaStream*>(stream.impl());
   }
@@ -385,7 +400,8 @@ class CudaDevice final : public Device {
   Result<CudaEvent*> CheckEvent(const Event& event, std::string_view op) const {
     if (!event) return InvalidArgumentError(fmt::format("{} on {}: empty event", op, caps_.name));
     if (event.impl()->owner() != this) {
-      return InvalidArgumentError(fmt::format("{} on {}: the event belongs to another device", op, caps_.name));
+      return InvalidArgumentError(
+          fmt::format("{} on {}: the event belongs to another device", op, caps_.name));
     }
     return static_cast<CudaEvent*>(event.impl());
   }
@@ -417,8 +433,8 @@ std::vector<DeviceCaps> ListCudaDevices() {
 Result<cudaStream_t> CudaStreamOf(StreamRef stream) {
   if (!stream) return InvalidArgumentError("cuda stream of a null stream");
   if (stream.impl()->owner()->caps().kind != DeviceKind::kCuda) {
-    return InvalidArgumentError(fmt::format("cuda stream of a stream of device {}: not a CUDA device",
-                                            stream.impl()->owner()->name()));
+    return InvalidArgumentError(fmt::format(
+        "cuda stream of a stream of device {}: not a CUDA device", stream.impl()->owner()->name()));
   }
   return static_cast<CudaStream*>(stream.impl())->stream();
 }
@@ -436,16 +452,18 @@ Result<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {
   int count = 0;
   if (cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
     cudaGetLastError();
-    return UnavailableError(fmt::format(
-        "open device cuda:{}: no CUDA device ({}: {}); use \"host\" or check the driver with nvidia-smi",
-        ordinal, cudaGetErrorName(err), cudaGetErrorString(err)));
+    return UnavailableError(
+        fmt::format("open device cuda:{}: no CUDA device ({}: {}); use \"host\" or check the "
+                    "driver with nvidia-smi",
+                    ordinal, cudaGetErrorName(err), cudaGetErrorString(err)));
   }
   if (count == 0) {
-    return UnavailableError(fmt::format("open device cuda:{}: no CUDA device present; use \"host\"", ordinal));
+    return UnavailableError(
+        fmt::format("open device cuda:{}: no CUDA device present; use \"host\"", ordinal));
   }
   if (ordinal < 0 || ordinal >= count) {
-    return NotFoundError(fmt::format("open device cuda:{}: only {} CUDA device(s), cuda:0..cuda:{}", ordinal,
-                                     count, count - 1));
+    return NotFoundError(fmt::format("open device cuda:{}: only {} CUDA device(s), cuda:0..cuda:{}",
+                                     ordinal, count, count - 1));
   }
   STRATA_ASSIGN_OR_RETURN(DeviceCaps caps, QueryCaps(ordinal));
   auto device = std::make_unique<CudaDevice>(std::move(caps));

@@ -1,28 +1,35 @@
 // Backend-independent parts of device.h: buffers, names, device listing.
+#include "runtime/device.h"
+
 #include <fmt/format.h>
 
 #include <charconv>
 #include <utility>
 
-#include "runtime/device.h"
 #include "runtime/device_internal.h"
 
 namespace strata {
 
 std::string_view DeviceKindName(DeviceKind kind) {
   switch (kind) {
-    case DeviceKind::kHost: return "host";
-    case DeviceKind::kCuda: return "cuda";
+    case DeviceKind::kHost:
+      return "host";
+    case DeviceKind::kCuda:
+      return "cuda";
   }
   return "unknown";
 }
 
 std::string_view CopyKindName(CopyKind kind) {
   switch (kind) {
-    case CopyKind::kHostToDevice: return "H2D";
-    case CopyKind::kDeviceToHost: return "D2H";
-    case CopyKind::kDeviceToDevice: return "D2D";
-    case CopyKind::kHostToHost: return "H2H";
+    case CopyKind::kHostToDevice:
+      return "H2D";
+    case CopyKind::kDeviceToHost:
+      return "D2H";
+    case CopyKind::kDeviceToDevice:
+      return "D2D";
+    case CopyKind::kHostToHost:
+      return "H2H";
   }
   return "copy";
 }
@@ -64,7 +71,8 @@ void HostAllocation::Reset() {
 }
 
 Status Device::LaunchHostFunc(StreamRef stream, std::function<void()> fn) {
-  if (!fn) return InvalidArgumentError(fmt::format("launch host func on {}: empty function", name()));
+  if (!fn)
+    return InvalidArgumentError(fmt::format("launch host func on {}: empty function", name()));
   return LaunchHostTask(stream, [fn = std::move(fn)] {
     fn();
     return OkStatus();
@@ -90,12 +98,13 @@ Result<std::unique_ptr<Device>> OpenDevice(std::string_view name,
     std::string_view digits = name.substr(5);
     int ordinal = -1;
     auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), ordinal);
-    if (ec == std::errc() && end == digits.data() + digits.size() && !digits.empty() && ordinal >= 0) {
+    if (ec == std::errc() && end == digits.data() + digits.size() && !digits.empty() &&
+        ordinal >= 0) {
       return CreateCudaDevice(ordinal);
     }
   }
-  return InvalidArgumentError(
-      fmt::format("open device '{}': unknown device name; use \"auto\", \"host\" or \"cuda:N\"", name));
+  return InvalidArgumentError(fmt::format(
+      "open device '{}': unknown device name; use \"auto\", \"host\" or \"cuda:N\"", name));
 }
 
 #if !STRATA_HAVE_CUDA
@@ -104,9 +113,10 @@ std::vector<DeviceCaps> ListCudaDevices() { return {}; }
 }  // namespace internal
 
 Result<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {
-  return UnavailableError(fmt::format(
-      "open device cuda:{}: this build has no CUDA backend; rebuild with STRATA_CUDA=ON or use \"host\"",
-      ordinal));
+  return UnavailableError(
+      fmt::format("open device cuda:{}: this build has no CUDA backend; rebuild with "
+                  "STRATA_CUDA=ON or use \"host\"",
+                  ordinal));
 }
 #endif
 

@@ -85,13 +85,13 @@ std::string_view CopyKindName(CopyKind kind);  // "H2D", "D2H", "D2D", "H2H"
 
 // What a backend can do; the caller supplies the fallback for what it cannot.
 struct DeviceCaps {
-  std::string name;                // "host", "cuda:0"
-  std::string description;         // "NVIDIA H100 80GB HBM3", "emulated on host memory"
+  std::string name;         // "host", "cuda:0"
+  std::string description;  // "NVIDIA H100 80GB HBM3", "emulated on host memory"
   DeviceKind kind = DeviceKind::kHost;
-  int ordinal = 0;                 // CUDA device ordinal; 0 for host
-  uint64_t total_memory_bytes = 0; // device memory (the budget on the host device)
+  int ordinal = 0;                       // CUDA device ordinal; 0 for host
+  uint64_t total_memory_bytes = 0;       // device memory (the budget on the host device)
   bool host_addressable_memory = false;  // device pointers may be dereferenced on the CPU
-  bool async_alloc = false;        // cudaMallocAsync memory pools
+  bool async_alloc = false;              // cudaMallocAsync memory pools
   bool copy_bandwidth_capped = false;    // host device with a PCIe model
 };
 
@@ -170,7 +170,8 @@ class Event {
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  DeviceBuffer(Device* device, void* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
+  DeviceBuffer(Device* device, void* data, size_t bytes)
+      : device_(device), data_(data), bytes_(bytes) {}
   DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
   ~DeviceBuffer() { Reset(); }
@@ -178,7 +179,9 @@ class DeviceBuffer {
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
   void Reset();
 
  private:

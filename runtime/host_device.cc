@@ -60,8 +60,8 @@ class Link {
     std::lock_guard lock(mu_);
     const auto start = std::max(now, next_free_);
     next_free_ = start + busy;
-    return next_free_ + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(latency_sec_));
+    return next_free_ +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(latency_sec_));
   }
 
  private:
@@ -169,7 +169,8 @@ class HostDevice;
 
 class HostStream final : public internal::StreamImpl {
  public:
-  HostStream(const Device* owner, std::shared_ptr<StreamCore> core, std::function<void()> on_destroy)
+  HostStream(const Device* owner, std::shared_ptr<StreamCore> core,
+             std::function<void()> on_destroy)
       : StreamImpl(owner), core_(std::move(core)), on_destroy_(std::move(on_destroy)) {}
   ~HostStream() override {
     core_->Shutdown();
@@ -185,7 +186,8 @@ class HostStream final : public internal::StreamImpl {
 
 class HostEvent final : public internal::EventImpl {
  public:
-  explicit HostEvent(const Device* owner) : EventImpl(owner), state_(std::make_shared<EventState>()) {}
+  explicit HostEvent(const Device* owner)
+      : EventImpl(owner), state_(std::make_shared<EventState>()) {}
   const std::shared_ptr<EventState>& state() const { return state_; }
 
  private:
@@ -249,9 +251,10 @@ class HostDevice final : public Device {
     const int err = errno;
     if (err == EPERM || err == ENOMEM || err == EAGAIN) {
       WarnOnce("host-device-mlock",
-               fmt::format("{}; using unlocked host memory (copies stay correct, page-locked "
-                           "speed is not guaranteed). Raise `ulimit -l` or grant CAP_IPC_LOCK to lock it",
-                           ErrnoError(err, fmt::format("mlock {}", FormatBytes(rounded))).message()));
+               fmt::format(
+                   "{}; using unlocked host memory (copies stay correct, page-locked "
+                   "speed is not guaranteed). Raise `ulimit -l` or grant CAP_IPC_LOCK to lock it",
+                   ErrnoError(err, fmt::format("mlock {}", FormatBytes(rounded))).message()));
       return HostAllocation(this, p, rounded, HostMemoryLock::kUnlocked);
     }
     std::free(p);
@@ -266,7 +269,8 @@ class HostDevice final : public Device {
 
   StreamRef DefaultStream() override { return StreamRef(default_stream_.get()); }
 
-  Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind, StreamRef stream) override {
+  Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                   StreamRef stream) override {
     STRATA_ASSIGN_OR_RETURN(HostStream * s, CheckStream(stream, "copy"));
     if (bytes == 0) return OkStatus();
     const auto what = [&] {
@@ -278,12 +282,15 @@ class HostDevice final : public Device {
     const bool dst_device = kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToDevice;
     const bool src_device = kind == CopyKind::kDeviceToHost || kind == CopyKind::kDeviceToDevice;
     if (dst_device && !IsDeviceRange(dst, bytes)) {
-      return InvalidArgumentError(fmt::format(
-          "{}: destination is not inside one device allocation of host; check the copy kind and size", what()));
+      return InvalidArgumentError(
+          fmt::format("{}: destination is not inside one device allocation of host; check the copy "
+                      "kind and size",
+                      what()));
     }
     if (src_device && !IsDeviceRange(src, bytes)) {
       return InvalidArgumentError(fmt::format(
-          "{}: source is not inside one device allocation of host; check the copy kind and size", what()));
+          "{}: source is not inside one device allocation of host; check the copy kind and size",
+          what()));
     }
     Link* link = kind == CopyKind::kHostToDevice   ? &h2d_
                  : kind == CopyKind::kDeviceToHost ? &d2h_
@@ -417,7 +424,8 @@ class HostDevice final : public Device {
   Result<HostStream*> CheckStream(StreamRef stream, std::string_view op) const {
     if (!stream) return InvalidArgumentError(fmt::format("{} on host: null stream", op));
     if (stream.impl()->owner() != this) {
-      return InvalidArgumentError(fmt::format("{} on host: the stream belongs to another device", op));
+      return InvalidArgumentError(
+          fmt::format("{} on host: the stream belongs to another device", op));
     }
     return static_cast<HostStream*>(stream.impl());
   }
@@ -425,7 +433,8 @@ class HostDevice final : public Device {
   Result<HostEvent*> CheckEvent(const Event& event, std::string_view op) const {
     if (!event) return InvalidArgumentError(fmt::format("{} on host: empty event", op));
     if (event.impl()->owner() != this) {
-      return InvalidArgumentError(fmt::format("{} on host: the event belongs to another device", op));
+      return InvalidArgumentError(
+          fmt::format("{} on host: the event belongs to another device", op));
     }
     return static_cast<HostEvent*>(event.impl());
   }

@@ -14,10 +14,12 @@ namespace internal {
 
 class PinnedPoolState {
  public:
-  PinnedPoolState(Device& device, const PinnedPoolOptions& options) : device_(device), options_(options) {}
+  PinnedPoolState(Device& device, const PinnedPoolOptions& options)
+      : device_(device), options_(options) {}
 
   Result<PinnedBuffer> Allocate(const std::shared_ptr<PinnedPoolState>& self, size_t bytes) {
-    if (bytes == 0) return InvalidArgumentError("allocate 0 bytes from the pinned pool: size must be > 0");
+    if (bytes == 0)
+      return InvalidArgumentError("allocate 0 bytes from the pinned pool: size must be > 0");
     const uint64_t rounded = (static_cast<uint64_t>(bytes) + PinnedPool::kAlignment - 1) /
                              PinnedPool::kAlignment * PinnedPool::kAlignment;
     std::lock_guard lock(mu_);
@@ -27,10 +29,11 @@ class PinnedPoolState {
     const uint64_t room = options_.budget_bytes - capacity_bytes_;
     if (rounded > room) {
       return ResourceExhaustedError(fmt::format(
-          "allocate {} from the pinned pool: budget {}, {} in use in {} buffers, {} taken in {} slabs "
+          "allocate {} from the pinned pool: budget {}, {} in use in {} buffers, {} taken in {} "
+          "slabs "
           "(largest free range {}); raise PinnedPoolOptions::budget_bytes or free buffers",
-          FormatBytes(bytes), FormatBytes(options_.budget_bytes), FormatBytes(in_use_bytes_), buffers_,
-          FormatBytes(capacity_bytes_), slabs_.size(), FormatBytes(LargestFreeRange())));
+          FormatBytes(bytes), FormatBytes(options_.budget_bytes), FormatBytes(in_use_bytes_),
+          buffers_, FormatBytes(capacity_bytes_), slabs_.size(), FormatBytes(LargestFreeRange())));
     }
     uint64_t slab_bytes = std::min(std::max<uint64_t>(options_.slab_bytes, rounded), room);
     slab_bytes = slab_bytes / PinnedPool::kAlignment * PinnedPool::kAlignment;
@@ -47,7 +50,8 @@ class PinnedPoolState {
     slabs_.push_back(std::move(slab));
     const uint32_t index = static_cast<uint32_t>(slabs_.size() - 1);
     std::byte* p = TakeFrom(index, rounded);
-    STRATA_CHECK(p != nullptr) << "a fresh slab of " << slab_bytes << " bytes cannot hold " << rounded;
+    STRATA_CHECK(p != nullptr) << "a fresh slab of " << slab_bytes << " bytes cannot hold "
+                               << rounded;
     return Hand(self, p, rounded, index);
   }
 
@@ -58,7 +62,8 @@ class PinnedPoolState {
     auto [it, inserted] = slab.free.emplace(offset, bytes);
     STRATA_CHECK(inserted) << "pinned range freed twice at offset " << offset;
     // Coalesce with the following and preceding free ranges.
-    if (auto next = std::next(it); next != slab.free.end() && it->first + it->second == next->first) {
+    if (auto next = std::next(it);
+        next != slab.free.end() && it->first + it->second == next->first) {
       it->second += next->second;
       slab.free.erase(next);
     }
@@ -75,7 +80,8 @@ class PinnedPoolState {
 
   PinnedPoolStats stats() const {
     std::lock_guard lock(mu_);
-    return PinnedPoolStats{capacity_bytes_, in_use_bytes_, peak_bytes_, slabs_.size(), buffers_, all_locked_};
+    return PinnedPoolStats{capacity_bytes_, in_use_bytes_, peak_bytes_,
+                           slabs_.size(),   buffers_,      all_locked_};
   }
 
   const PinnedPoolOptions& options() const { return options_; }
@@ -99,7 +105,8 @@ class PinnedPoolState {
     return nullptr;
   }
 
-  PinnedBuffer Hand(const std::shared_ptr<PinnedPoolState>& self, std::byte* p, uint64_t bytes, uint32_t slab) {
+  PinnedBuffer Hand(const std::shared_ptr<PinnedPoolState>& self, std::byte* p, uint64_t bytes,
+                    uint32_t slab) {
     in_use_bytes_ += bytes;
     peak_bytes_ = std::max(peak_bytes_, in_use_bytes_);
     ++buffers_;
@@ -127,8 +134,8 @@ class PinnedPoolState {
 
 }  // namespace internal
 
-PinnedBuffer::PinnedBuffer(std::shared_ptr<internal::PinnedPoolState> pool, std::byte* data, size_t bytes,
-                           uint32_t slab)
+PinnedBuffer::PinnedBuffer(std::shared_ptr<internal::PinnedPoolState> pool, std::byte* data,
+                           size_t bytes, uint32_t slab)
     : pool_(std::move(pool)), data_(data), bytes_(bytes), slab_(slab) {}
 
 PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
@@ -152,8 +159,8 @@ void PinnedBuffer::Reset() {
 
 Result<PinnedPool> PinnedPool::Create(Device& device, const PinnedPoolOptions& options) {
   if (options.budget_bytes == 0) {
-    return InvalidArgumentError(
-        fmt::format("create pinned pool on {}: budget_bytes is 0; give the pool a budget", device.name()));
+    return InvalidArgumentError(fmt::format(
+        "create pinned pool on {}: budget_bytes is 0; give the pool a budget", device.name()));
   }
   if (options.slab_bytes == 0) {
     return InvalidArgumentError(

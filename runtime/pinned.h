@@ -40,8 +40,8 @@
 namespace strata {
 
 struct PinnedPoolOptions {
-  uint64_t budget_bytes = 0;            // most host memory the pool may take; > 0
-  uint64_t slab_bytes = 256ull << 20;   // slab size; larger requests get a slab of their own
+  uint64_t budget_bytes = 0;           // most host memory the pool may take; > 0
+  uint64_t slab_bytes = 256ull << 20;  // slab size; larger requests get a slab of their own
 };
 
 struct PinnedPoolStats {
@@ -49,8 +49,8 @@ struct PinnedPoolStats {
   uint64_t in_use_bytes = 0;    // handed out (rounded sizes)
   uint64_t peak_bytes = 0;      // highest in_use_bytes so far
   uint64_t slabs = 0;
-  uint64_t buffers = 0;         // live buffers
-  bool locked = true;           // every slab page-locked (true for an empty pool)
+  uint64_t buffers = 0;  // live buffers
+  bool locked = true;    // every slab page-locked (true for an empty pool)
 };
 
 namespace internal {
@@ -72,7 +72,9 @@ class PinnedBuffer {
   std::byte* data() const { return data_; }
   size_t size_bytes() const { return bytes_; }
   template <typename T>
-  std::span<T> as() const { return {reinterpret_cast<T*>(data_), bytes_ / sizeof(T)}; }
+  std::span<T> as() const {
+    return {reinterpret_cast<T*>(data_), bytes_ / sizeof(T)};
+  }
   void Reset();
 
  private:
@@ -98,7 +100,8 @@ class PinnedPool {
   const PinnedPoolOptions& options() const;
 
  private:
-  explicit PinnedPool(std::shared_ptr<internal::PinnedPoolState> state) : state_(std::move(state)) {}
+  explicit PinnedPool(std::shared_ptr<internal::PinnedPoolState> state)
+      : state_(std::move(state)) {}
   std::shared_ptr<internal::PinnedPoolState> state_;
 };
 

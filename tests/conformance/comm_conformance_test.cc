@@ -38,9 +38,12 @@ enum class Op { kAllReduce, kReduceScatter, kAllGather };
 
 const char* OpName(Op op) {
   switch (op) {
-    case Op::kAllReduce: return "all-reduce";
-    case Op::kReduceScatter: return "reduce-scatter";
-    case Op::kAllGather: return "all-gather";
+    case Op::kAllReduce:
+      return "all-reduce";
+    case Op::kReduceScatter:
+      return "reduce-scatter";
+    case Op::kAllGather:
+      return "all-gather";
   }
   return "?";
 }
@@ -63,20 +66,22 @@ void Put(Bytes& b, size_t i, T v) {
 
 // Element i of the reduction of `blocks` (each from rank 0, 1, ...), starting
 // at element `first` of every block.
-void RefReduceElement(DType dtype, ReduceOp op, const std::vector<Bytes>& blocks, size_t first, size_t i,
-                      Bytes& out) {
+void RefReduceElement(DType dtype, ReduceOp op, const std::vector<Bytes>& blocks, size_t first,
+                      size_t i, Bytes& out) {
   const size_t k = first + i;
   const bool sum = op == ReduceOp::kSum;
   auto maxf = [](auto a, auto b) { return (b > a || b != b) ? b : a; };
   switch (dtype) {
     case DType::kF32: {
       float acc = Get<float>(blocks[0], k);
-      for (size_t r = 1; r < blocks.size(); ++r) acc = sum ? acc + Get<float>(blocks[r], k) : maxf(acc, Get<float>(blocks[r], k));
+      for (size_t r = 1; r < blocks.size(); ++r)
+        acc = sum ? acc + Get<float>(blocks[r], k) : maxf(acc, Get<float>(blocks[r], k));
       return Put(out, i, acc);
     }
     case DType::kF64: {
       double acc = Get<double>(blocks[0], k);
-      for (size_t r = 1; r < blocks.size(); ++r) acc = sum ? acc + Get<double>(blocks[r], k) : maxf(acc, Get<double>(blocks[r], k));
+      for (size_t r = 1; r < blocks.size(); ++r)
+        acc = sum ? acc + Get<double>(blocks[r], k) : maxf(acc, Get<double>(blocks[r], k));
       return Put(out, i, acc);
     }
     case DType::kF16:
@@ -101,7 +106,8 @@ void RefReduceElement(DType dtype, ReduceOp op, const std::vector<Bytes>& blocks
       int64_t acc = Get<int32_t>(blocks[0], k);
       for (size_t r = 1; r < blocks.size(); ++r) {
         const int64_t v = Get<int32_t>(blocks[r], k);
-        acc = sum ? static_cast<int32_t>(static_cast<uint32_t>(acc) + static_cast<uint32_t>(v)) : std::max(acc, v);
+        acc = sum ? static_cast<int32_t>(static_cast<uint32_t>(acc) + static_cast<uint32_t>(v))
+                  : std::max(acc, v);
       }
       return Put<int32_t>(out, i, static_cast<int32_t>(acc));
     }
@@ -109,7 +115,8 @@ void RefReduceElement(DType dtype, ReduceOp op, const std::vector<Bytes>& blocks
       int64_t acc = Get<int64_t>(blocks[0], k);
       for (size_t r = 1; r < blocks.size(); ++r) {
         const int64_t v = Get<int64_t>(blocks[r], k);
-        acc = sum ? static_cast<int64_t>(static_cast<uint64_t>(acc) + static_cast<uint64_t>(v)) : std::max(acc, v);
+        acc = sum ? static_cast<int64_t>(static_cast<uint64_t>(acc) + static_cast<uint64_t>(v))
+                  : std::max(acc, v);
       }
       return Put<int64_t>(out, i, acc);
     }
@@ -117,12 +124,14 @@ void RefReduceElement(DType dtype, ReduceOp op, const std::vector<Bytes>& blocks
 }
 
 // What rank `rank` receives.
-Bytes Reference(Op op, DType dtype, ReduceOp rop, const std::vector<Bytes>& sends, size_t count, int rank) {
+Bytes Reference(Op op, DType dtype, ReduceOp rop, const std::vector<Bytes>& sends, size_t count,
+                int rank) {
   const size_t es = DTypeSize(dtype);
   const int world = static_cast<int>(sends.size());
   if (op == Op::kAllGather) {
     Bytes out;
-    for (int r = 0; r < world; ++r) out.insert(out.end(), sends[r].begin(), sends[r].begin() + count * es);
+    for (int r = 0; r < world; ++r)
+      out.insert(out.end(), sends[r].begin(), sends[r].begin() + count * es);
     return out;
   }
   Bytes out(count * es);
@@ -136,13 +145,27 @@ Bytes RandomInput(DType dtype, size_t elems, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> uni(-100.0, 100.0);
   for (size_t i = 0; i < elems; ++i) {
     switch (dtype) {
-      case DType::kF32: Put<float>(b, i, static_cast<float>(uni(rng))); break;
-      case DType::kF64: Put<double>(b, i, uni(rng)); break;
-      case DType::kF16: Put<uint16_t>(b, i, F32ToF16(static_cast<float>(uni(rng) / 16))); break;
-      case DType::kBF16: Put<uint16_t>(b, i, F32ToBF16(static_cast<float>(uni(rng)))); break;
-      case DType::kU8: Put<uint8_t>(b, i, static_cast<uint8_t>(rng())); break;
-      case DType::kI32: Put<int32_t>(b, i, static_cast<int32_t>(rng())); break;
-      case DType::kI64: Put<int64_t>(b, i, static_cast<int64_t>(rng())); break;
+      case DType::kF32:
+        Put<float>(b, i, static_cast<float>(uni(rng)));
+        break;
+      case DType::kF64:
+        Put<double>(b, i, uni(rng));
+        break;
+      case DType::kF16:
+        Put<uint16_t>(b, i, F32ToF16(static_cast<float>(uni(rng) / 16)));
+        break;
+      case DType::kBF16:
+        Put<uint16_t>(b, i, F32ToBF16(static_cast<float>(uni(rng))));
+        break;
+      case DType::kU8:
+        Put<uint8_t>(b, i, static_cast<uint8_t>(rng()));
+        break;
+      case DType::kI32:
+        Put<int32_t>(b, i, static_cast<int32_t>(rng()));
+        break;
+      case DType::kI64:
+        Put<int64_t>(b, i, static_cast<int64_t>(rng()));
+        break;
     }
   }
   return b;
@@ -202,7 +225,8 @@ class CommConformance : public ::testing::TestWithParam<CommParam> {
 
   // Stages each rank's input in device memory, runs the collective, and
   // returns what each rank received.
-  std::vector<Bytes> Run(Op op, DType dtype, ReduceOp rop, const std::vector<Bytes>& sends, size_t count) {
+  std::vector<Bytes> Run(Op op, DType dtype, ReduceOp rop, const std::vector<Bytes>& sends,
+                         size_t count) {
     const size_t es = DTypeSize(dtype);
     const size_t recv_bytes = (op == Op::kAllGather ? count * world() : count) * es;
     std::vector<Bytes> out(world());
@@ -215,27 +239,31 @@ class CommConformance : public ::testing::TestWithParam<CommParam> {
         STRATA_ASSIGN_OR_RETURN(DeviceBuffer d_send, device_->Allocate(sends[r].size()));
         STRATA_ASSIGN_OR_RETURN(DeviceBuffer d_recv, device_->Allocate(recv_bytes));
         std::memcpy(h_send.data(), sends[r].data(), sends[r].size());
-        STRATA_RETURN_IF_ERROR(
-            device_->CopyAsync(d_send.data(), h_send.data(), sends[r].size(), CopyKind::kHostToDevice, s));
+        STRATA_RETURN_IF_ERROR(device_->CopyAsync(d_send.data(), h_send.data(), sends[r].size(),
+                                                  CopyKind::kHostToDevice, s));
         Communicator& c = *comms_[r];
         switch (op) {
           case Op::kAllReduce:
             STRATA_RETURN_IF_ERROR(c.AllReduce(d_send.data(), d_recv.data(), count, dtype, rop, s));
             break;
           case Op::kReduceScatter:
-            STRATA_RETURN_IF_ERROR(c.ReduceScatter(d_send.data(), d_recv.data(), count, dtype, rop, s));
+            STRATA_RETURN_IF_ERROR(
+                c.ReduceScatter(d_send.data(), d_recv.data(), count, dtype, rop, s));
             break;
           case Op::kAllGather:
             STRATA_RETURN_IF_ERROR(c.AllGather(d_send.data(), d_recv.data(), count, dtype, s));
             break;
         }
-        STRATA_RETURN_IF_ERROR(device_->CopyAsync(h_recv.data(), d_recv.data(), recv_bytes, CopyKind::kDeviceToHost, s));
+        STRATA_RETURN_IF_ERROR(device_->CopyAsync(h_recv.data(), d_recv.data(), recv_bytes,
+                                                  CopyKind::kDeviceToHost, s));
         STRATA_RETURN_IF_ERROR(device_->StreamSynchronize(s));
-        out[r].assign(static_cast<uint8_t*>(h_recv.data()), static_cast<uint8_t*>(h_recv.data()) + recv_bytes);
+        out[r].assign(static_cast<uint8_t*>(h_recv.data()),
+                      static_cast<uint8_t*>(h_recv.data()) + recv_bytes);
         return OkStatus();
       }();
     });
-    for (int r = 0; r < world(); ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+    for (int r = 0; r < world(); ++r)
+      EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
     return out;
   }
 
@@ -262,8 +290,8 @@ TEST_P(CommConformance, EveryCollectiveDTypeAndOpMatchesTheReference) {
     for (DType dtype : kAllDTypes) {
       for (ReduceOp rop : {ReduceOp::kSum, ReduceOp::kMax}) {
         if (op == Op::kAllGather && rop == ReduceOp::kMax) continue;
-        SCOPED_TRACE(::testing::Message() << OpName(op) << " " << DTypeName(dtype) << " " << ReduceOpName(rop)
-                                          << " seed=" << seed);
+        SCOPED_TRACE(::testing::Message() << OpName(op) << " " << DTypeName(dtype) << " "
+                                          << ReduceOpName(rop) << " seed=" << seed);
         const size_t send_elems = op == Op::kReduceScatter ? kCount * world() : kCount;
         std::vector<Bytes> sends;
         for (int r = 0; r < world(); ++r) sends.push_back(RandomInput(dtype, send_elems, rng));
@@ -283,7 +311,8 @@ TEST_P(CommConformance, CollectivesWorkInPlace) {
   constexpr size_t kCount = 257;
   const size_t es = sizeof(float);
   std::vector<Bytes> inputs;
-  for (int r = 0; r < world(); ++r) inputs.push_back(RandomInput(DType::kF32, kCount * world(), rng));
+  for (int r = 0; r < world(); ++r)
+    inputs.push_back(RandomInput(DType::kF32, kCount * world(), rng));
   std::vector<Bytes> all_reduce(world()), reduce_scatter(world()), all_gather(world());
   std::vector<Status> status(world());
   OnEveryRank([&](int r) {
@@ -295,35 +324,49 @@ TEST_P(CommConformance, CollectivesWorkInPlace) {
       auto* dp = static_cast<uint8_t*>(d.data());
       auto run = [&](auto&& collective, Bytes& out) -> Status {
         std::memcpy(h.data(), inputs[r].data(), bytes);
-        STRATA_RETURN_IF_ERROR(device_->CopyAsync(d.data(), h.data(), bytes, CopyKind::kHostToDevice, s));
+        STRATA_RETURN_IF_ERROR(
+            device_->CopyAsync(d.data(), h.data(), bytes, CopyKind::kHostToDevice, s));
         STRATA_RETURN_IF_ERROR(collective());
-        STRATA_RETURN_IF_ERROR(device_->CopyAsync(h.data(), d.data(), bytes, CopyKind::kDeviceToHost, s));
+        STRATA_RETURN_IF_ERROR(
+            device_->CopyAsync(h.data(), d.data(), bytes, CopyKind::kDeviceToHost, s));
         STRATA_RETURN_IF_ERROR(device_->StreamSynchronize(s));
         out.assign(static_cast<uint8_t*>(h.data()), static_cast<uint8_t*>(h.data()) + bytes);
         return OkStatus();
       };
       Communicator& c = *comms_[r];
-      STRATA_RETURN_IF_ERROR(run([&] { return c.AllReduce(dp, dp, kCount * world(), DType::kF32, ReduceOp::kSum, s); },
-                                 all_reduce[r]));
-      STRATA_RETURN_IF_ERROR(run([&] {
-        return c.ReduceScatter(dp, dp + r * kCount * es, kCount, DType::kF32, ReduceOp::kSum, s);
-      }, reduce_scatter[r]));
-      STRATA_RETURN_IF_ERROR(run([&] { return c.AllGather(dp + r * kCount * es, dp, kCount, DType::kF32, s); },
-                                 all_gather[r]));
+      STRATA_RETURN_IF_ERROR(
+          run([&] { return c.AllReduce(dp, dp, kCount * world(), DType::kF32, ReduceOp::kSum, s); },
+              all_reduce[r]));
+      STRATA_RETURN_IF_ERROR(run(
+          [&] {
+            return c.ReduceScatter(dp, dp + r * kCount * es, kCount, DType::kF32, ReduceOp::kSum,
+                                   s);
+          },
+          reduce_scatter[r]));
+      STRATA_RETURN_IF_ERROR(
+          run([&] { return c.AllGather(dp + r * kCount * es, dp, kCount, DType::kF32, s); },
+              all_gather[r]));
       return OkStatus();
     }();
   });
-  for (int r = 0; r < world(); ++r) ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
-  const Bytes sum = Reference(Op::kAllReduce, DType::kF32, ReduceOp::kSum, inputs, kCount * world(), 0);
+  for (int r = 0; r < world(); ++r)
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  const Bytes sum =
+      Reference(Op::kAllReduce, DType::kF32, ReduceOp::kSum, inputs, kCount * world(), 0);
   for (int r = 0; r < world(); ++r) {
     EXPECT_TRUE(all_reduce[r] == sum) << "rank " << r;
-    const Bytes shard = Reference(Op::kReduceScatter, DType::kF32, ReduceOp::kSum, inputs, kCount, r);
-    EXPECT_EQ(std::memcmp(reduce_scatter[r].data() + r * kCount * es, shard.data(), shard.size()), 0) << "rank " << r;
+    const Bytes shard =
+        Reference(Op::kReduceScatter, DType::kF32, ReduceOp::kSum, inputs, kCount, r);
+    EXPECT_EQ(std::memcmp(reduce_scatter[r].data() + r * kCount * es, shard.data(), shard.size()),
+              0)
+        << "rank " << r;
     std::vector<Bytes> blocks;
     for (int q = 0; q < world(); ++q) {
-      blocks.emplace_back(inputs[q].begin() + q * kCount * es, inputs[q].begin() + (q + 1) * kCount * es);
+      blocks.emplace_back(inputs[q].begin() + q * kCount * es,
+                          inputs[q].begin() + (q + 1) * kCount * es);
     }
-    EXPECT_TRUE(all_gather[r] == Reference(Op::kAllGather, DType::kF32, ReduceOp::kSum, blocks, kCount, r))
+    EXPECT_TRUE(all_gather[r] ==
+                Reference(Op::kAllGather, DType::kF32, ReduceOp::kSum, blocks, kCount, r))
         << "rank " << r;
   }
 }
@@ -340,18 +383,21 @@ TEST_P(CommConformance, BarrierOrdersHostWorkAcrossRanks) {
         arrived.fetch_add(1);
       }));
       STRATA_RETURN_IF_ERROR(comms_[r]->Barrier(s));
-      STRATA_RETURN_IF_ERROR(device_->LaunchHostFunc(s, [&arrived, &seen, r] { seen[r] = arrived.load(); }));
+      STRATA_RETURN_IF_ERROR(
+          device_->LaunchHostFunc(s, [&arrived, &seen, r] { seen[r] = arrived.load(); }));
       return device_->StreamSynchronize(s);
     }();
   });
   for (int r = 0; r < world(); ++r) {
     ASSERT_TRUE(status[r].ok()) << status[r];
-    EXPECT_EQ(seen[r], world()) << "rank " << r << " passed the barrier before every rank reached it";
+    EXPECT_EQ(seen[r], world()) << "rank " << r
+                                << " passed the barrier before every rank reached it";
   }
 }
 
 TEST_P(CommConformance, CollectivesAreEnqueuedNotRunInline) {
-  if (GetParam().backend != "local") GTEST_SKIP() << "host-addressable buffers of the local backend";
+  if (GetParam().backend != "local")
+    GTEST_SKIP() << "host-addressable buffers of the local backend";
   // Each rank's stream is blocked by a gate, then a host func writes the
   // input; the all-reduce enqueued behind it must see that input, and the
   // calls must return while the gates are still closed.
@@ -366,10 +412,14 @@ TEST_P(CommConformance, CollectivesAreEnqueuedNotRunInline) {
     StreamRef s = streams_[r];
     std::shared_future<void> gate = gates[r].get_future().share();
     float* p = bufs[r].as<float>();
-    EXPECT_TRUE(device_->LaunchHostFunc(s, [gate, p, r] {
-      gate.wait_for(5s);
-      for (int i = 0; i < 16; ++i) p[i] = static_cast<float>(r + 1);
-    }).ok());
+    EXPECT_TRUE(device_
+                    ->LaunchHostFunc(s,
+                                     [gate, p, r] {
+                                       gate.wait_for(5s);
+                                       for (int i = 0; i < 16; ++i)
+                                         p[i] = static_cast<float>(r + 1);
+                                     })
+                    .ok());
     EXPECT_TRUE(comms_[r]->AllReduce(p, p, 16, DType::kF32, ReduceOp::kSum, s).ok());
   });
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s) << "a collective waited for its stream";
@@ -377,7 +427,8 @@ TEST_P(CommConformance, CollectivesAreEnqueuedNotRunInline) {
   const float want = static_cast<float>(world() * (world() + 1) / 2);
   for (int r = 0; r < world(); ++r) {
     ASSERT_TRUE(device_->StreamSynchronize(streams_[r]).ok());
-    for (int i = 0; i < 16; ++i) ASSERT_EQ(bufs[r].as<float>()[i], want) << "rank " << r << " element " << i;
+    for (int i = 0; i < 16; ++i)
+      ASSERT_EQ(bufs[r].as<float>()[i], want) << "rank " << r << " element " << i;
   }
 }
 
@@ -388,11 +439,13 @@ TEST_P(CommConformance, MismatchedCallsFailOnEveryRank) {
   std::vector<Status> status(world());
   OnEveryRank([&](int r) {
     StreamRef s = streams_[r];
-    Status st = comms_[r]->AllReduce(bufs[r].data(), bufs[r].data(), 4 + r, DType::kF32, ReduceOp::kSum, s);
+    Status st =
+        comms_[r]->AllReduce(bufs[r].data(), bufs[r].data(), 4 + r, DType::kF32, ReduceOp::kSum, s);
     status[r] = st.ok() ? device_->StreamSynchronize(s) : st;
   });
   for (int r = 0; r < world(); ++r) {
-    EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition) << "rank " << r << ": " << status[r];
+    EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition)
+        << "rank " << r << ": " << status[r];
     EXPECT_THAT(std::string(status[r].message()), HasSubstr("same count, dtype and op"));
   }
 }
@@ -409,8 +462,9 @@ TEST_P(CommConformance, AMissingRankTimesOut) {
 }
 
 TEST_P(CommConformance, RejectsBadArguments) {
-  EXPECT_EQ(comms_[0]->AllReduce(nullptr, nullptr, 4, DType::kF32, ReduceOp::kSum, streams_[0]).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      comms_[0]->AllReduce(nullptr, nullptr, 4, DType::kF32, ReduceOp::kSum, streams_[0]).code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(comms_[0]->Barrier(StreamRef()).code(), StatusCode::kInvalidArgument);
 }
 
@@ -419,9 +473,11 @@ std::vector<CommParam> Params() {
   return {{"local", 1}, {"local", 2}, {"local", 4}};
 }
 
-INSTANTIATE_TEST_SUITE_P(Backend, CommConformance, ::testing::ValuesIn(Params()), [](const auto& info) {
-  return info.param.backend + "_" + std::to_string(info.param.world_size) + "ranks";
-});
+INSTANTIATE_TEST_SUITE_P(Backend, CommConformance, ::testing::ValuesIn(Params()),
+                         [](const auto& info) {
+                           return info.param.backend + "_" + std::to_string(info.param.world_size) +
+                                  "ranks";
+                         });
 
 #if !STRATA_TEST_GPU
 // Backend-independent helpers: only in the non-GPU binary.

@@ -124,17 +124,22 @@ TEST_P(DeviceConformance, CopiesOfEveryKindRoundTrip) {
   DeviceBuffer d1 = NewBuffer(kBytes);
   DeviceBuffer d2 = NewBuffer(kBytes);
   Stream stream = NewStream();
-  ASSERT_TRUE(device_->CopyAsync(mid.data(), src.data(), kBytes, CopyKind::kHostToHost, stream).ok());
-  ASSERT_TRUE(device_->CopyAsync(d1.data(), mid.data(), kBytes, CopyKind::kHostToDevice, stream).ok());
-  ASSERT_TRUE(device_->CopyAsync(d2.data(), d1.data(), kBytes, CopyKind::kDeviceToDevice, stream).ok());
-  ASSERT_TRUE(device_->CopyAsync(dst.data(), d2.data(), kBytes, CopyKind::kDeviceToHost, stream).ok());
+  ASSERT_TRUE(
+      device_->CopyAsync(mid.data(), src.data(), kBytes, CopyKind::kHostToHost, stream).ok());
+  ASSERT_TRUE(
+      device_->CopyAsync(d1.data(), mid.data(), kBytes, CopyKind::kHostToDevice, stream).ok());
+  ASSERT_TRUE(
+      device_->CopyAsync(d2.data(), d1.data(), kBytes, CopyKind::kDeviceToDevice, stream).ok());
+  ASSERT_TRUE(
+      device_->CopyAsync(dst.data(), d2.data(), kBytes, CopyKind::kDeviceToHost, stream).ok());
   ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
   EXPECT_EQ(std::memcmp(src.data(), dst.data(), kBytes), 0);
 
   // A sub-range at an odd offset.
   std::memset(dst.data(), 0, kBytes);
   auto* d1b = static_cast<std::byte*>(d1.data());
-  ASSERT_TRUE(device_->CopyAsync(dst.data(), d1b + 1001, 77777, CopyKind::kDeviceToHost, stream).ok());
+  ASSERT_TRUE(
+      device_->CopyAsync(dst.data(), d1b + 1001, 77777, CopyKind::kDeviceToHost, stream).ok());
   ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
   EXPECT_EQ(std::memcmp(dst.data(), s + 1001, 77777), 0);
 }
@@ -164,13 +169,18 @@ TEST_P(DeviceConformance, CopiesAndHostFuncsInterleaveInOrder) {
   *o = 0;
   Stream stream = NewStream();
   for (uint64_t round = 1; round <= 20; ++round) {
-    ASSERT_TRUE(device_->LaunchHostFunc(stream, [st, round] {
-      std::this_thread::sleep_for(1ms);
-      *st = round * 1000;
-    }).ok());
-    ASSERT_TRUE(device_->CopyAsync(d.data(), st, sizeof(uint64_t), CopyKind::kHostToDevice, stream).ok());
+    ASSERT_TRUE(device_
+                    ->LaunchHostFunc(stream,
+                                     [st, round] {
+                                       std::this_thread::sleep_for(1ms);
+                                       *st = round * 1000;
+                                     })
+                    .ok());
+    ASSERT_TRUE(
+        device_->CopyAsync(d.data(), st, sizeof(uint64_t), CopyKind::kHostToDevice, stream).ok());
     ASSERT_TRUE(device_->LaunchHostFunc(stream, [st] { *st = 7; }).ok());
-    ASSERT_TRUE(device_->CopyAsync(o, d.data(), sizeof(uint64_t), CopyKind::kDeviceToHost, stream).ok());
+    ASSERT_TRUE(
+        device_->CopyAsync(o, d.data(), sizeof(uint64_t), CopyKind::kDeviceToHost, stream).ok());
     ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
     ASSERT_EQ(*o, round * 1000) << "round " << round;
   }
@@ -183,9 +193,15 @@ TEST_P(DeviceConformance, EnqueueReturnsBeforeTheWorkRuns) {
   std::promise<void> returned;
   std::shared_future<void> returned_future = returned.get_future().share();
   std::atomic<int> saw_return{-1};
-  ASSERT_TRUE(device_->LaunchHostFunc(stream, [&] {
-    saw_return = returned_future.wait_for(5s) == std::future_status::ready ? 1 : 0;
-  }).ok());
+  ASSERT_TRUE(device_
+                  ->LaunchHostFunc(stream,
+                                   [&] {
+                                     saw_return =
+                                         returned_future.wait_for(5s) == std::future_status::ready
+                                             ? 1
+                                             : 0;
+                                   })
+                  .ok());
   returned.set_value();
   ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
   EXPECT_EQ(saw_return.load(), 1) << "the host func ran inside LaunchHostFunc";
@@ -205,7 +221,8 @@ TEST_P(DeviceConformance, CopyIsAsyncWithRespectToTheCaller) {
   ASSERT_TRUE(device_->LaunchHostFunc(stream, [go_future] { go_future.wait_for(5s); }).ok());
   ASSERT_TRUE(device_->CopyAsync(d.data(), src.data(), 4096, CopyKind::kHostToDevice, stream).ok());
   ASSERT_TRUE(device_->CopyAsync(dst.data(), d.data(), 4096, CopyKind::kDeviceToHost, stream).ok());
-  EXPECT_EQ(static_cast<uint8_t*>(dst.data())[100], 0) << "a copy ran before the work queued ahead of it";
+  EXPECT_EQ(static_cast<uint8_t*>(dst.data())[100], 0)
+      << "a copy ran before the work queued ahead of it";
   go.set_value();
   ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
   EXPECT_EQ(static_cast<uint8_t*>(dst.data())[100], 0x5a);
@@ -227,10 +244,13 @@ TEST_P(DeviceConformance, EventOrdersWorkAcrossStreams) {
     *ov = 0;
     ASSERT_TRUE(device_->CopyAsync(d.data(), iv, 4, CopyKind::kHostToDevice, a).ok());
     ASSERT_TRUE(device_->StreamSynchronize(a).ok());
-    ASSERT_TRUE(device_->LaunchHostFunc(a, [iv, round] {
-      std::this_thread::sleep_for(30ms);
-      *iv = 0xC0DE0000u + round;
-    }).ok());
+    ASSERT_TRUE(device_
+                    ->LaunchHostFunc(a,
+                                     [iv, round] {
+                                       std::this_thread::sleep_for(30ms);
+                                       *iv = 0xC0DE0000u + round;
+                                     })
+                    .ok());
     ASSERT_TRUE(device_->CopyAsync(d.data(), iv, 4, CopyKind::kHostToDevice, a).ok());
     ASSERT_TRUE(device_->RecordEvent(e, a).ok());
     ASSERT_TRUE(device_->StreamWaitEvent(b, e).ok());
@@ -253,10 +273,13 @@ TEST_P(DeviceConformance, EventQueryAndSynchronize) {
   std::promise<void> go;
   std::shared_future<void> go_future = go.get_future().share();
   std::atomic<bool> ran{false};
-  ASSERT_TRUE(device_->LaunchHostFunc(stream, [&] {
-    go_future.wait_for(5s);
-    ran = true;
-  }).ok());
+  ASSERT_TRUE(device_
+                  ->LaunchHostFunc(stream,
+                                   [&] {
+                                     go_future.wait_for(5s);
+                                     ran = true;
+                                   })
+                  .ok());
   ASSERT_TRUE(device_->RecordEvent(e, stream).ok());
   q = device_->EventQuery(e);
   ASSERT_TRUE(q.ok());
@@ -274,7 +297,8 @@ TEST_P(DeviceConformance, ErrorsAreStickyPerStream) {
   Stream good = NewStream();
   Event after = NewEvent();
   std::atomic<bool> later_ran{false};
-  ASSERT_TRUE(device_->LaunchHostTask(bad, [] { return DataLossError("checksum of shard 3"); }).ok());
+  ASSERT_TRUE(
+      device_->LaunchHostTask(bad, [] { return DataLossError("checksum of shard 3"); }).ok());
   ASSERT_TRUE(device_->LaunchHostFunc(bad, [&] { later_ran = true; }).ok());
   ASSERT_TRUE(device_->RecordEvent(after, bad).ok());
   ASSERT_TRUE(device_->LaunchHostFunc(good, [] {}).ok());
@@ -321,12 +345,17 @@ TEST_P(DeviceConformance, SynchronizeWaitsForEveryStream) {
   std::atomic<int> done{0};
   for (int i = 0; i < 4; ++i) {
     streams.push_back(NewStream());
-    ASSERT_TRUE(device_->LaunchHostFunc(streams.back(), [&done, i] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5 * (i + 1)));
-      done.fetch_add(1);
-    }).ok());
+    ASSERT_TRUE(device_
+                    ->LaunchHostFunc(streams.back(),
+                                     [&done, i] {
+                                       std::this_thread::sleep_for(
+                                           std::chrono::milliseconds(5 * (i + 1)));
+                                       done.fetch_add(1);
+                                     })
+                    .ok());
   }
-  ASSERT_TRUE(device_->LaunchHostFunc(device_->DefaultStream(), [&done] { done.fetch_add(1); }).ok());
+  ASSERT_TRUE(
+      device_->LaunchHostFunc(device_->DefaultStream(), [&done] { done.fetch_add(1); }).ok());
   ASSERT_TRUE(device_->Synchronize().ok());
   EXPECT_EQ(done.load(), 5);
 }
@@ -346,8 +375,13 @@ TEST_P(DeviceConformance, StreamsCopyConcurrentlyAndCorrectly) {
     std::memset(outs.back().data(), 0, kBytes);
   }
   for (int i = 0; i < kStreams; ++i) {
-    ASSERT_TRUE(device_->CopyAsync(ds[i].data(), ins[i].data(), kBytes, CopyKind::kHostToDevice, streams[i]).ok());
-    ASSERT_TRUE(device_->CopyAsync(outs[i].data(), ds[i].data(), kBytes, CopyKind::kDeviceToHost, streams[i]).ok());
+    ASSERT_TRUE(
+        device_->CopyAsync(ds[i].data(), ins[i].data(), kBytes, CopyKind::kHostToDevice, streams[i])
+            .ok());
+    ASSERT_TRUE(
+        device_
+            ->CopyAsync(outs[i].data(), ds[i].data(), kBytes, CopyKind::kDeviceToHost, streams[i])
+            .ok());
   }
   ASSERT_TRUE(device_->Synchronize().ok());
   for (int i = 0; i < kStreams; ++i) {
@@ -359,15 +393,19 @@ TEST_P(DeviceConformance, DestroyingAStreamWaitsForItsWork) {
   std::atomic<bool> ran{false};
   {
     Stream stream = NewStream();
-    ASSERT_TRUE(device_->LaunchHostFunc(stream, [&] {
-      std::this_thread::sleep_for(20ms);
-      ran = true;
-    }).ok());
+    ASSERT_TRUE(device_
+                    ->LaunchHostFunc(stream,
+                                     [&] {
+                                       std::this_thread::sleep_for(20ms);
+                                       ran = true;
+                                     })
+                    .ok());
   }
   EXPECT_TRUE(ran.load());
 }
 
-INSTANTIATE_TEST_SUITE_P(Backend, DeviceConformance, ::testing::Values(std::string(STRATA_TEST_BACKEND)),
+INSTANTIATE_TEST_SUITE_P(Backend, DeviceConformance,
+                         ::testing::Values(std::string(STRATA_TEST_BACKEND)),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -53,9 +53,12 @@ TEST(HostDevice, CopyRangesMustBeInsideDeviceAllocations) {
   Status st = dev->CopyAsync(host.data(), host.data() + 4096, 16, CopyKind::kDeviceToHost, s);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("source is not inside one device allocation"));
-  st = dev->CopyAsync(static_cast<char*>(d->data()) + 100, host.data(), 4000, CopyKind::kHostToDevice, s);
+  st = dev->CopyAsync(static_cast<char*>(d->data()) + 100, host.data(), 4000,
+                      CopyKind::kHostToDevice, s);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(dev->CopyAsync(static_cast<char*>(d->data()) + 96, host.data(), 4000, CopyKind::kHostToDevice, s).ok());
+  EXPECT_TRUE(dev->CopyAsync(static_cast<char*>(d->data()) + 96, host.data(), 4000,
+                             CopyKind::kHostToDevice, s)
+                  .ok());
   EXPECT_TRUE(dev->Synchronize().ok());
 }
 
@@ -72,7 +75,8 @@ TEST(HostDevice, BandwidthCapSetsTheCopyTime) {
   auto stream = dev->CreateStream();
   ASSERT_TRUE(stream.ok());
   const auto t0 = Clock::now();
-  ASSERT_TRUE(dev->CopyAsync(d->data(), host.data(), kBytes, CopyKind::kHostToDevice, *stream).ok());
+  ASSERT_TRUE(
+      dev->CopyAsync(d->data(), host.data(), kBytes, CopyKind::kHostToDevice, *stream).ok());
   ASSERT_TRUE(dev->StreamSynchronize(*stream).ok());
   const double secs = Seconds(Clock::now() - t0);
   const double expected = kBytes / kRate;  // 0.1 s
@@ -120,7 +124,8 @@ TEST(HostDevice, LatencyIsAddedToEachCopy) {
   char host[64] = {};
   const auto t0 = Clock::now();
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(dev->CopyAsync(d->data(), host, 64, CopyKind::kHostToDevice, dev->DefaultStream()).ok());
+    ASSERT_TRUE(
+        dev->CopyAsync(d->data(), host, 64, CopyKind::kHostToDevice, dev->DefaultStream()).ok());
   }
   ASSERT_TRUE(dev->Synchronize().ok());
   const double secs = Seconds(Clock::now() - t0);
@@ -136,8 +141,12 @@ TEST(HostDevice, DeviceToDeviceAndHostToHostAreNotCapped) {
   ASSERT_TRUE(a.ok() && b.ok());
   std::vector<char> h1(kBytes), h2(kBytes);
   const auto t0 = Clock::now();
-  ASSERT_TRUE(dev->CopyAsync(b->data(), a->data(), kBytes, CopyKind::kDeviceToDevice, dev->DefaultStream()).ok());
-  ASSERT_TRUE(dev->CopyAsync(h2.data(), h1.data(), kBytes, CopyKind::kHostToHost, dev->DefaultStream()).ok());
+  ASSERT_TRUE(
+      dev->CopyAsync(b->data(), a->data(), kBytes, CopyKind::kDeviceToDevice, dev->DefaultStream())
+          .ok());
+  ASSERT_TRUE(
+      dev->CopyAsync(h2.data(), h1.data(), kBytes, CopyKind::kHostToHost, dev->DefaultStream())
+          .ok());
   ASSERT_TRUE(dev->Synchronize().ok());
   EXPECT_LT(Seconds(Clock::now() - t0), 1.0);
 }
@@ -153,7 +162,8 @@ TEST(DeviceFactories, ListAndOpen) {
   std::vector<DeviceCaps> devices = ListDevices();
   ASSERT_FALSE(devices.empty());
   EXPECT_EQ(devices[0].name, "host");
-  for (size_t i = 1; i < devices.size(); ++i) EXPECT_EQ(devices[i].name, "cuda:" + std::to_string(i - 1));
+  for (size_t i = 1; i < devices.size(); ++i)
+    EXPECT_EQ(devices[i].name, "cuda:" + std::to_string(i - 1));
 
   auto host = OpenDevice("host");
   ASSERT_TRUE(host.ok());

@@ -107,7 +107,8 @@ TEST(PinnedPool, FreedRangesCoalesce) {
     pages.push_back(*std::move(b));
   }
   std::byte* base = pages[0].data();
-  for (int i = 0; i < 16; ++i) EXPECT_EQ(pages[i].data(), base + i * kPage) << "first fit, in order";
+  for (int i = 0; i < 16; ++i)
+    EXPECT_EQ(pages[i].data(), base + i * kPage) << "first fit, in order";
   for (int i = 0; i < 16; i += 2) pages[i].Reset();  // 8 free pages, none adjacent
   auto two = pool.Allocate(2 * kPage);
   ASSERT_FALSE(two.ok()) << "fragmented: no two adjacent free pages";
@@ -182,7 +183,8 @@ TEST(PinnedPool, BuffersMayOutliveThePoolObject) {
 
 TEST(PinnedPool, RejectsBadArguments) {
   auto dev = MakeHost();
-  EXPECT_EQ(PinnedPool::Create(*dev, {.budget_bytes = 0}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PinnedPool::Create(*dev, {.budget_bytes = 0}).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(PinnedPool::Create(*dev, {.budget_bytes = kMiB, .slab_bytes = 0}).status().code(),
             StatusCode::kInvalidArgument);
   PinnedPool pool = MakePool(*dev, 1 * kMiB, 1 * kMiB);
