@@ -491,6 +491,38 @@ TEST(LocalGroup, RejectsBadGroups) {
   EXPECT_THAT(std::string(g.status().message()), HasSubstr("2 devices given"));
 }
 
+TEST(LocalGroup, RanksMayLiveOnDifferentDevices) {
+  auto a = CreateHostDevice();
+  auto b = CreateHostDevice();
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<Device*> devices = {a->get(), b->get()};
+  auto comms = CreateLocalGroup(2, devices);
+  ASSERT_TRUE(comms.ok()) << comms.status();
+  std::vector<Status> status(2);
+  std::vector<std::vector<int32_t>> got(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        Device& dev = *devices[r];
+        STRATA_ASSIGN_OR_RETURN(Stream s, dev.CreateStream());
+        STRATA_ASSIGN_OR_RETURN(DeviceBuffer buf, dev.Allocate(8 * sizeof(int32_t)));
+        for (int i = 0; i < 8; ++i) buf.as<int32_t>()[i] = (r + 1) * 100 + i;
+        STRATA_RETURN_IF_ERROR(
+            (*comms)[r]->AllReduce(buf.data(), buf.data(), 8, DType::kI32, ReduceOp::kMax, s));
+        STRATA_RETURN_IF_ERROR(dev.StreamSynchronize(s));
+        got[r].assign(buf.as<int32_t>(), buf.as<int32_t>() + 8);
+        return OkStatus();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(status[r].ok()) << status[r];
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(got[r][i], 200 + i) << "rank " << r;
+  }
+}
+
 class NcclIdFile : public ::testing::Test {
  protected:
   void SetUp() override {
