@@ -8,6 +8,7 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -71,16 +72,19 @@ class StickyError {
 
 class CudaStream final : public internal::StreamImpl {
  public:
-  CudaStream(const Device* owner, int ordinal, cudaStream_t stream, std::string name)
+  CudaStream(const Device* owner, int ordinal, cudaStream_t stream, std::string name,
+             std::shared_ptr<StickyError> sticky, std::function<void()> on_destroy)
       : StreamImpl(owner),
         ordinal_(ordinal),
         stream_(stream),
         name_(std::move(name)),
-        sticky_(std::make_shared<StickyError>()) {}
+        sticky_(std::move(sticky)),
+        on_destroy_(std::move(on_destroy)) {}
   ~CudaStream() override {
     cudaSetDevice(ordinal_);
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
+    if (on_destroy_) on_destroy_();
   }
   cudaStream_t stream() const { return stream_; }
   const std::string& name() const { return name_; }
@@ -91,6 +95,7 @@ class CudaStream final : public internal::StreamImpl {
   cudaStream_t stream_;
   std::string name_;
   std::shared_ptr<StickyError> sticky_;
+  std::function<void()> on_destroy_;  // leaves the device's registry
 };
 
 class CudaEvent final : public internal::EventImpl {
@@ -181,12 +186,7 @@ class CudaDevice final : public Device {
 
   Status Init() {
     STRATA_RETURN_IF_ERROR(Select("open"));
-    cudaStream_t s = nullptr;
-    STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                                fmt::format("create default stream on {}", caps_.name));
-    default_stream_ =
-        std::make_unique<CudaStream>(this, ordinal_, s, caps_.name + ":default stream");
-    Register(default_stream_->sticky());
+    STRATA_ASSIGN_OR_RETURN(default_stream_, MakeStream("default stream"));
     if (caps_.async_alloc) {
       STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&alloc_stream_, cudaStreamNonBlocking),
                                   fmt::format("create allocation stream on {}", caps_.name));
@@ -244,12 +244,7 @@ class CudaDevice final : public Device {
 
   Result<Stream> CreateStream() override {
     STRATA_RETURN_IF_ERROR(Select("create stream"));
-    cudaStream_t s = nullptr;
-    STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                                fmt::format("create stream on {}", caps_.name));
-    auto impl = std::make_unique<CudaStream>(
-        this, ordinal_, s, fmt::format("{}:stream {}", caps_.name, next_stream_id_++));
-    Register(impl->sticky());
+    STRATA_ASSIGN_OR_RETURN(auto impl, MakeStream(fmt::format("stream {}", next_stream_id_++)));
     return Stream(std::move(impl));
   }
 
@@ -350,14 +345,9 @@ class CudaDevice final : public Device {
     STRATA_RETURN_IF_CUDA_ERROR(cudaDeviceSynchronize(), fmt::format("synchronize {}", caps_.name));
     std::lock_guard lock(streams_mu_);
     Status first;
-    for (auto it = stickies_.begin(); it != stickies_.end();) {
-      if (auto sticky = it->lock()) {
-        Status s = sticky->Get();
-        if (first.ok() && !s.ok()) first = std::move(s);
-        ++it;
-      } else {
-        it = stickies_.erase(it);
-      }
+    for (const auto& [id, sticky] : stickies_) {
+      Status s = sticky->Get();
+      if (first.ok() && !s.ok()) first = std::move(s);
     }
     return first;
   }
@@ -383,9 +373,23 @@ class CudaDevice final : public Device {
     return OkStatus();
   }
 
-  void Register(const std::shared_ptr<StickyError>& sticky) {
-    std::lock_guard lock(streams_mu_);
-    stickies_.push_back(sticky);
+  // A stream registered for Synchronize() until it is destroyed.
+  Result<std::unique_ptr<CudaStream>> MakeStream(const std::string& label) {
+    cudaStream_t s = nullptr;
+    STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                                fmt::format("create {} on {}", label, caps_.name));
+    auto sticky = std::make_shared<StickyError>();
+    uint64_t id;
+    {
+      std::lock_guard lock(streams_mu_);
+      id = next_registry_id_++;
+      stickies_.emplace(id, sticky);
+    }
+    return std::make_unique<CudaStream>(this, ordinal_, s, fmt::format("{}:{}", caps_.name, label),
+                                        std::move(sticky), [this, id] {
+                                          std::lock_guard lock(streams_mu_);
+                                          stickies_.erase(id);
+                                        });
   }
 
   Result<CudaStream*> CheckStream(StreamRef stream, std::string_view op) const {
@@ -412,7 +416,8 @@ class CudaDevice final : public Device {
   cudaStream_t alloc_stream_ = nullptr;
   std::mutex event_mu_;
   std::mutex streams_mu_;
-  std::vector<std::weak_ptr<StickyError>> stickies_;
+  std::map<uint64_t, std::shared_ptr<StickyError>> stickies_;  // live streams
+  uint64_t next_registry_id_ = 0;
   std::atomic<uint64_t> next_stream_id_{1};
 };
 
