@@ -5,6 +5,8 @@
 #include <thread>
 
 #include "runtime/build_info.h"
+#include "runtime/device.h"
+#include "runtime/units.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -24,6 +26,12 @@ void AddInfoCommand(Cli& cli) {
       long page = sysconf(_SC_PAGE_SIZE);
       std::printf("  host memory:    %.1f GiB\n",
                   static_cast<double>(pages) * static_cast<double>(page) / (1 << 30));
+      std::printf("  devices:\n");
+      for (const DeviceCaps& d : ListDevices()) {
+        std::printf("    %-8s %s, %s memory%s\n", d.name.c_str(), d.description.c_str(),
+                    FormatBytes(d.total_memory_bytes).c_str(),
+                    d.kind == DeviceKind::kHost ? " (budget)" : "");
+      }
       return OkStatus();
     });
   });

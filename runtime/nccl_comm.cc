@@ -1,0 +1,195 @@
+// The NCCL communicator. Compiled only when STRATA_HAVE_NCCL (which implies
+// CUDA); collectives are enqueued on the CUDA stream behind the StreamRef.
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <cstring>
+
+#include "runtime/comm.h"
+#include "runtime/cuda_internal.h"
+
+namespace strata {
+namespace internal {
+
+Status NcclError(ncclResult_t result, std::string_view op) {
+  if (result == ncclSuccess) return OkStatus();
+  std::string_view name = "ncclError";
+  switch (result) {
+    case ncclUnhandledCudaError:
+      name = "ncclUnhandledCudaError";
+      break;
+    case ncclSystemError:
+      name = "ncclSystemError";
+      break;
+    case ncclInternalError:
+      name = "ncclInternalError";
+      break;
+    case ncclInvalidArgument:
+      name = "ncclInvalidArgument";
+      break;
+    case ncclInvalidUsage:
+      name = "ncclInvalidUsage";
+      break;
+    case ncclRemoteError:
+      name = "ncclRemoteError";
+      break;
+    case ncclInProgress:
+      name = "ncclInProgress";
+      break;
+    default:
+      break;
+  }
+  std::string m = fmt::format("{}: {} ({})", op, name, ncclGetErrorString(result));
+  switch (result) {
+    case ncclInvalidArgument:
+    case ncclInvalidUsage:
+      return InvalidArgumentError(std::move(m));
+    case ncclSystemError:
+    case ncclRemoteError:
+      return UnavailableError(std::move(m));
+    default:
+      return InternalError(std::move(m));
+  }
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::NcclError;
+
+Result<ncclDataType_t> ToNccl(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kF64:
+      return ncclFloat64;
+    case DType::kF16:
+      return ncclFloat16;
+    case DType::kBF16:
+      return ncclBfloat16;
+    case DType::kU8:
+      return ncclUint8;
+    case DType::kI32:
+      return ncclInt32;
+    case DType::kI64:
+      return ncclInt64;
+  }
+  return InvalidArgumentError("nccl: unknown dtype");
+}
+
+ncclRedOp_t ToNccl(ReduceOp op) { return op == ReduceOp::kMax ? ncclMax : ncclSum; }
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int rank, int world_size, int ordinal, Device& device,
+                   DeviceBuffer barrier_buffer)
+      : comm_(comm),
+        rank_(rank),
+        world_size_(world_size),
+        ordinal_(ordinal),
+        device_(device),
+        barrier_buffer_(std::move(barrier_buffer)) {}
+
+  ~NcclCommunicator() override {
+    cudaSetDevice(ordinal_);
+    ncclCommDestroy(comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  Device& device() const override { return device_; }
+  std::string_view backend() const override { return "nccl"; }
+
+  Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                   StreamRef stream) override {
+    STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(stream, "all-reduce", count, send, recv));
+    STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
+    return NcclError(ncclAllReduce(send, recv, count, t, ToNccl(op), comm_, s),
+                     What("all-reduce", count, dtype));
+  }
+
+  Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
+                       StreamRef stream) override {
+    STRATA_ASSIGN_OR_RETURN(cudaStream_t s,
+                            Prepare(stream, "reduce-scatter", recv_count, send, recv));
+    STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
+    return NcclError(ncclReduceScatter(send, recv, recv_count, t, ToNccl(op), comm_, s),
+                     What("reduce-scatter", recv_count, dtype));
+  }
+
+  Status AllGather(const void* send, void* recv, size_t send_count, DType dtype,
+                   StreamRef stream) override {
+    STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(stream, "all-gather", send_count, send, recv));
+    STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
+    return NcclError(ncclAllGather(send, recv, send_count, t, comm_, s),
+                     What("all-gather", send_count, dtype));
+  }
+
+  Status Barrier(StreamRef stream) override {
+    void* p = barrier_buffer_.data();
+    STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(stream, "barrier", 1, p, p));
+    return NcclError(ncclAllReduce(p, p, 1, ncclInt32, ncclSum, comm_, s),
+                     What("barrier", 1, DType::kI32));
+  }
+
+ private:
+  std::string What(std::string_view op, size_t count, DType dtype) const {
+    return fmt::format("nccl {} of {} x {} on rank {}/{} ({})", op, count, DTypeName(dtype), rank_,
+                       world_size_, device_.name());
+  }
+
+  Result<cudaStream_t> Prepare(StreamRef stream, std::string_view op, size_t count,
+                               const void* send, const void* recv) {
+    if (!stream || stream.impl()->owner() != &device_) {
+      return InvalidArgumentError(fmt::format(
+          "nccl {} on rank {}: the stream is not a stream of {}", op, rank_, device_.name()));
+    }
+    if (count > 0 && (send == nullptr || recv == nullptr)) {
+      return InvalidArgumentError(fmt::format("nccl {} on rank {}: null buffer", op, rank_));
+    }
+    STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(ordinal_),
+                                fmt::format("nccl {}: select {}", op, device_.name()));
+    return internal::CudaStreamOf(stream);
+  }
+
+  ncclComm_t comm_;
+  const int rank_;
+  const int world_size_;
+  const int ordinal_;
+  Device& device_;
+  DeviceBuffer barrier_buffer_;
+};
+
+}  // namespace
+
+Result<NcclUniqueId> NewNcclUniqueId() {
+  static_assert(sizeof(ncclUniqueId) == sizeof(NcclUniqueId::bytes), "ncclUniqueId size changed");
+  ncclUniqueId raw;
+  STRATA_RETURN_IF_ERROR(NcclError(ncclGetUniqueId(&raw), "new nccl unique id"));
+  NcclUniqueId id;
+  std::memcpy(id.bytes.data(), &raw, sizeof(raw));
+  return id;
+}
+
+Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId& id, int rank,
+                                                             int world_size, Device& device) {
+  const std::string what =
+      fmt::format("create nccl communicator rank {}/{} on {}", rank, world_size, device.name());
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return InvalidArgumentError(what + ": rank must be in [0, world_size)");
+  }
+  auto ordinal = internal::CudaOrdinalOf(device);
+  if (!ordinal.ok()) return std::move(ordinal).status().WithContext(what);
+  STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(*ordinal), what + ": select device");
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer barrier, device.Allocate(sizeof(int32_t)));
+  ncclUniqueId raw;
+  std::memcpy(&raw, id.bytes.data(), sizeof(raw));
+  ncclComm_t comm = nullptr;
+  STRATA_RETURN_IF_ERROR(NcclError(ncclCommInitRank(&comm, world_size, raw, rank), what));
+  return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(
+      comm, rank, world_size, *ordinal, device, std::move(barrier)));
+}
+
+}  // namespace strata

@@ -1,0 +1,228 @@
+#include "runtime/pinned.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <linux/capability.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "runtime/units.h"
+
+namespace strata {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<Device> MakeHost() {
+  auto d = CreateHostDevice();
+  STRATA_CHECK_OK(d);
+  return *std::move(d);
+}
+
+PinnedPool MakePool(Device& device, uint64_t budget, uint64_t slab) {
+  auto p = PinnedPool::Create(device, {.budget_bytes = budget, .slab_bytes = slab});
+  STRATA_CHECK_OK(p);
+  return *std::move(p);
+}
+
+bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % PinnedPool::kAlignment == 0; }
+
+TEST(PinnedPool, BuffersAreAlignedAndRounded) {
+  auto dev = MakeHost();
+  PinnedPool pool = MakePool(*dev, 4 * kMiB, 1 * kMiB);
+  for (size_t bytes : {size_t{1}, size_t{4095}, size_t{4096}, size_t{4097}, size_t{100000}}) {
+    auto b = pool.Allocate(bytes);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_TRUE(Aligned(b->data())) << bytes;
+    EXPECT_EQ(b->size_bytes(), (bytes + 4095) / 4096 * 4096);
+    EXPECT_EQ(b->bytes().size(), b->size_bytes());
+    std::memset(b->data(), 0x7f, b->size_bytes());
+  }
+}
+
+TEST(PinnedPool, AccountsCapacityInUseAndPeak) {
+  auto dev = MakeHost();
+  PinnedPool pool = MakePool(*dev, 4 * kMiB, 1 * kMiB);
+  EXPECT_EQ(pool.stats().capacity_bytes, 0u) << "slabs are taken on demand";
+  auto a = pool.Allocate(5000);
+  auto b = pool.Allocate(1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  PinnedPoolStats s = pool.stats();
+  EXPECT_EQ(s.capacity_bytes, 1 * kMiB);
+  EXPECT_EQ(s.slabs, 1u);
+  EXPECT_EQ(s.in_use_bytes, 8192u + 4096u);
+  EXPECT_EQ(s.peak_bytes, 8192u + 4096u);
+  EXPECT_EQ(s.buffers, 2u);
+  a->Reset();
+  s = pool.stats();
+  EXPECT_EQ(s.in_use_bytes, 4096u);
+  EXPECT_EQ(s.peak_bytes, 8192u + 4096u);
+  EXPECT_EQ(s.buffers, 1u);
+  // A request larger than a slab gets a slab of its own.
+  auto big = pool.Allocate(2 * kMiB + 1);
+  ASSERT_TRUE(big.ok()) << big.status();
+  s = pool.stats();
+  EXPECT_EQ(s.slabs, 2u);
+  EXPECT_EQ(s.capacity_bytes, 1 * kMiB + 2 * kMiB + 4096);
+  // Moving a buffer does not free it.
+  PinnedBuffer moved = *std::move(big);
+  EXPECT_EQ(pool.stats().buffers, 2u);
+  moved.Reset();
+  EXPECT_EQ(pool.stats().in_use_bytes, 4096u);
+}
+
+TEST(PinnedPool, BeyondTheBudgetIsResourceExhausted) {
+  auto dev = MakeHost();
+  PinnedPool pool = MakePool(*dev, 1 * kMiB, 512 * kKiB);
+  auto a = pool.Allocate(768 * kKiB);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = pool.Allocate(512 * kKiB);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  const std::string m(b.status().message());
+  EXPECT_THAT(m, HasSubstr("allocate 512.00 KiB"));
+  EXPECT_THAT(m, HasSubstr("budget 1.00 MiB"));
+  EXPECT_THAT(m, HasSubstr("768.00 KiB in use"));
+  // The rest of the budget still serves what fits.
+  auto c = pool.Allocate(256 * kKiB);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_LE(pool.stats().capacity_bytes, 1 * kMiB);
+}
+
+TEST(PinnedPool, FreedRangesCoalesce) {
+  auto dev = MakeHost();
+  constexpr size_t kPage = 4096;
+  PinnedPool pool = MakePool(*dev, 16 * kPage, 16 * kPage);
+  std::vector<PinnedBuffer> pages;
+  for (int i = 0; i < 16; ++i) {
+    auto b = pool.Allocate(kPage);
+    ASSERT_TRUE(b.ok()) << i << ": " << b.status();
+    pages.push_back(*std::move(b));
+  }
+  std::byte* base = pages[0].data();
+  for (int i = 0; i < 16; ++i)
+    EXPECT_EQ(pages[i].data(), base + i * kPage) << "first fit, in order";
+  for (int i = 0; i < 16; i += 2) pages[i].Reset();  // 8 free pages, none adjacent
+  auto two = pool.Allocate(2 * kPage);
+  ASSERT_FALSE(two.ok()) << "fragmented: no two adjacent free pages";
+  EXPECT_THAT(std::string(two.status().message()), HasSubstr("largest free range 4.00 KiB"));
+  pages[1].Reset();  // pages 0, 1, 2 now one free range
+  auto three = pool.Allocate(3 * kPage);
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_EQ(three->data(), base);
+  three->Reset();
+  pages.clear();
+  auto all = pool.Allocate(16 * kPage);
+  ASSERT_TRUE(all.ok()) << "everything freed must coalesce back into one range: " << all.status();
+  EXPECT_EQ(all->data(), base);
+}
+
+TEST(PinnedPool, ThreadSafeUnderConcurrentUse) {
+  auto dev = MakeHost();
+  PinnedPool pool = MakePool(*dev, 32 * kMiB, 4 * kMiB);
+  const unsigned seed = std::random_device{}();
+  std::printf("seed=%u\n", seed);
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(seed + t);
+      std::vector<PinnedBuffer> held;
+      for (int i = 0; i < 300; ++i) {
+        if (!held.empty() && (rng() % 3 == 0 || held.size() > 16)) {
+          const size_t victim = rng() % held.size();
+          const auto tag = static_cast<uint8_t>(held[victim].data()[0]);
+          for (std::byte b : held[victim].bytes()) {
+            if (static_cast<uint8_t>(b) != tag) {
+              failures.fetch_add(1);
+              break;
+            }
+          }
+          held.erase(held.begin() + victim);
+          continue;
+        }
+        auto b = pool.Allocate(1 + rng() % (256 * 1024));
+        if (!b.ok()) {
+          failures.fetch_add(1);
+          continue;
+        }
+        std::memset(b->data(), (t * 61 + i) & 0xff, b->size_bytes());
+        held.push_back(*std::move(b));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0) << "seed=" << seed;
+  PinnedPoolStats s = pool.stats();
+  EXPECT_EQ(s.in_use_bytes, 0u);
+  EXPECT_EQ(s.buffers, 0u);
+  EXPECT_LE(s.capacity_bytes, 32 * kMiB);
+  EXPECT_GT(s.peak_bytes, 0u);
+}
+
+TEST(PinnedPool, BuffersMayOutliveThePoolObject) {
+  auto dev = MakeHost();
+  PinnedBuffer kept;
+  {
+    PinnedPool pool = MakePool(*dev, 1 * kMiB, 1 * kMiB);
+    auto b = pool.Allocate(4096);
+    ASSERT_TRUE(b.ok());
+    kept = *std::move(b);
+  }
+  std::memset(kept.data(), 1, kept.size_bytes());
+  kept.Reset();
+}
+
+TEST(PinnedPool, RejectsBadArguments) {
+  auto dev = MakeHost();
+  EXPECT_EQ(PinnedPool::Create(*dev, {.budget_bytes = 0}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(PinnedPool::Create(*dev, {.budget_bytes = kMiB, .slab_bytes = 0}).status().code(),
+            StatusCode::kInvalidArgument);
+  PinnedPool pool = MakePool(*dev, 1 * kMiB, 1 * kMiB);
+  EXPECT_EQ(pool.Allocate(0).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Runs in a child process: drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK so
+// that mlock is refused, then checks that the pool still serves unlocked
+// memory. Exits 0 on success.
+[[noreturn]] void AllocateWithMlockRefused() {
+  rlimit limit{64 * 1024, 64 * 1024};
+  if (setrlimit(RLIMIT_MEMLOCK, &limit) != 0) std::exit(4);
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct caps[2] = {};
+  bool dropped = false;
+  if (syscall(SYS_capget, &header, caps) == 0) {
+    caps[0].effective &= ~(1u << CAP_IPC_LOCK);
+    dropped = syscall(SYS_capset, &header, caps) == 0;
+  }
+  // Where capset is filtered, becoming an ordinary user drops every capability.
+  if (!dropped && geteuid() == 0 && setuid(65534) != 0) std::exit(3);
+  auto dev = CreateHostDevice();
+  if (!dev.ok()) std::exit(5);
+  auto pool = PinnedPool::Create(**dev, {.budget_bytes = 16 * kMiB, .slab_bytes = 4 * kMiB});
+  if (!pool.ok()) std::exit(6);
+  auto a = pool->Allocate(1 * kMiB);
+  auto b = pool->Allocate(6 * kMiB);  // a second slab, also unlocked
+  if (!a.ok() || !b.ok()) std::exit(7);
+  if (pool->stats().locked) std::exit(8);
+  std::memset(a->data(), 1, a->size_bytes());
+  std::exit(0);
+}
+
+TEST(PinnedPoolDeathTest, FallsBackToUnlockedMemoryWhenMlockIsRefused) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(AllocateWithMlockRefused(), ::testing::ExitedWithCode(0),
+              "warning: mlock 4.00 MiB: E(PERM|NOMEM|AGAIN).*using unlocked host memory");
+}
+
+}  // namespace
+}  // namespace strata
