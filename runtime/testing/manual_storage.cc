@@ -87,8 +87,18 @@ std::vector<IoRequest*> ManualStorage::Pending() const {
 }
 
 void ManualStorage::AddPending(IoRequest* request, ManualFile* file, File* base_file) {
+  bool now;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back({request, file, base_file});
+    now = auto_complete_ == AutoComplete::kOn;
+  }
+  if (now) STRATA_CHECK_OK(Complete(request));
+}
+
+void ManualStorage::SetAutoComplete(AutoComplete mode) {
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.push_back({request, file, base_file});
+  auto_complete_ = mode;
 }
 
 void ManualStorage::ForgetFile(ManualFile* file) {

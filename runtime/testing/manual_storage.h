@@ -23,6 +23,9 @@ namespace strata::testing {
 
 class ManualFile;
 
+// kOn: requests complete as they are submitted (for setup IO); kOff: they wait.
+enum class AutoComplete : uint8_t { kOff, kOn };
+
 class ManualStorage final : public Storage {
  public:
   static std::unique_ptr<ManualStorage> Create();
@@ -30,6 +33,8 @@ class ManualStorage final : public Storage {
   std::string_view name() const override { return "manual"; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override;
   Status Remove(const std::string& path) override { return base_->Remove(path); }
+
+  void SetAutoComplete(AutoComplete mode);
 
   // Submitted requests not yet completed, oldest first, over all files.
   std::vector<IoRequest*> Pending() const;
@@ -54,6 +59,7 @@ class ManualStorage final : public Storage {
   std::unique_ptr<Storage> base_;
   mutable std::mutex mu_;
   std::vector<Entry> pending_;
+  AutoComplete auto_complete_ = AutoComplete::kOff;
 };
 
 }  // namespace strata::testing
