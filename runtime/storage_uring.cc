@@ -62,7 +62,7 @@ class UringFile final : public File {
   Result<size_t> Reap(std::span<IoRequest*> completed, size_t min_completions) override {
     const size_t want = std::min({min_completions, in_flight_, completed.size()});
     for (;;) {
-      STRATA_RETURN_IF_ERROR(DrainCqes(/*wait=*/ready_.size() < want));
+      STRATA_RETURN_IF_ERROR(DrainCqes(ready_.size() < want ? Block::kWaitForOne : Block::kNo));
       STRATA_RETURN_IF_ERROR(Pump());
       if (ready_.size() >= want) break;
     }
@@ -185,9 +185,10 @@ class UringFile final : public File {
     return OkStatus();
   }
 
-  // Handles every available CQE; with `wait`, blocks for at least one first.
-  Status DrainCqes(bool wait) {
-    if (wait && sqes_in_flight_ > 0) {
+  enum class Block : uint8_t { kNo, kWaitForOne };
+  // Handles every available CQE; with kWaitForOne, blocks for at least one first.
+  Status DrainCqes(Block block) {
+    if (block == Block::kWaitForOne && sqes_in_flight_ > 0) {
       io_uring_cqe* cqe = nullptr;
       int rc;
       do {

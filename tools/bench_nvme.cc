@@ -113,11 +113,13 @@ Status RunFile(File& file, IoOp op, uint64_t size_bytes, uint64_t block_bytes, u
   return OkStatus();
 }
 
+enum class Progress : uint8_t { kQuiet, kShow };
+
 // One pass over every file, one thread per file (as fio runs one job per
 // file). Returns bytes per second over all files.
 Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint64_t per_file_bytes,
                        uint64_t block_bytes, uint32_t qd, std::vector<std::unique_ptr<AlignedBuffers>>& bufs,
-                       bool show_progress) {
+                       Progress show_progress) {
   std::vector<Status> results(files.size());
   std::atomic<uint64_t> progress{0};
   std::atomic<bool> finished{false};
@@ -129,7 +131,7 @@ Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint6
     });
   }
   std::thread reporter;
-  if (show_progress) {
+  if (show_progress == Progress::kShow) {
     reporter = std::thread([&] {
       const uint64_t total = per_file_bytes * files.size();
       while (!finished.load()) {
@@ -223,13 +225,13 @@ Status RunBenchNvme(const NvmeArgs& a) {
                info.fixed_file ? ", registered file" : "");
   // Lay the files out (also what the write test overwrites, as fio does).
   STRATA_RETURN_IF_ERROR(
-      RunPass(files, IoOp::kWrite, per_file_bytes, block_bytes, a.qd, bufs, /*show_progress=*/true).status());
+      RunPass(files, IoOp::kWrite, per_file_bytes, block_bytes, a.qd, bufs, Progress::kShow).status());
   for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
 
   const std::string fio_cmd = FioCommand(a, test_files.paths(), per_file_bytes, block_bytes);
   std::vector<double> ours, fio;
   for (int i = 0; i < a.repeat; ++i) {
-    STRATA_ASSIGN_OR_RETURN(double bw, RunPass(files, op, per_file_bytes, block_bytes, a.qd, bufs, false));
+    STRATA_ASSIGN_OR_RETURN(double bw, RunPass(files, op, per_file_bytes, block_bytes, a.qd, bufs, Progress::kQuiet));
     ours.push_back(bw);
     std::fprintf(stderr, "  run %d: strata %s", i + 1, FormatRate(bw).c_str());
     if (a.vs_fio) {

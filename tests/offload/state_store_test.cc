@@ -129,19 +129,18 @@ TEST_F(StoreTest, CompletionIsPerExtentWhenRequestsCompleteOutOfOrder) {
   std::vector<IoRequest*> pending = manual->Pending();
   ASSERT_EQ(pending.size(), 2u * (68 * kKiB / (16 * kKiB) + 1));  // 5 chunks per extent
   EXPECT_FALSE(store->Poll(ta).has_value());
+  std::vector<IoRequest*> of_a, of_b;
+  for (IoRequest* r : pending) (r->user_data == ta.id ? of_a : of_b).push_back(r);
+  ASSERT_EQ(of_a.size(), of_b.size());
   // Complete b's chunks last-first; a stays in flight.
-  for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
-    if ((*it)->user_data == tb.id) ASSERT_TRUE(manual->Complete(*it).ok());
-  }
+  for (auto it = of_b.rbegin(); it != of_b.rend(); ++it) ASSERT_TRUE(manual->Complete(*it).ok());
   auto pb = store->Poll(tb);
   ASSERT_TRUE(pb.has_value());
   EXPECT_TRUE(pb->ok()) << *pb;
   EXPECT_EQ(std::memcmp(store->Payload(rb.span()).data(), store->Payload(b.span()).data(), 64 * kKiB), 0);
   EXPECT_FALSE(store->Poll(ta).has_value());
   EXPECT_EQ(store->InFlight(), 1u);
-  for (IoRequest* r : pending) {
-    if (r->user_data == ta.id) ASSERT_TRUE(manual->Complete(r).ok());
-  }
+  for (IoRequest* r : of_a) ASSERT_TRUE(manual->Complete(r).ok());
   EXPECT_TRUE(store->Wait(ta).ok());
   EXPECT_EQ(std::memcmp(store->Payload(ra.span()).data(), store->Payload(a.span()).data(), 64 * kKiB), 0);
   EXPECT_EQ(store->Poll(ta)->code(), StatusCode::kNotFound);
