@@ -8,7 +8,7 @@ set key top left
 set grid
 do for [op=0:1] {
   set title (op == 0 ? "sequential read" : "sequential write")
-  plot for [b=0:3] datafile index op every :::b::b using 1:3 with linespoints lw 2 title sprintf("strata %s", word("64K 256K 1M 4M", b+1)), \
-       for [b=0:3] datafile index op every :::b::b using 1:4 with lines dt 2 title sprintf("fio %s", word("64K 256K 1M 4M", b+1))
+  plot for [b=0:3] datafile index op every :::b::b using 1:3 with linespoints lw 2 lc b+1 title sprintf("strata %s", word("64K 256K 1M 4M", b+1)), \
+       for [b=0:3] datafile index op every :::b::b using 1:4 with lines dt 2 lc b+1 title sprintf("fio %s", word("64K 256K 1M 4M", b+1))
 }
 unset multiplot
