@@ -22,13 +22,14 @@ struct Backend {
   std::string name;
   std::function<std::unique_ptr<Storage>()> make;
   bool needs_uring = false;
+  bool needs_sqpoll = false;  // SQPOLL needs privileges on kernels before 5.11
 };
 
 std::vector<Backend> Backends() {
   auto uring = [] { return std::move(CreateUringStorage(SqPoll::kOff)).value(); };
   return {
       {"uring", uring, true},
-      {"uring_sqpoll", [] { return std::move(CreateUringStorage(SqPoll::kOn)).value(); }, true},
+      {"uring_sqpoll", [] { return std::move(CreateUringStorage(SqPoll::kOn)).value(); }, true, true},
       {"posix", [] { return CreatePosixStorage(); }},
       {"mem", [] { return CreateMemStorage(); }},
       {"counting_uring",
@@ -50,6 +51,10 @@ class StorageConformance : public ::testing::TestWithParam<Backend> {
     if (GetParam().needs_uring && !UringAvailable()) GTEST_SKIP() << "io_uring not available here";
     ASSERT_TRUE(dir_.ok());
     storage_ = GetParam().make();
+    if (GetParam().needs_sqpoll) {
+      auto probe = storage_->Open(dir_.File("probe"), {.create = FileCreate::kCreate});
+      if (!probe.ok()) GTEST_SKIP() << "SQPOLL refused here: " << probe.status();
+    }
   }
 
   std::unique_ptr<File> OpenNew(const std::string& name, uint32_t queue_depth = 8) {
