@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-
 #include <nlohmann/json.hpp>
 
 #include "runtime/units.h"
@@ -28,14 +27,17 @@ struct SlotHeader {
 };
 static_assert(sizeof(SlotHeader) == 48);
 
-uint64_t HeaderHash(const SlotHeader& h) { return XXH3_64bits(&h, offsetof(SlotHeader, header_hash)); }
+uint64_t HeaderHash(const SlotHeader& h) {
+  return XXH3_64bits(&h, offsetof(SlotHeader, header_hash));
+}
 
 uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 // A 4096-aligned scratch buffer for setup IO.
 struct Scratch {
   explicit Scratch(size_t bytes)
-      : size(RoundUp(bytes, kAlign)), data(static_cast<std::byte*>(std::aligned_alloc(kAlign, size))) {
+      : size(RoundUp(bytes, kAlign)),
+        data(static_cast<std::byte*>(std::aligned_alloc(kAlign, size))) {
     std::memset(data, 0, size);
   }
   ~Scratch() { std::free(data); }
@@ -55,7 +57,7 @@ struct StateStore::Op {
   uint64_t generation;
   uint32_t slot;
   std::span<std::byte> buffer;
-  std::vector<IoRequest> requests;      // grouped by file
+  std::vector<IoRequest> requests;  // grouped by file
   std::vector<uint32_t> pending_per_file;
   size_t pending = 0;
   Status status;
@@ -64,13 +66,17 @@ struct StateStore::Op {
 
 StateStore::StateStore(const StateStoreOptions& options) : options_(options) {}
 
-Result<std::unique_ptr<StateStore>> StateStore::Create(Storage& storage, const StateStoreOptions& options) {
-  auto bad = [](const std::string& why) { return InvalidArgumentError("state store options: " + why); };
+Result<std::unique_ptr<StateStore>> StateStore::Create(Storage& storage,
+                                                       const StateStoreOptions& options) {
+  auto bad = [](const std::string& why) {
+    return InvalidArgumentError("state store options: " + why);
+  };
   if (options.paths.empty()) return bad("no paths; give at least one directory");
   if (options.extent_bytes == 0) return bad("extent_bytes is 0");
   if (options.num_extents == 0) return bad("num_extents is 0");
   if (options.block_bytes == 0 || options.block_bytes % kAlign != 0) {
-    return bad("block_bytes " + std::to_string(options.block_bytes) + " is not a positive multiple of 4096");
+    return bad("block_bytes " + std::to_string(options.block_bytes) +
+               " is not a positive multiple of 4096");
   }
   if (options.block_bytes > 64 * kMiB) return bad("block_bytes above 64 MiB");
   if (options.queue_depth == 0) return bad("queue_depth is 0");
@@ -103,10 +109,13 @@ Status StateStore::Init(Storage& storage) {
   }
   committed_.assign(options_.num_extents, 0);
   busy_.assign(options_.num_extents, 0);
-  const uint64_t file_bytes = kSuperblockBytes + 2 * uint64_t{options_.num_extents} * per_file_slot_bytes_;
+  const uint64_t file_bytes =
+      kSuperblockBytes + 2 * uint64_t{options_.num_extents} * per_file_slot_bytes_;
   for (uint32_t f = 0; f < num_paths; ++f) {
-    std::string path = options_.paths[f] + "/strata-rank" + std::to_string(options_.rank) + ".state";
-    FileOptions fo{.create = options_.open == StoreOpen::kCreate ? FileCreate::kCreate : FileCreate::kOpenExisting,
+    std::string path =
+        options_.paths[f] + "/strata-rank" + std::to_string(options_.rank) + ".state";
+    FileOptions fo{.create = options_.open == StoreOpen::kCreate ? FileCreate::kCreate
+                                                                 : FileCreate::kOpenExisting,
                    .direct = options_.direct,
                    .queue_depth = options_.queue_depth};
     auto file = storage.Open(path, fo);
@@ -164,7 +173,8 @@ Status StateStore::WriteSuperblocks() {
     std::string text = Geometry(options_, f).dump();
     std::memset(block.data, 0, block.size);
     std::memcpy(block.data, text.data(), text.size());
-    STRATA_RETURN_IF_ERROR(RunSync(f, IoRequest::Write(0, block.span())).WithContext("create state store"));
+    STRATA_RETURN_IF_ERROR(
+        RunSync(f, IoRequest::Write(0, block.span())).WithContext("create state store"));
     STRATA_RETURN_IF_ERROR(files_[f]->Sync());
   }
   return OkStatus();
@@ -173,20 +183,23 @@ Status StateStore::WriteSuperblocks() {
 Status StateStore::CheckSuperblocks() {
   Scratch block(kSuperblockBytes);
   for (uint32_t f = 0; f < files_.size(); ++f) {
-    STRATA_RETURN_IF_ERROR(RunSync(f, IoRequest::Read(0, block.span())).WithContext("open state store"));
+    STRATA_RETURN_IF_ERROR(
+        RunSync(f, IoRequest::Read(0, block.span())).WithContext("open state store"));
     const char* text = reinterpret_cast<const char*>(block.data);
     nlohmann::json found = nlohmann::json::parse(text, text + strnlen(text, block.size), nullptr,
                                                  /*allow_exceptions=*/false);
     nlohmann::json want = Geometry(options_, f);
     if (found.is_discarded() || !found.is_object() || found.value("magic", "") != "strata-state") {
-      return DataLossError("open state store " + file_paths_[f] +
-                           ": no valid superblock at offset 0 (not a Strata state file, or damaged); "
-                           "recreate the store and restore from a checkpoint");
+      return DataLossError(
+          "open state store " + file_paths_[f] +
+          ": no valid superblock at offset 0 (not a Strata state file, or damaged); "
+          "recreate the store and restore from a checkpoint");
     }
     if (found != want) {
-      return FailedPreconditionError("open state store " + file_paths_[f] + ": it was created as " +
-                                     found.dump() + " but is opened as " + want.dump() +
-                                     "; open it with the same paths (in the same order), rank and geometry");
+      return FailedPreconditionError(
+          "open state store " + file_paths_[f] + ": it was created as " + found.dump() +
+          " but is opened as " + want.dump() +
+          "; open it with the same paths (in the same order), rank and geometry");
     }
   }
   return OkStatus();
@@ -197,7 +210,8 @@ std::vector<StateStore::Placement> StateStore::SlotChunks(uint32_t id, uint32_t 
   const uint64_t base = kSuperblockBytes + (uint64_t{id} * 2 + slot) * per_file_slot_bytes_;
   std::vector<Placement> out;
   for (uint64_t k = 0, pos = 0; pos < slot_bytes_; ++k, pos += options_.block_bytes) {
-    out.push_back({static_cast<uint32_t>(k % num_paths), base + (k / num_paths) * options_.block_bytes,
+    out.push_back({static_cast<uint32_t>(k % num_paths),
+                   base + (k / num_paths) * options_.block_bytes,
                    std::min(options_.block_bytes, slot_bytes_ - pos)});
   }
   return out;
@@ -213,8 +227,9 @@ Status StateStore::ScanHeaders() {
     std::vector<IoRequest> reqs;
     for (uint32_t i = 0; i < n; ++i) {
       const uint32_t g = first + i;
-      reqs.push_back(IoRequest::Read(SlotChunks(g / 2, g % 2)[0].offset_bytes,
-                                     scratch.span().subspan(uint64_t{i} * kHeaderBytes, kHeaderBytes), g));
+      reqs.push_back(
+          IoRequest::Read(SlotChunks(g / 2, g % 2)[0].offset_bytes,
+                          scratch.span().subspan(uint64_t{i} * kHeaderBytes, kHeaderBytes), g));
     }
     STRATA_RETURN_IF_ERROR(files_[0]->Submit(reqs));
     std::vector<IoRequest*> done(n);
@@ -240,8 +255,9 @@ Status StateStore::ScanHeaders() {
 
 Status StateStore::RegisterBuffers(std::span<const std::span<std::byte>> buffers) {
   if (!ops_.empty()) {
-    return FailedPreconditionError("register buffers with the state store: " + std::to_string(ops_.size()) +
-                                   " extents in flight; wait for them first");
+    return FailedPreconditionError(
+        "register buffers with the state store: " + std::to_string(ops_.size()) +
+        " extents in flight; wait for them first");
   }
   for (auto& f : files_) STRATA_RETURN_IF_ERROR(f->RegisterBuffers(buffers));
   return OkStatus();
@@ -259,17 +275,21 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
   const char* what = kind == IoOp::kRead ? "read extent " : "write extent ";
   const std::string name = what + std::to_string(id);
   if (id >= options_.num_extents) {
-    return OutOfRangeError(name + ": the store has " + std::to_string(options_.num_extents) + " extents");
+    return OutOfRangeError(name + ": the store has " + std::to_string(options_.num_extents) +
+                           " extents");
   }
   if (buffer.size() != slot_bytes_) {
-    return InvalidArgumentError(name + ": buffer of " + std::to_string(buffer.size()) + " bytes, expected " +
-                                std::to_string(slot_bytes_) + " (ExtentBufferBytes())");
+    return InvalidArgumentError(name + ": buffer of " + std::to_string(buffer.size()) +
+                                " bytes, expected " + std::to_string(slot_bytes_) +
+                                " (ExtentBufferBytes())");
   }
   if (reinterpret_cast<uintptr_t>(buffer.data()) % kAlign != 0) {
-    return InvalidArgumentError(name + ": buffer is not 4096-aligned; use pinned or aligned_alloc memory");
+    return InvalidArgumentError(name +
+                                ": buffer is not 4096-aligned; use pinned or aligned_alloc memory");
   }
   if (busy_[id]) {
-    return FailedPreconditionError(name + ": the extent already has IO in flight; wait for its ticket first");
+    return FailedPreconditionError(
+        name + ": the extent already has IO in flight; wait for its ticket first");
   }
   auto op = std::make_unique<Op>();
   op->ticket = next_ticket_++;
@@ -283,15 +303,21 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
     op->generation = committed_[id];
   } else {
     op->generation = committed_[id] + 1;
-    SlotHeader h{kSlotMagic, kFormatVersion, id, op->generation, options_.extent_bytes,
-                 XXH3_64bits(buffer.data() + kHeaderBytes, options_.extent_bytes), 0};
+    SlotHeader h{kSlotMagic,
+                 kFormatVersion,
+                 id,
+                 op->generation,
+                 options_.extent_bytes,
+                 XXH3_64bits(buffer.data() + kHeaderBytes, options_.extent_bytes),
+                 0};
     h.header_hash = HeaderHash(h);
     std::memset(buffer.data(), 0, kHeaderBytes);
     std::memcpy(buffer.data(), &h, sizeof(h));
   }
   op->slot = static_cast<uint32_t>(op->generation % 2);
   std::vector<Placement> chunks = SlotChunks(id, op->slot);
-  std::stable_sort(chunks.begin(), chunks.end(), [](const Placement& a, const Placement& b) { return a.file < b.file; });
+  std::stable_sort(chunks.begin(), chunks.end(),
+                   [](const Placement& a, const Placement& b) { return a.file < b.file; });
   op->pending_per_file.assign(files_.size(), 0);
   // Chunk k of the slot is bytes [k * block, ...) of the buffer; recover k from
   // the file offset so that sorting by file keeps the mapping.
@@ -300,8 +326,9 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
   for (const Placement& p : chunks) {
     const uint64_t k = ((p.offset_bytes - base) / options_.block_bytes) * num_paths + p.file;
     std::span<std::byte> part = buffer.subspan(k * options_.block_bytes, p.size_bytes);
-    op->requests.push_back(kind == IoOp::kRead ? IoRequest::Read(p.offset_bytes, part, op->ticket)
-                                               : IoRequest::Write(p.offset_bytes, part, op->ticket));
+    op->requests.push_back(kind == IoOp::kRead
+                               ? IoRequest::Read(p.offset_bytes, part, op->ticket)
+                               : IoRequest::Write(p.offset_bytes, part, op->ticket));
     ++op->pending_per_file[p.file];
   }
   op->pending = op->requests.size();
@@ -345,14 +372,16 @@ Status StateStore::ReapFile(uint32_t file, size_t min_completions) {
 void StateStore::Finish(Op& op) {
   op.done = true;
   busy_[op.extent] = 0;
-  const std::string gen = " (generation " + std::to_string(op.generation) + ", slot " + std::to_string(op.slot) + ")";
+  const std::string gen =
+      " (generation " + std::to_string(op.generation) + ", slot " + std::to_string(op.slot) + ")";
   if (op.op == IoOp::kWrite) {
     if (op.status.ok()) {
       committed_[op.extent] = op.generation;
     } else {
       std::string keep = committed_[op.extent] == 0
                              ? std::string("; the extent has no committed copy yet")
-                             : "; generation " + std::to_string(committed_[op.extent]) + " in the other slot is intact";
+                             : "; generation " + std::to_string(committed_[op.extent]) +
+                                   " in the other slot is intact";
       op.status = op.status.WithContext("write extent " + std::to_string(op.extent) + gen);
       op.status = Status(op.status.code(), std::string(op.status.message()) + keep);
     }
@@ -371,18 +400,21 @@ Status StateStore::VerifyRead(const Op& op) const {
   const Placement head = SlotChunks(op.extent, op.slot)[0];
   const std::string where = "read extent " + std::to_string(op.extent) + " from " +
                             IoObjectName(file_paths_[head.file], head.offset_bytes, slot_bytes_) +
-                            " (generation " + std::to_string(op.generation) + ", slot " + std::to_string(op.slot) + ")";
-  const std::string advice = ": the copy on disk is torn or corrupt and was not used; restore the state from a checkpoint";
+                            " (generation " + std::to_string(op.generation) + ", slot " +
+                            std::to_string(op.slot) + ")";
+  const std::string advice =
+      ": the copy on disk is torn or corrupt and was not used; restore the state from a checkpoint";
   if (h.magic != kSlotMagic || h.header_hash != HeaderHash(h)) {
     return DataLossError(where + ": slot header checksum mismatch" + advice);
   }
   if (h.extent_id != op.extent || h.payload_bytes != options_.extent_bytes) {
-    return DataLossError(where + ": the header belongs to extent " + std::to_string(h.extent_id) + " with " +
-                         std::to_string(h.payload_bytes) + " bytes" + advice);
+    return DataLossError(where + ": the header belongs to extent " + std::to_string(h.extent_id) +
+                         " with " + std::to_string(h.payload_bytes) + " bytes" + advice);
   }
   if (h.generation != op.generation) {
     return DataLossError(where + ": found generation " + std::to_string(h.generation) +
-                         " where the committed one is expected (a write that reported success did not reach the drive)" +
+                         " where the committed one is expected (a write that reported success did "
+                         "not reach the drive)" +
                          advice);
   }
   if (XXH3_64bits(op.buffer.data() + kHeaderBytes, options_.extent_bytes) != h.payload_hash) {
@@ -393,7 +425,9 @@ Status StateStore::VerifyRead(const Op& op) const {
 
 std::optional<Status> StateStore::Poll(Ticket ticket) {
   auto it = ops_.find(ticket.id);
-  if (it == ops_.end()) return NotFoundError("poll ticket " + std::to_string(ticket.id) + ": unknown or already consumed");
+  if (it == ops_.end())
+    return NotFoundError("poll ticket " + std::to_string(ticket.id) +
+                         ": unknown or already consumed");
   for (uint32_t f = 0; f < files_.size(); ++f) {
     if (files_[f]->InFlight() > 0) {
       Status s = ReapFile(f, 0);
@@ -408,7 +442,9 @@ std::optional<Status> StateStore::Poll(Ticket ticket) {
 
 Status StateStore::Wait(Ticket ticket) {
   auto it = ops_.find(ticket.id);
-  if (it == ops_.end()) return NotFoundError("wait ticket " + std::to_string(ticket.id) + ": unknown or already consumed");
+  if (it == ops_.end())
+    return NotFoundError("wait ticket " + std::to_string(ticket.id) +
+                         ": unknown or already consumed");
   Op& op = *it->second;
   while (!op.done) {
     for (uint32_t f = 0; f < files_.size(); ++f) {

@@ -81,7 +81,8 @@ class StateStore {
   static constexpr uint64_t kHeaderBytes = 4096;
   static constexpr uint64_t kSuperblockBytes = 4096;
 
-  static Result<std::unique_ptr<StateStore>> Create(Storage& storage, const StateStoreOptions& options);
+  static Result<std::unique_ptr<StateStore>> Create(Storage& storage,
+                                                    const StateStoreOptions& options);
   ~StateStore();
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;

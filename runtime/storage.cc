@@ -14,8 +14,8 @@
 #include <string>
 
 #include "runtime/log.h"
-#include "runtime/units.h"
 #include "runtime/storage_internal.h"
+#include "runtime/units.h"
 
 namespace strata {
 namespace {
@@ -55,8 +55,8 @@ CompletionDecision InterpretCompletion(const IoRequest& request, std::string_vie
     if (err == EINTR || err == EAGAIN) {
       if (request.retries + 1 > kMaxIoRetries) {
         return {CompletionAction::kFail, done, request.retries + 1,
-                ErrnoError(err, object()).WithContext(
-                    "gave up after " + std::to_string(kMaxIoRetries) + " retries")};
+                ErrnoError(err, object())
+                    .WithContext("gave up after " + std::to_string(kMaxIoRetries) + " retries")};
       }
       return {CompletionAction::kResubmit, done, request.retries + 1, OkStatus()};
     }
@@ -80,8 +80,8 @@ CompletionDecision InterpretCompletion(const IoRequest& request, std::string_vie
     }
     if (request.retries + 1 > kMaxIoRetries) {
       return {CompletionAction::kFail, total, request.retries + 1,
-              UnavailableError(object() + ": no progress after " +
-                               std::to_string(kMaxIoRetries) + " zero-byte writes")};
+              UnavailableError(object() + ": no progress after " + std::to_string(kMaxIoRetries) +
+                               " zero-byte writes")};
     }
     return {CompletionAction::kResubmit, total, request.retries + 1, OkStatus()};
   }
@@ -95,7 +95,8 @@ Status ValidateBatch(const FileInfo& info, std::span<IoRequest> requests) {
   const uint64_t align = info.alignment_bytes;
   for (const IoRequest& r : requests) {
     auto object = [&] {
-      return std::string(OpName(r.op)) + " " + IoObjectName(info.path, r.offset_bytes, r.buffer.size());
+      return std::string(OpName(r.op)) + " " +
+             IoObjectName(info.path, r.offset_bytes, r.buffer.size());
     };
     if (r.buffer.empty() || r.buffer.data() == nullptr) {
       return InvalidArgumentError(object() + ": empty buffer");
@@ -175,7 +176,8 @@ Result<OpenedFd> OpenBlockFd(const std::string& path, const FileOptions& options
   struct stat st;
   if (want_direct && ::fstat(fd, &st) == 0 && S_ISBLK(st.st_mode)) {
     int logical = 0;
-    if (::ioctl(fd, BLKSSZGET, &logical) == 0 && static_cast<uint64_t>(logical) > out.alignment_bytes) {
+    if (::ioctl(fd, BLKSSZGET, &logical) == 0 &&
+        static_cast<uint64_t>(logical) > out.alignment_bytes) {
       out.alignment_bytes = static_cast<uint64_t>(logical);
     }
   }
@@ -284,7 +286,8 @@ class CountingFile final : public File {
 class CountingStorage final : public Storage {
  public:
   CountingStorage(std::unique_ptr<Storage> base, std::shared_ptr<IoCounters> counters)
-      : base_(std::move(base)), counters_(std::move(counters)),
+      : base_(std::move(base)),
+        counters_(std::move(counters)),
         name_("counting(" + std::string(base_->name()) + ")") {}
   std::string_view name() const override { return name_; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override {
@@ -309,22 +312,25 @@ std::unique_ptr<Storage> CreateCountingStorage(std::unique_ptr<Storage> base,
 
 #if !STRATA_HAVE_URING
 Result<std::unique_ptr<Storage>> CreateUringStorage(SqPoll) {
-  return UnavailableError("io_uring backend: not built (liburing-dev was missing at configure time)");
+  return UnavailableError(
+      "io_uring backend: not built (liburing-dev was missing at configure time)");
 }
 bool UringAvailable() { return false; }
 #endif
 
 Result<std::unique_ptr<Storage>> CreateStorage(const StorageOptions& options) {
   switch (options.backend) {
-    case StorageBackend::kMem: return CreateMemStorage();
-    case StorageBackend::kPosix: return CreatePosixStorage();
-    case StorageBackend::kUring: break;
+    case StorageBackend::kMem:
+      return CreateMemStorage();
+    case StorageBackend::kPosix:
+      return CreatePosixStorage();
+    case StorageBackend::kUring:
+      break;
   }
   Result<std::unique_ptr<Storage>> uring =
-      UringRefusedByEnv()
-          ? Result<std::unique_ptr<Storage>>(
-                UnavailableError("io_uring refused: STRATA_URING_REFUSE is set in the environment"))
-          : CreateUringStorage(options.sqpoll);
+      UringRefusedByEnv() ? Result<std::unique_ptr<Storage>>(UnavailableError(
+                                "io_uring refused: STRATA_URING_REFUSE is set in the environment"))
+                          : CreateUringStorage(options.sqpoll);
   if (uring.ok()) return uring;
   if (options.fallback == UringFallback::kFail) return std::move(uring).status();
   WarnOnce("uring-fallback", std::string(uring.status().message()) +

@@ -13,9 +13,9 @@
 // (runtime/testing/).
 //
 //   STRATA_ASSIGN_OR_RETURN(auto storage, CreateStorage({.backend = StorageBackend::kUring}));
-//   STRATA_ASSIGN_OR_RETURN(auto file, storage->Open("/nvme/x.state", {.create = FileCreate::kCreate}));
-//   STRATA_RETURN_IF_ERROR(file->Resize(64 * kMiB));
-//   std::array<IoRequest, 2> reqs = {IoRequest::Write(0, buf_a), IoRequest::Write(kMiB, buf_b)};
+//   STRATA_ASSIGN_OR_RETURN(auto file, storage->Open("/nvme/x.state", {.create =
+//   FileCreate::kCreate})); STRATA_RETURN_IF_ERROR(file->Resize(64 * kMiB)); std::array<IoRequest,
+//   2> reqs = {IoRequest::Write(0, buf_a), IoRequest::Write(kMiB, buf_b)};
 //   STRATA_RETURN_IF_ERROR(file->Submit(reqs));
 //   std::array<IoRequest*, 2> done;
 //   STRATA_ASSIGN_OR_RETURN(size_t n, file->Reap(done, /*min_completions=*/2));
@@ -72,10 +72,12 @@ struct IoRequest {
   // retries so far). Reset by Submit().
   uint32_t retries = 0;
 
-  static IoRequest Read(uint64_t offset_bytes, std::span<std::byte> buffer, uint64_t user_data = 0) {
+  static IoRequest Read(uint64_t offset_bytes, std::span<std::byte> buffer,
+                        uint64_t user_data = 0) {
     return IoRequest{IoOp::kRead, offset_bytes, buffer, user_data, {}, 0, 0};
   }
-  static IoRequest Write(uint64_t offset_bytes, std::span<std::byte> buffer, uint64_t user_data = 0) {
+  static IoRequest Write(uint64_t offset_bytes, std::span<std::byte> buffer,
+                         uint64_t user_data = 0) {
     return IoRequest{IoOp::kWrite, offset_bytes, buffer, user_data, {}, 0, 0};
   }
 };
@@ -191,7 +193,8 @@ class Storage {
   virtual std::string_view name() const = 0;
   // NotFound when missing and options.create is kOpenExisting; InvalidArgument
   // when O_DIRECT is required and refused.
-  virtual Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) = 0;
+  virtual Result<std::unique_ptr<File>> Open(const std::string& path,
+                                             const FileOptions& options) = 0;
   // Removes a file (NotFound when missing).
   virtual Status Remove(const std::string& path) = 0;
 };

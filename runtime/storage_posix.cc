@@ -99,7 +99,8 @@ class PosixFile final : public File {
       std::byte* p = r.buffer.data() + r.transferred_bytes;
       const size_t len = r.buffer.size() - r.transferred_bytes;
       const off_t off = static_cast<off_t>(r.offset_bytes + r.transferred_bytes);
-      ssize_t n = r.op == IoOp::kRead ? ::pread(fd_.get(), p, len, off) : ::pwrite(fd_.get(), p, len, off);
+      ssize_t n =
+          r.op == IoOp::kRead ? ::pread(fd_.get(), p, len, off) : ::pwrite(fd_.get(), p, len, off);
       const int64_t raw = n < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(n);
       CompletionDecision d = InterpretCompletion(r, info_.path, raw);
       r.transferred_bytes = d.transferred_bytes;
@@ -126,7 +127,8 @@ class PosixStorage final : public Storage {
   std::string_view name() const override { return "posix"; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override {
     STRATA_ASSIGN_OR_RETURN(auto opened, internal::OpenBlockFd(path, options));
-    return std::unique_ptr<File>(std::make_unique<PosixFile>(std::move(opened), path, options.queue_depth));
+    return std::unique_ptr<File>(
+        std::make_unique<PosixFile>(std::move(opened), path, options.queue_depth));
   }
   Status Remove(const std::string& path) override { return internal::RemovePath(path); }
 };

@@ -85,7 +85,8 @@ class UringFile final : public File {
   Status RegisterBuffers(std::span<const std::span<std::byte>> buffers) override {
     if (in_flight_ != 0) {
       return FailedPreconditionError("register buffers on " + info_.path + ": " +
-                                     std::to_string(in_flight_) + " requests in flight; reap them first");
+                                     std::to_string(in_flight_) +
+                                     " requests in flight; reap them first");
     }
     if (!registered_.empty()) {
       io_uring_unregister_buffers(&ring_);
@@ -171,11 +172,15 @@ class UringFile final : public File {
       const int fd = fixed_file_ ? 0 : fd_.get();
       const int idx = FixedIndex(p, len);
       if (r->op == IoOp::kRead) {
-        if (idx >= 0) io_uring_prep_read_fixed(sqe, fd, p, len, off, idx);
-        else io_uring_prep_read(sqe, fd, p, len, off);
+        if (idx >= 0)
+          io_uring_prep_read_fixed(sqe, fd, p, len, off, idx);
+        else
+          io_uring_prep_read(sqe, fd, p, len, off);
       } else {
-        if (idx >= 0) io_uring_prep_write_fixed(sqe, fd, p, len, off, idx);
-        else io_uring_prep_write(sqe, fd, p, len, off);
+        if (idx >= 0)
+          io_uring_prep_write_fixed(sqe, fd, p, len, off, idx);
+        else
+          io_uring_prep_write(sqe, fd, p, len, off);
       }
       if (fixed_file_) sqe->flags |= IOSQE_FIXED_FILE;
       io_uring_sqe_set_data(sqe, r);
@@ -262,8 +267,10 @@ Result<std::unique_ptr<Storage>> CreateUringStorage(SqPoll sqpoll) {
   io_uring ring;
   int rc = io_uring_queue_init(4, &ring, 0);
   if (rc < 0) {
-    return Status(StatusCode::kUnavailable,
-                  std::string(ErrnoError(-rc, "io_uring refused by the kernel: io_uring_queue_init").message()));
+    return Status(
+        StatusCode::kUnavailable,
+        std::string(
+            ErrnoError(-rc, "io_uring refused by the kernel: io_uring_queue_init").message()));
   }
   io_uring_queue_exit(&ring);
   return std::unique_ptr<Storage>(std::make_unique<UringStorage>(sqpoll));

@@ -1,6 +1,7 @@
 // `strata bench nvme`: sequential read or write throughput of the storage
 // engine on one or more drives, optionally against fio on the same files with
 // the same engine, block size and queue depth, interleaved, best of several.
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -11,12 +12,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "runtime/log.h"
 #include "runtime/storage.h"
@@ -81,13 +80,15 @@ struct AlignedBuffers {
   AlignedBuffers(size_t count, size_t bytes, HugePages huge) {
     constexpr size_t kHuge = 2 << 20;
     map_bytes = (count * bytes + kHuge - 1) / kHuge * kHuge + kHuge;
-    void* p = ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* p =
+        ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
       map = nullptr;
       return;
     }
     map = static_cast<std::byte*>(p);
-    std::byte* base = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(map) + kHuge - 1) / kHuge * kHuge);
+    std::byte* base = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(map) + kHuge - 1) /
+                                                   kHuge * kHuge);
     if (huge == HugePages::kTransparent) ::madvise(base, map_bytes - kHuge, MADV_HUGEPAGE);
     for (size_t i = 0; i < count; ++i) spans.emplace_back(base + i * bytes, bytes);
   }
@@ -97,7 +98,8 @@ struct AlignedBuffers {
   // segments per request.
   void Fill() {
     for (size_t i = 0; i < spans.size(); ++i) {
-      for (size_t j = 0; j < spans[i].size(); ++j) spans[i][j] = static_cast<std::byte>((j * 131 + i * 7) & 0xff);
+      for (size_t j = 0; j < spans[i].size(); ++j)
+        spans[i][j] = static_cast<std::byte>((j * 131 + i * 7) & 0xff);
     }
   }
   ~AlignedBuffers() {
@@ -116,7 +118,8 @@ Status RunFile(File& file, IoOp op, uint64_t size_bytes, uint64_t block_bytes, u
   uint64_t next = 0;
   size_t active = 0;
   for (uint32_t i = 0; i < qd && next < size_bytes; ++i, next += block_bytes) {
-    reqs[i] = IoRequest{op, next, buffers[i].first(std::min(block_bytes, size_bytes - next)), i, {}, 0, 0};
+    reqs[i] = IoRequest{op, next, buffers[i].first(std::min(block_bytes, size_bytes - next)), i, {},
+                        0,  0};
     ++active;
   }
   STRATA_RETURN_IF_ERROR(file.Submit(std::span(reqs).first(active)));
@@ -127,7 +130,13 @@ Status RunFile(File& file, IoOp op, uint64_t size_bytes, uint64_t block_bytes, u
       STRATA_RETURN_IF_ERROR(r->status);
       if (progress) progress->fetch_add(r->transferred_bytes, std::memory_order_relaxed);
       if (next < size_bytes) {
-        *r = IoRequest{op, next, buffers[r->user_data].first(std::min(block_bytes, size_bytes - next)), r->user_data, {}, 0, 0};
+        *r = IoRequest{op,
+                       next,
+                       buffers[r->user_data].first(std::min(block_bytes, size_bytes - next)),
+                       r->user_data,
+                       {},
+                       0,
+                       0};
         next += block_bytes;
         STRATA_RETURN_IF_ERROR(file.Submit(std::span(r, 1)));
       } else {
@@ -143,8 +152,8 @@ enum class Progress : uint8_t { kQuiet, kShow };
 // One pass over every file, one thread per file (as fio runs one job per
 // file). Returns bytes per second over all files.
 Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint64_t per_file_bytes,
-                       uint64_t block_bytes, uint32_t qd, std::vector<std::unique_ptr<AlignedBuffers>>& bufs,
-                       Progress show_progress) {
+                       uint64_t block_bytes, uint32_t qd,
+                       std::vector<std::unique_ptr<AlignedBuffers>>& bufs, Progress show_progress) {
   std::vector<Status> results(files.size());
   std::atomic<uint64_t> progress{0};
   std::atomic<bool> finished{false};
@@ -152,7 +161,8 @@ Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint6
   std::vector<std::thread> threads;
   for (size_t f = 0; f < files.size(); ++f) {
     threads.emplace_back([&, f] {
-      results[f] = RunFile(*files[f], op, per_file_bytes, block_bytes, qd, bufs[f]->spans, &progress);
+      results[f] =
+          RunFile(*files[f], op, per_file_bytes, block_bytes, qd, bufs[f]->spans, &progress);
     });
   }
   std::thread reporter;
@@ -162,7 +172,8 @@ Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint6
       while (!finished.load()) {
         std::fprintf(stderr, "\rwriting test files: %s / %s ", FormatBytes(progress.load()).c_str(),
                      FormatBytes(total).c_str());
-        for (int i = 0; i < 10 && !finished.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        for (int i = 0; i < 10 && !finished.load(); ++i)
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
       std::fprintf(stderr, "\rwriting test files: %s done%20s\n", FormatBytes(total).c_str(), "");
     });
@@ -175,14 +186,15 @@ Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint6
   return static_cast<double>(per_file_bytes * files.size()) / secs;
 }
 
-std::string FioCommand(const NvmeArgs& a, const std::vector<std::string>& files, uint64_t per_file_bytes,
-                       uint64_t block_bytes) {
+std::string FioCommand(const NvmeArgs& a, const std::vector<std::string>& files,
+                       uint64_t per_file_bytes, uint64_t block_bytes) {
   std::string cmd = fmt::format(
       "fio --output-format=json --ioengine={} --direct=1 --rw={} --bs={} --iodepth={} --size={} "
       "--group_reporting",
       a.backend == "uring" ? "io_uring" : "psync", a.op, block_bytes, a.qd, per_file_bytes);
   if (a.backend == "uring") cmd += " --fixedbufs --registerfiles";
-  for (size_t i = 0; i < files.size(); ++i) cmd += fmt::format(" --name=job{} --filename={}", i, files[i]);
+  for (size_t i = 0; i < files.size(); ++i)
+    cmd += fmt::format(" --name=job{} --filename={}", i, files[i]);
   return cmd;
 }
 
@@ -195,11 +207,13 @@ Result<double> RunFio(const std::string& cmd, const std::string& op) {
   while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
   const int rc = ::pclose(p);
   if (rc != 0) {
-    return FailedPreconditionError(fmt::format("run `{}`: exit status {}; is the fio package installed?", cmd, rc));
+    return FailedPreconditionError(
+        fmt::format("run `{}`: exit status {}; is the fio package installed?", cmd, rc));
   }
   // fio may print notes before the JSON object.
   const size_t brace = out.find('{');
-  nlohmann::json j = nlohmann::json::parse(brace == std::string::npos ? out : out.substr(brace), nullptr, false);
+  nlohmann::json j =
+      nlohmann::json::parse(brace == std::string::npos ? out : out.substr(brace), nullptr, false);
   if (j.is_discarded() || !j.contains("jobs") || j["jobs"].empty()) {
     return InternalError("parse fio's JSON output of `" + cmd + "`");
   }
@@ -215,7 +229,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
   STRATA_ASSIGN_OR_RETURN(uint64_t size_bytes, ParseBytes(a.size));
   STRATA_ASSIGN_OR_RETURN(uint64_t block_bytes, ParseBytes(a.block));
   if (block_bytes == 0 || block_bytes % 4096 != 0) {
-    return InvalidArgumentError(fmt::format("--block {}: must be a positive multiple of 4096 (O_DIRECT)", a.block));
+    return InvalidArgumentError(
+        fmt::format("--block {}: must be a positive multiple of 4096 (O_DIRECT)", a.block));
   }
   if (a.qd == 0 || a.qd > 1024) return InvalidArgumentError("--qd must be 1..1024");
   if (a.repeat < 1) return InvalidArgumentError("--repeat must be at least 1");
@@ -226,7 +241,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
   const IoOp op = a.op == "read" ? IoOp::kRead : IoOp::kWrite;
 
   STRATA_ASSIGN_OR_RETURN(
-      auto storage, CreateStorage({.backend = a.backend == "posix" ? StorageBackend::kPosix : StorageBackend::kUring}));
+      auto storage, CreateStorage({.backend = a.backend == "posix" ? StorageBackend::kPosix
+                                                                   : StorageBackend::kUring}));
   ::signal(SIGINT, OnSignal);
   ::signal(SIGTERM, OnSignal);
   TestFiles test_files;
@@ -245,14 +261,18 @@ Status RunBenchNvme(const NvmeArgs& a) {
     files.push_back(std::move(f));
   }
   const FileInfo& info = files[0]->info();
-  std::fprintf(stderr, "bench nvme: %s %s sequential, %zu file(s) x %s, block %s, qd %u, %s backend (%s%s)\n",
-               a.op.c_str(), info.io_mode == IoMode::kDirect ? "O_DIRECT" : "buffered", files.size(),
-               FormatBytes(per_file_bytes).c_str(), FormatBytes(block_bytes).c_str(), a.qd,
-               std::string(storage->name()).c_str(), info.fixed_buffers ? "fixed buffers" : "unregistered buffers",
-               info.fixed_file ? ", registered file" : "");
+  std::fprintf(
+      stderr,
+      "bench nvme: %s %s sequential, %zu file(s) x %s, block %s, qd %u, %s backend (%s%s)\n",
+      a.op.c_str(), info.io_mode == IoMode::kDirect ? "O_DIRECT" : "buffered", files.size(),
+      FormatBytes(per_file_bytes).c_str(), FormatBytes(block_bytes).c_str(), a.qd,
+      std::string(storage->name()).c_str(),
+      info.fixed_buffers ? "fixed buffers" : "unregistered buffers",
+      info.fixed_file ? ", registered file" : "");
   // Lay the files out (also what the write test overwrites, as fio does).
   STRATA_RETURN_IF_ERROR(
-      RunPass(files, IoOp::kWrite, per_file_bytes, block_bytes, a.qd, bufs, Progress::kShow).status());
+      RunPass(files, IoOp::kWrite, per_file_bytes, block_bytes, a.qd, bufs, Progress::kShow)
+          .status());
   for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
 
   const std::string fio_cmd = FioCommand(a, test_files.paths(), per_file_bytes, block_bytes);
@@ -265,7 +285,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
     if (fio_first) {
       STRATA_ASSIGN_OR_RETURN(f, RunFio(fio_cmd, a.op));
     }
-    STRATA_ASSIGN_OR_RETURN(double bw, RunPass(files, op, per_file_bytes, block_bytes, a.qd, bufs, Progress::kQuiet));
+    STRATA_ASSIGN_OR_RETURN(
+        double bw, RunPass(files, op, per_file_bytes, block_bytes, a.qd, bufs, Progress::kQuiet));
     ours.push_back(bw);
     if (a.vs_fio && !fio_first) {
       STRATA_ASSIGN_OR_RETURN(f, RunFio(fio_cmd, a.op));
@@ -301,9 +322,11 @@ Status RunBenchNvme(const NvmeArgs& a) {
     std::printf("%s\n", j.dump().c_str());
   } else {
     std::printf("nvme %s  block %s  qd %u  files %zu: strata %s (best of %d)", a.op.c_str(),
-                FormatBytes(block_bytes).c_str(), a.qd, files.size(), FormatRate(best).c_str(), a.repeat);
+                FormatBytes(block_bytes).c_str(), a.qd, files.size(), FormatRate(best).c_str(),
+                a.repeat);
     if (a.vs_fio) {
-      std::printf("  fio %s  ratio %.3f", FormatRate(fio_best).c_str(), fio_best > 0 ? best / fio_best : 0.0);
+      std::printf("  fio %s  ratio %.3f", FormatRate(fio_best).c_str(),
+                  fio_best > 0 ? best / fio_best : 0.0);
     }
     std::printf("\n");
   }
@@ -314,27 +337,41 @@ Status RunBenchNvme(const NvmeArgs& a) {
 
 void AddBenchNvmeCommand(Cli& cli) {
   auto args = std::make_shared<NvmeArgs>();
-  CLI::App* cmd = cli.bench->add_subcommand("nvme", "Sequential NVMe read/write throughput, optionally vs fio");
-  auto* dir = cmd->add_option("--dir", args->dir, "Directory for the test file (removed afterwards)");
-  auto* paths = cmd->add_option("--paths", args->paths, "Directories, one per drive (striped), comma separated")
+  CLI::App* cmd =
+      cli.bench->add_subcommand("nvme", "Sequential NVMe read/write throughput, optionally vs fio");
+  auto* dir =
+      cmd->add_option("--dir", args->dir, "Directory for the test file (removed afterwards)");
+  auto* paths = cmd->add_option("--paths", args->paths,
+                                "Directories, one per drive (striped), comma separated")
                     ->delimiter(',');
   dir->excludes(paths);
   paths->excludes(dir);
-  cmd->add_option("--size", args->size, "Bytes moved per run, over all paths (e.g. 1GiB)")->capture_default_str();
-  cmd->add_option("--block", args->block, "Block (request) size, a multiple of 4096")->capture_default_str();
-  cmd->add_option("--qd", args->qd, "Requests in flight per file")->capture_default_str()->check(CLI::Range(1, 1024));
-  cmd->add_option("--op", args->op, "read or write")->capture_default_str()->check(CLI::IsMember({"read", "write"}));
-  cmd->add_option("--backend", args->backend, "uring or posix")->capture_default_str()->check(
-      CLI::IsMember({"uring", "posix"}));
+  cmd->add_option("--size", args->size, "Bytes moved per run, over all paths (e.g. 1GiB)")
+      ->capture_default_str();
+  cmd->add_option("--block", args->block, "Block (request) size, a multiple of 4096")
+      ->capture_default_str();
+  cmd->add_option("--qd", args->qd, "Requests in flight per file")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--op", args->op, "read or write")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"read", "write"}));
+  cmd->add_option("--backend", args->backend, "uring or posix")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"uring", "posix"}));
   cmd->add_option("--buffers", args->buffers,
-                  "IO buffer memory: thp (transparent huge pages, fewer DMA segments) or plain (4 KiB pages, as fio uses)")
+                  "IO buffer memory: thp (transparent huge pages, fewer DMA segments) or plain (4 "
+                  "KiB pages, as fio uses)")
       ->capture_default_str()
       ->check(CLI::IsMember({"thp", "plain"}));
-  cmd->add_option("--repeat", args->repeat, "Runs of each (best is reported)")->capture_default_str()->check(
-      CLI::Range(1, 100));
-  cmd->add_flag("--vs-fio", args->vs_fio, "Also run fio with the same engine, file, size, block and depth");
+  cmd->add_option("--repeat", args->repeat, "Runs of each (best is reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
+  cmd->add_flag("--vs-fio", args->vs_fio,
+                "Also run fio with the same engine, file, size, block and depth");
   cmd->add_flag("--json", args->json, "Print one JSON object on stdout");
-  cmd->callback([&cli, args] { RunAction(cli, "bench nvme", [args] { return RunBenchNvme(*args); }); });
+  cmd->callback(
+      [&cli, args] { RunAction(cli, "bench nvme", [args] { return RunBenchNvme(*args); }); });
 }
 
 }  // namespace strata::cli

@@ -75,7 +75,7 @@ class FaultFile final : public File {
   Status Sync() override {
     if (storage_->Draw(&FaultOptions::sync_eio_one_in)) {
       storage_->mutable_stats().injected_errors.fetch_add(1);
-      return ErrnoError(EIO, "sync " + info_.path) .WithContext("injected");
+      return ErrnoError(EIO, "sync " + info_.path).WithContext("injected");
     }
     STRATA_RETURN_IF_ERROR(base_->Sync());
     storage_->ForgetWrites(info_.path);
@@ -84,7 +84,8 @@ class FaultFile final : public File {
   Status Resize(uint64_t size_bytes) override { return base_->Resize(size_bytes); }
   Result<uint64_t> SizeBytes() override { return base_->SizeBytes(); }
   Status RegisterBuffers(std::span<const std::span<std::byte>> buffers) override {
-    if (in_flight_ != 0) return FailedPreconditionError("register buffers on " + info_.path + ": IO in flight");
+    if (in_flight_ != 0)
+      return FailedPreconditionError("register buffers on " + info_.path + ": IO in flight");
     Status s = base_->RegisterBuffers(buffers);
     info_.fixed_buffers = base_->info().fixed_buffers;
     return s;
@@ -110,7 +111,8 @@ class FaultFile final : public File {
       std::this_thread::sleep_for(storage_->options().latency);
     }
     const bool is_read = r->op == IoOp::kRead;
-    if (storage_->Draw(is_read ? &FaultOptions::read_eio_one_in : &FaultOptions::write_eio_one_in)) {
+    if (storage_->Draw(is_read ? &FaultOptions::read_eio_one_in
+                               : &FaultOptions::write_eio_one_in)) {
       stats.injected_errors.fetch_add(1);
       return Apply(r, -EIO);
     }
@@ -136,8 +138,13 @@ class FaultFile final : public File {
       len = half;
       torn = true;
     }
-    attempts_.push_back(Attempt{IoRequest{r->op, r->offset_bytes + r->transferred_bytes,
-                                          r->buffer.subspan(r->transferred_bytes, len), 0, {}, 0, 0},
+    attempts_.push_back(Attempt{IoRequest{r->op,
+                                          r->offset_bytes + r->transferred_bytes,
+                                          r->buffer.subspan(r->transferred_bytes, len),
+                                          0,
+                                          {},
+                                          0,
+                                          0},
                                 r, torn});
     Attempt& a = attempts_.back();
     a.inner.user_data = reinterpret_cast<uintptr_t>(&a);
@@ -187,16 +194,20 @@ class FaultFile final : public File {
 }  // namespace
 
 FaultStorage::FaultStorage(std::unique_ptr<Storage> base, const FaultOptions& options)
-    : base_(std::move(base)), name_("fault(" + std::string(base_->name()) + ")"), options_(options),
+    : base_(std::move(base)),
+      name_("fault(" + std::string(base_->name()) + ")"),
+      options_(options),
       rng_(options.seed) {}
 
 FaultStorage::~FaultStorage() = default;
 
-std::unique_ptr<FaultStorage> FaultStorage::Create(std::unique_ptr<Storage> base, const FaultOptions& options) {
+std::unique_ptr<FaultStorage> FaultStorage::Create(std::unique_ptr<Storage> base,
+                                                   const FaultOptions& options) {
   return std::unique_ptr<FaultStorage>(new FaultStorage(std::move(base), options));
 }
 
-Result<std::unique_ptr<File>> FaultStorage::Open(const std::string& path, const FileOptions& options) {
+Result<std::unique_ptr<File>> FaultStorage::Open(const std::string& path,
+                                                 const FileOptions& options) {
   STRATA_ASSIGN_OR_RETURN(auto file, base_->Open(path, options));
   return std::unique_ptr<File>(std::make_unique<FaultFile>(this, std::move(file)));
 }
@@ -223,7 +234,8 @@ bool FaultStorage::Draw(uint32_t FaultOptions::*kind) {
   return rng_() % n == 0;
 }
 
-void FaultStorage::RecordWrite(const std::string& path, uint64_t offset_bytes, uint64_t size_bytes) {
+void FaultStorage::RecordWrite(const std::string& path, uint64_t offset_bytes,
+                               uint64_t size_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   unsynced_[path].emplace_back(offset_bytes, size_bytes);
 }
@@ -240,7 +252,8 @@ Status FaultStorage::SimulateCrash() {
     lost.swap(unsynced_);
   }
   for (const auto& [path, ranges] : lost) {
-    STRATA_ASSIGN_OR_RETURN(auto file, base_->Open(path, {.direct = DirectIo::kOff, .queue_depth = 1}));
+    STRATA_ASSIGN_OR_RETURN(auto file,
+                            base_->Open(path, {.direct = DirectIo::kOff, .queue_depth = 1}));
     for (const auto& [offset, size] : ranges) {
       std::vector<std::byte> poison(size, std::byte{0xDB});
       IoRequest req = IoRequest::Write(offset, poison);

@@ -64,7 +64,8 @@ struct FaultStats {
 
 class FaultStorage final : public Storage {
  public:
-  static std::unique_ptr<FaultStorage> Create(std::unique_ptr<Storage> base, const FaultOptions& options);
+  static std::unique_ptr<FaultStorage> Create(std::unique_ptr<Storage> base,
+                                              const FaultOptions& options);
   ~FaultStorage() override;
 
   std::string_view name() const override { return name_; }

@@ -9,7 +9,8 @@ namespace strata::testing {
 
 class ManualFile final : public File {
  public:
-  ManualFile(ManualStorage* storage, std::unique_ptr<File> base) : storage_(storage), base_(std::move(base)) {
+  ManualFile(ManualStorage* storage, std::unique_ptr<File> base)
+      : storage_(storage), base_(std::move(base)) {
     info_ = base_->info();
     info_.backend = "manual";
   }
@@ -74,7 +75,8 @@ std::unique_ptr<ManualStorage> ManualStorage::Create() {
   return std::unique_ptr<ManualStorage>(new ManualStorage());
 }
 
-Result<std::unique_ptr<File>> ManualStorage::Open(const std::string& path, const FileOptions& options) {
+Result<std::unique_ptr<File>> ManualStorage::Open(const std::string& path,
+                                                  const FileOptions& options) {
   STRATA_ASSIGN_OR_RETURN(auto base, base_->Open(path, options));
   return std::unique_ptr<File>(std::make_unique<ManualFile>(this, std::move(base)));
 }
@@ -108,7 +110,8 @@ void ManualStorage::ForgetFile(ManualFile* file) {
 
 Result<ManualStorage::Entry> ManualStorage::Take(IoRequest* request) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = std::find_if(pending_.begin(), pending_.end(), [&](const Entry& e) { return e.request == request; });
+  auto it = std::find_if(pending_.begin(), pending_.end(),
+                         [&](const Entry& e) { return e.request == request; });
   if (it == pending_.end()) return NotFoundError("manual storage: the request is not pending");
   Entry e = *it;
   pending_.erase(it);

@@ -49,7 +49,8 @@ class AlignedBuffer {
   explicit AlignedBuffer(size_t size_bytes, size_t alignment_bytes = 4096)
       : size_(size_bytes),
         data_(static_cast<std::byte*>(std::aligned_alloc(
-            alignment_bytes, (size_bytes + alignment_bytes - 1) / alignment_bytes * alignment_bytes))) {
+            alignment_bytes,
+            (size_bytes + alignment_bytes - 1) / alignment_bytes * alignment_bytes))) {
     std::memset(data_, 0, size_);
   }
   ~AlignedBuffer() { std::free(data_); }

@@ -1,16 +1,16 @@
 // The NVMe state store: round trips over every backend and striping, per-extent
 // completion, checksums, double-buffered slots under faults (many seeds),
 // restart and crash.
+#include "offload/state_store.h"
+
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <random>
 
-#include <gtest/gtest.h>
-
-#include "offload/state_store.h"
 #include "runtime/testing/fault_storage.h"
 #include "runtime/testing/manual_storage.h"
 #include "runtime/testing/test_util.h"
@@ -33,7 +33,8 @@ class StoreTest : public ::testing::Test {
       std::filesystem::create_directory(paths_.back());
     }
   }
-  StateStoreOptions Options(size_t num_paths, uint64_t extent_bytes, uint32_t num_extents, uint64_t block) {
+  StateStoreOptions Options(size_t num_paths, uint64_t extent_bytes, uint32_t num_extents,
+                            uint64_t block) {
     return {.paths = std::vector<std::string>(paths_.begin(), paths_.begin() + num_paths),
             .rank = 1,
             .extent_bytes = extent_bytes,
@@ -62,11 +63,15 @@ TEST_F(StoreTest, RoundTripOverEveryBackendPathCountAndShape) {
   struct Shape {
     size_t paths;
     uint64_t extent_bytes, block;
-  } shapes[] = {{1, 100000, 65536}, {2, 1 << 20, 65536}, {3, 300000, 16384}, {3, 4096, 1 << 20}, {2, 12345, 4096}};
+  } shapes[] = {{1, 100000, 65536},
+                {2, 1 << 20, 65536},
+                {3, 300000, 16384},
+                {3, 4096, 1 << 20},
+                {2, 12345, 4096}};
   for (auto& [name, storage] : storages) {
     for (const Shape& sh : shapes) {
-      SCOPED_TRACE(name + " paths " + std::to_string(sh.paths) + " extent " + std::to_string(sh.extent_bytes) +
-                   " block " + std::to_string(sh.block));
+      SCOPED_TRACE(name + " paths " + std::to_string(sh.paths) + " extent " +
+                   std::to_string(sh.extent_bytes) + " block " + std::to_string(sh.block));
       auto store = StateStore::Create(*storage, Options(sh.paths, sh.extent_bytes, 3, sh.block));
       ASSERT_TRUE(store.ok()) << store.status();
       StateStore& s = **store;
@@ -78,12 +83,15 @@ TEST_F(StoreTest, RoundTripOverEveryBackendPathCountAndShape) {
       }
       // All three writes in flight at once.
       std::vector<StateStore::Ticket> tickets;
-      for (uint32_t id = 0; id < 3; ++id) tickets.push_back(s.WriteExtent(id, bufs[id]->span()).value());
+      for (uint32_t id = 0; id < 3; ++id)
+        tickets.push_back(s.WriteExtent(id, bufs[id]->span()).value());
       for (auto t : tickets) ASSERT_TRUE(s.Wait(t).ok());
       for (uint32_t id = 0; id < 3; ++id) {
         AlignedBuffer back(s.ExtentBufferBytes());
         ASSERT_TRUE(ReadWait(s, id, back.span()).ok());
-        EXPECT_EQ(std::memcmp(s.Payload(back.span()).data(), s.Payload(bufs[id]->span()).data(), sh.extent_bytes), 0);
+        EXPECT_EQ(std::memcmp(s.Payload(back.span()).data(), s.Payload(bufs[id]->span()).data(),
+                              sh.extent_bytes),
+                  0);
         EXPECT_EQ(s.generation(id), 1u);
       }
     }
@@ -137,43 +145,53 @@ TEST_F(StoreTest, CompletionIsPerExtentWhenRequestsCompleteOutOfOrder) {
   auto pb = store->Poll(tb);
   ASSERT_TRUE(pb.has_value());
   EXPECT_TRUE(pb->ok()) << *pb;
-  EXPECT_EQ(std::memcmp(store->Payload(rb.span()).data(), store->Payload(b.span()).data(), 64 * kKiB), 0);
+  EXPECT_EQ(
+      std::memcmp(store->Payload(rb.span()).data(), store->Payload(b.span()).data(), 64 * kKiB), 0);
   EXPECT_FALSE(store->Poll(ta).has_value());
   EXPECT_EQ(store->InFlight(), 1u);
   for (IoRequest* r : of_a) ASSERT_TRUE(manual->Complete(r).ok());
   EXPECT_TRUE(store->Wait(ta).ok());
-  EXPECT_EQ(std::memcmp(store->Payload(ra.span()).data(), store->Payload(a.span()).data(), 64 * kKiB), 0);
+  EXPECT_EQ(
+      std::memcmp(store->Payload(ra.span()).data(), store->Payload(a.span()).data(), 64 * kKiB), 0);
   EXPECT_EQ(store->Poll(ta)->code(), StatusCode::kNotFound);
 }
 
 TEST_F(StoreTest, FailedWriteKeepsThePreviousCopyBitwise) {
   auto fault = FaultStorage::Create(CreatePosixStorage(), {.seed = 1});
   auto store = StateStore::Create(*fault, Options(2, 200000, 2, 65536)).value();
-  AlignedBuffer good(store->ExtentBufferBytes()), next(store->ExtentBufferBytes()), back(store->ExtentBufferBytes());
+  AlignedBuffer good(store->ExtentBufferBytes()), next(store->ExtentBufferBytes()),
+      back(store->ExtentBufferBytes());
   FillPattern(store->Payload(good.span()), 1);
   ASSERT_TRUE(WriteWait(*store, 0, good.span()).ok());
-  for (auto kind : {&testing::FaultOptions::write_eio_one_in, &testing::FaultOptions::write_enospc_one_in}) {
+  for (auto kind :
+       {&testing::FaultOptions::write_eio_one_in, &testing::FaultOptions::write_enospc_one_in}) {
     testing::FaultOptions fo{.seed = 2};
     fo.*kind = 1;
     fault->SetOptions(fo);
     FillPattern(store->Payload(next.span()), 2);
     Status s = WriteWait(*store, 0, next.span());
     EXPECT_FALSE(s.ok());
-    EXPECT_TRUE(s.code() == StatusCode::kInternal || s.code() == StatusCode::kResourceExhausted) << s;
-    EXPECT_NE(s.message().find("write extent 0 (generation 2, slot 0)"), std::string_view::npos) << s;
+    EXPECT_TRUE(s.code() == StatusCode::kInternal || s.code() == StatusCode::kResourceExhausted)
+        << s;
+    EXPECT_NE(s.message().find("write extent 0 (generation 2, slot 0)"), std::string_view::npos)
+        << s;
     EXPECT_NE(s.message().find("strata-rank1.state@"), std::string_view::npos) << s;
-    EXPECT_NE(s.message().find("generation 1 in the other slot is intact"), std::string_view::npos) << s;
+    EXPECT_NE(s.message().find("generation 1 in the other slot is intact"), std::string_view::npos)
+        << s;
     fault->SetOptions({});
     EXPECT_EQ(store->generation(0), 1u);
     ASSERT_TRUE(ReadWait(*store, 0, back.span()).ok());
-    EXPECT_EQ(std::memcmp(store->Payload(back.span()).data(), store->Payload(good.span()).data(), 200000), 0);
+    EXPECT_EQ(
+        std::memcmp(store->Payload(back.span()).data(), store->Payload(good.span()).data(), 200000),
+        0);
   }
 }
 
 TEST_F(StoreTest, TornWriteIsDataLossNeverStaleOrCorruptData) {
   auto fault = FaultStorage::Create(CreateMemStorage(), {.seed = 1});
   auto store = StateStore::Create(*fault, Options(1, 1 << 20, 1, 1 << 20)).value();
-  AlignedBuffer a(store->ExtentBufferBytes()), b(store->ExtentBufferBytes()), back(store->ExtentBufferBytes());
+  AlignedBuffer a(store->ExtentBufferBytes()), b(store->ExtentBufferBytes()),
+      back(store->ExtentBufferBytes());
   FillPattern(store->Payload(a.span()), 1);
   FillPattern(store->Payload(b.span()), 2);
   ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
@@ -191,7 +209,8 @@ TEST_F(StoreTest, TornWriteIsDataLossNeverStaleOrCorruptData) {
   // Rewriting the extent heals it.
   ASSERT_TRUE(WriteWait(*store, 0, b.span()).ok());
   ASSERT_TRUE(ReadWait(*store, 0, back.span()).ok());
-  EXPECT_EQ(std::memcmp(store->Payload(back.span()).data(), store->Payload(b.span()).data(), 1 << 20), 0);
+  EXPECT_EQ(
+      std::memcmp(store->Payload(back.span()).data(), store->Payload(b.span()).data(), 1 << 20), 0);
 }
 
 TEST_F(StoreTest, FlippedBitIsDataLoss) {
@@ -240,7 +259,9 @@ TEST_F(StoreTest, ReopenAfterRestartScansGenerations) {
     EXPECT_EQ((*store)->generation(id), id + 1);
     AlignedBuffer back((*store)->ExtentBufferBytes());
     ASSERT_TRUE(ReadWait(**store, id, back.span()).ok());
-    EXPECT_EQ(std::memcmp((*store)->Payload(back.span()).data(), (*store)->Payload(bufs[id]->span()).data(), 70000), 0);
+    EXPECT_EQ(std::memcmp((*store)->Payload(back.span()).data(),
+                          (*store)->Payload(bufs[id]->span()).data(), 70000),
+              0);
   }
   store->reset();
   StateStoreOptions other = o;
@@ -251,7 +272,8 @@ TEST_F(StoreTest, ReopenAfterRestartScansGenerations) {
 }
 
 TEST_F(StoreTest, CrashLosesOnlyUnsyncedGenerations) {
-  auto fault = FaultStorage::Create(CreatePosixStorage(), {.drop_unsynced = testing::DropUnsynced::kOn});
+  auto fault =
+      FaultStorage::Create(CreatePosixStorage(), {.drop_unsynced = testing::DropUnsynced::kOn});
   StateStoreOptions o = Options(2, 100000, 2, 32768);
   AlignedBuffer a(4096 + 102400), b(4096 + 102400), back(4096 + 102400);
   {
@@ -270,7 +292,8 @@ TEST_F(StoreTest, CrashLosesOnlyUnsyncedGenerations) {
   EXPECT_EQ(store->generation(0), 1u);
   EXPECT_EQ(store->generation(1), 1u);
   ASSERT_TRUE(ReadWait(*store, 0, back.span()).ok());
-  EXPECT_EQ(std::memcmp(store->Payload(back.span()).data(), store->Payload(a.span()).data(), 100000), 0);
+  EXPECT_EQ(
+      std::memcmp(store->Payload(back.span()).data(), store->Payload(a.span()).data(), 100000), 0);
 }
 
 TEST_F(StoreTest, BadArgumentsAreReportedBeforeAnyIo) {
@@ -282,10 +305,12 @@ TEST_F(StoreTest, BadArgumentsAreReportedBeforeAnyIo) {
   EXPECT_EQ(store->WriteExtent(2, buf.span().first(store->ExtentBufferBytes())).status().code(),
             StatusCode::kOutOfRange);
   EXPECT_EQ(store->WriteExtent(0, buf.span()).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(store->WriteExtent(0, buf.span().subspan(8, store->ExtentBufferBytes())).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      store->WriteExtent(0, buf.span().subspan(8, store->ExtentBufferBytes())).status().code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(store->Wait({12345}).code(), StatusCode::kNotFound);
-  EXPECT_EQ(StateStore::Create(*storage, Options(1, 8192, 2, 1000)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(StateStore::Create(*storage, Options(1, 8192, 2, 1000)).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(StateStore::Create(*storage, {}).status().code(), StatusCode::kInvalidArgument);
   StateStoreOptions missing = Options(1, 8192, 2, 4096);
   missing.paths = {dir_.File("no-such-dir")};
@@ -333,8 +358,11 @@ TEST_F(StoreTest, FaultSuiteManySeeds) {
           torn[id] = fault->stats().torn_writes.load() != torn_before;
         } else {
           ++writes_failed;
-          ASSERT_TRUE(s.code() == StatusCode::kInternal || s.code() == StatusCode::kResourceExhausted) << s;
-          ASSERT_NE(s.message().find("write extent " + std::to_string(id)), std::string_view::npos) << s;
+          ASSERT_TRUE(s.code() == StatusCode::kInternal ||
+                      s.code() == StatusCode::kResourceExhausted)
+              << s;
+          ASSERT_NE(s.message().find("write extent " + std::to_string(id)), std::string_view::npos)
+              << s;
         }
       } else {
         std::memset(buf.data(), 0, buf.size());
@@ -359,12 +387,14 @@ TEST_F(StoreTest, FaultSuiteManySeeds) {
     for (uint32_t id = 0; id < kExtents; ++id) {
       if (model[id].empty() || torn[id]) continue;
       ASSERT_TRUE(ReadWait(*store, id, buf.span()).ok());
-      ASSERT_EQ(std::memcmp(store->Payload(buf.span()).data(), model[id].data(), kPayload), 0) << "extent " << id;
+      ASSERT_EQ(std::memcmp(store->Payload(buf.span()).data(), model[id].data(), kPayload), 0)
+          << "extent " << id;
     }
   }
-  std::printf("writes failed %llu, reads failed %llu, data loss detected %llu, reads ok %llu\n",
-              static_cast<unsigned long long>(writes_failed), static_cast<unsigned long long>(reads_failed),
-              static_cast<unsigned long long>(data_loss), static_cast<unsigned long long>(reads_ok));
+  std::printf(
+      "writes failed %llu, reads failed %llu, data loss detected %llu, reads ok %llu\n",
+      static_cast<unsigned long long>(writes_failed), static_cast<unsigned long long>(reads_failed),
+      static_cast<unsigned long long>(data_loss), static_cast<unsigned long long>(reads_ok));
   EXPECT_GT(writes_failed, 20u);
   EXPECT_GT(reads_failed, 10u);
   EXPECT_GT(data_loss, 0u);

@@ -1,9 +1,9 @@
 // InterpretCompletion with made-up results: every branch of done / resubmit /
 // fail, checked against what the request says.
+#include <gtest/gtest.h>
+
 #include <cerrno>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "runtime/storage.h"
 #include "runtime/units.h"
@@ -83,7 +83,8 @@ TEST(InterpretCompletion, ErrnoFailsNamingFileOffsetAndSize) {
   d = InterpretCompletion(w, "x", -ENOSPC);
   EXPECT_EQ(d.action, CompletionAction::kFail);
   EXPECT_EQ(d.status.code(), StatusCode::kResourceExhausted);
-  EXPECT_EQ(d.status.message(), "write x@0+8KiB (after 4096 bytes): ENOSPC (No space left on device)");
+  EXPECT_EQ(d.status.message(),
+            "write x@0+8KiB (after 4096 bytes): ENOSPC (No space left on device)");
   EXPECT_EQ(d.transferred_bytes, 4096u);
 }
 
@@ -92,7 +93,8 @@ TEST(InterpretCompletion, ReadAtEndOfFileIsOutOfRange) {
   CompletionDecision d = InterpretCompletion(r, "f", 0);
   EXPECT_EQ(d.action, CompletionAction::kFail);
   EXPECT_EQ(d.status.code(), StatusCode::kOutOfRange);
-  EXPECT_NE(d.status.message().find("end of file after 4096 bytes"), std::string_view::npos) << d.status;
+  EXPECT_NE(d.status.message().find("end of file after 4096 bytes"), std::string_view::npos)
+      << d.status;
 }
 
 TEST(InterpretCompletion, ZeroByteWritesAreRetriedThenFail) {

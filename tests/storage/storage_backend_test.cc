@@ -1,12 +1,11 @@
 // Backend-specific behaviour: the io_uring and O_DIRECT fallbacks, fixed
 // buffers, the counting wrapper and manual completion.
+#include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/vfs.h>
 
 #include <cstring>
 #include <filesystem>
-
-#include <gtest/gtest.h>
 
 #include "runtime/storage.h"
 #include "runtime/testing/manual_storage.h"
@@ -31,12 +30,14 @@ Status WriteAndWait(File& f, uint64_t offset, std::span<std::byte> buf) {
 TEST(StorageFallback, UringRefusalFallsBackToPosix) {
   ::setenv("STRATA_URING_REFUSE", "1", 1);
   auto s = CreateStorage({.backend = StorageBackend::kUring});
-  auto strict = CreateStorage({.backend = StorageBackend::kUring, .fallback = UringFallback::kFail});
+  auto strict =
+      CreateStorage({.backend = StorageBackend::kUring, .fallback = UringFallback::kFail});
   ::unsetenv("STRATA_URING_REFUSE");
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ((*s)->name(), "posix");
   EXPECT_EQ(strict.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(strict.status().message().find("io_uring refused"), std::string_view::npos) << strict.status();
+  EXPECT_NE(strict.status().message().find("io_uring refused"), std::string_view::npos)
+      << strict.status();
 }
 
 TEST(StorageFallback, UringIsChosenWhereAvailable) {
@@ -70,7 +71,8 @@ TEST(StorageFallback, ODirectRefusedFallsBackToBufferedAndStillChecksAlignment) 
     FillPattern(buf.span(), 1);
     EXPECT_TRUE(WriteAndWait(**f, 4096, buf.span()).ok());
     EXPECT_EQ(WriteAndWait(**f, 100, buf.span()).code(), StatusCode::kInvalidArgument);
-    auto strict = storage->Open(dir.File("y"), {.create = FileCreate::kCreate, .direct = DirectIo::kRequire});
+    auto strict =
+        storage->Open(dir.File("y"), {.create = FileCreate::kCreate, .direct = DirectIo::kRequire});
     EXPECT_EQ(strict.status().code(), StatusCode::kInvalidArgument) << strict.status();
     EXPECT_NE(strict.status().message().find("O_DIRECT"), std::string_view::npos);
   }
@@ -93,7 +95,8 @@ TEST(StorageFallback, ODirectWorksOnTheTestDirectory) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
   if (IsTmpfs(dir.path())) GTEST_SKIP() << dir.path() << " is tmpfs";
-  auto f = CreatePosixStorage()->Open(dir.File("x"), {.create = FileCreate::kCreate, .direct = DirectIo::kRequire});
+  auto f = CreatePosixStorage()->Open(
+      dir.File("x"), {.create = FileCreate::kCreate, .direct = DirectIo::kRequire});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ((*f)->info().io_mode, IoMode::kDirect);
   AlignedBuffer buf(4096);
@@ -151,7 +154,8 @@ TEST(ManualStorage, RequestsCompleteInTheOrderTheTestChooses) {
   AlignedBuffer a(4096), b(4096), c(4096);
   FillPattern(a.span(), 1);
   FillPattern(b.span(), 2);
-  std::vector<IoRequest> reqs = {IoRequest::Write(0, a.span(), 0), IoRequest::Write(4096, b.span(), 1)};
+  std::vector<IoRequest> reqs = {IoRequest::Write(0, a.span(), 0),
+                                 IoRequest::Write(4096, b.span(), 1)};
   ASSERT_TRUE(f->Submit(reqs).ok());
   IoRequest* done[2];
   EXPECT_EQ(f->Reap(done, 1).status().code(), StatusCode::kFailedPrecondition);

@@ -1,11 +1,11 @@
 // The Storage/File contract, run against every backend and every wrapper with
 // its faults off. A new backend must pass it.
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "runtime/storage.h"
 #include "runtime/testing/fault_storage.h"
@@ -29,17 +29,25 @@ std::vector<Backend> Backends() {
   auto uring = [] { return std::move(CreateUringStorage(SqPoll::kOff)).value(); };
   return {
       {"uring", uring, true},
-      {"uring_sqpoll", [] { return std::move(CreateUringStorage(SqPoll::kOn)).value(); }, true, true},
+      {"uring_sqpoll", [] { return std::move(CreateUringStorage(SqPoll::kOn)).value(); }, true,
+       true},
       {"posix", [] { return CreatePosixStorage(); }},
       {"mem", [] { return CreateMemStorage(); }},
       {"counting_uring",
        [uring] { return CreateCountingStorage(uring(), std::make_shared<IoCounters>()); }, true},
       {"counting_posix",
        [] { return CreateCountingStorage(CreatePosixStorage(), std::make_shared<IoCounters>()); }},
-      {"fault_off_posix", [] { return std::unique_ptr<Storage>(testing::FaultStorage::Create(CreatePosixStorage(), {})); }},
+      {"fault_off_posix",
+       [] {
+         return std::unique_ptr<Storage>(testing::FaultStorage::Create(CreatePosixStorage(), {}));
+       }},
       {"fault_off_uring",
-       [uring] { return std::unique_ptr<Storage>(testing::FaultStorage::Create(uring(), {})); }, true},
-      {"fault_off_mem", [] { return std::unique_ptr<Storage>(testing::FaultStorage::Create(CreateMemStorage(), {})); }},
+       [uring] { return std::unique_ptr<Storage>(testing::FaultStorage::Create(uring(), {})); },
+       true},
+      {"fault_off_mem",
+       [] {
+         return std::unique_ptr<Storage>(testing::FaultStorage::Create(CreateMemStorage(), {}));
+       }},
   };
 }
 
@@ -58,7 +66,8 @@ class StorageConformance : public ::testing::TestWithParam<Backend> {
   }
 
   std::unique_ptr<File> OpenNew(const std::string& name, uint32_t queue_depth = 8) {
-    auto f = storage_->Open(dir_.File(name), {.create = FileCreate::kCreate, .queue_depth = queue_depth});
+    auto f = storage_->Open(dir_.File(name),
+                            {.create = FileCreate::kCreate, .queue_depth = queue_depth});
     EXPECT_TRUE(f.ok()) << f.status();
     return std::move(f).value();
   }
@@ -143,7 +152,8 @@ TEST_P(StorageConformance, ReadPastEndIsOutOfRangeNamingTheFile) {
   IoRequest r = IoRequest::Read(4096, buf.span());
   RunAll(*f, std::span(&r, 1));
   EXPECT_EQ(r.status.code(), StatusCode::kOutOfRange) << r.status;
-  EXPECT_NE(r.status.message().find(dir_.File("c") + "@4096+16KiB"), std::string_view::npos) << r.status;
+  EXPECT_NE(r.status.message().find(dir_.File("c") + "@4096+16KiB"), std::string_view::npos)
+      << r.status;
   EXPECT_EQ(r.transferred_bytes, 4096u);
 }
 
@@ -174,7 +184,8 @@ TEST_P(StorageConformance, MisalignedRequestsAreInvalidArgumentAndNothingIsSubmi
 }
 
 TEST_P(StorageConformance, BufferedFilesTakeAnyAlignment) {
-  auto f = storage_->Open(dir_.File("e"), {.create = FileCreate::kCreate, .direct = DirectIo::kOff});
+  auto f =
+      storage_->Open(dir_.File("e"), {.create = FileCreate::kCreate, .direct = DirectIo::kOff});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ((*f)->info().alignment_bytes, 1u);
   EXPECT_EQ((*f)->info().io_mode, IoMode::kBuffered);
@@ -203,7 +214,8 @@ TEST_P(StorageConformance, RegisteredBuffersAreUsedAndNeedNoIoInFlight) {
   ASSERT_TRUE(f->RegisterBuffers(bufs).ok());
   FillPattern(a.span(), 3);
   std::vector<IoRequest> w;
-  for (int i = 0; i < 4; ++i) w.push_back(IoRequest::Write(i * 262144, a.span().subspan(i * 262144, 262144)));
+  for (int i = 0; i < 4; ++i)
+    w.push_back(IoRequest::Write(i * 262144, a.span().subspan(i * 262144, 262144)));
   ASSERT_TRUE(f->Submit(w).ok());
   EXPECT_EQ(f->RegisterBuffers(bufs).code(), StatusCode::kFailedPrecondition);
   std::vector<IoRequest*> done(8);
@@ -271,7 +283,9 @@ TEST_P(StorageConformance, RandomOpsMatchAPlainReferenceModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, StorageConformance, ::testing::ValuesIn(Backends()),
-                         [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<Backend>& info) {
+                           return info.param.name;
+                         });
 
 }  // namespace
 }  // namespace strata

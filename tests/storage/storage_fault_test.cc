@@ -2,11 +2,11 @@
 // Status naming the file, EINTR and short IO are retried to success, reads
 // that succeed return exactly what was written, and a crash loses exactly the
 // unsynced writes.
+#include <gtest/gtest.h>
+
 #include <cstring>
 #include <map>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "runtime/storage.h"
 #include "runtime/testing/fault_storage.h"
@@ -50,7 +50,9 @@ Tally RunRandomOps(Storage& storage, const std::string& path, uint64_t seed, int
     for (size_t i = 0; i < n; ++i) {
       // Two pages per request so short IO has a remainder to resume.
       const size_t page = pages[i] & ~size_t{1};
-      if (std::any_of(reqs.begin(), reqs.end(), [&](const IoRequest& r) { return r.offset_bytes == page * kPage; })) continue;
+      if (std::any_of(reqs.begin(), reqs.end(),
+                      [&](const IoRequest& r) { return r.offset_bytes == page * kPage; }))
+        continue;
       bufs.push_back(std::make_unique<AlignedBuffer>(2 * kPage));
       if (rng() % 2) {
         FillPattern(bufs.back()->span(), rng());
@@ -73,7 +75,8 @@ Tally RunRandomOps(Storage& storage, const std::string& path, uint64_t seed, int
       const size_t page = r.user_data;
       if (!r.status.ok()) {
         ++tally.failed;
-        EXPECT_TRUE(r.status.code() == StatusCode::kInternal || r.status.code() == StatusCode::kResourceExhausted)
+        EXPECT_TRUE(r.status.code() == StatusCode::kInternal ||
+                    r.status.code() == StatusCode::kResourceExhausted)
             << r.status;
         EXPECT_NE(r.status.message().find(path + "@" + std::to_string(r.offset_bytes) + "+8KiB"),
                   std::string_view::npos)
@@ -121,10 +124,11 @@ TEST(FaultStorage, ErrorsSurfaceRetriesSucceedAndDataIsNeverWrongOnMem) {
     failed += t.failed;
     ok += t.ok;
   }
-  std::printf("base seed %llu: %llu ok, %llu failed, %llu errors injected, %llu EINTR, %llu short\n",
-              static_cast<unsigned long long>(base_seed), static_cast<unsigned long long>(ok),
-              static_cast<unsigned long long>(failed), static_cast<unsigned long long>(injected),
-              static_cast<unsigned long long>(eintr), static_cast<unsigned long long>(shorts));
+  std::printf(
+      "base seed %llu: %llu ok, %llu failed, %llu errors injected, %llu EINTR, %llu short\n",
+      static_cast<unsigned long long>(base_seed), static_cast<unsigned long long>(ok),
+      static_cast<unsigned long long>(failed), static_cast<unsigned long long>(injected),
+      static_cast<unsigned long long>(eintr), static_cast<unsigned long long>(shorts));
   // Every injected error is one failed request (an EINTR retry that hits the
   // limit would add failures without an injected error; the rates make it
   // practically impossible).
@@ -140,7 +144,8 @@ TEST(FaultStorage, SameOnRealFilesThroughEveryBackend) {
   const uint64_t base_seed = std::random_device{}();
   std::vector<std::pair<std::string, std::function<std::unique_ptr<Storage>()>>> bases = {
       {"posix", [] { return CreatePosixStorage(); }}};
-  if (UringAvailable()) bases.push_back({"uring", [] { return CreateUringStorage(SqPoll::kOff).value(); }});
+  if (UringAvailable())
+    bases.push_back({"uring", [] { return CreateUringStorage(SqPoll::kOff).value(); }});
   for (auto& [name, make] : bases) {
     for (uint64_t i = 0; i < 10; ++i) {
       const uint64_t seed = base_seed + i;
@@ -186,7 +191,8 @@ TEST(FaultStorage, TornWriteReportsSuccessButPersistsOnlyAPrefix) {
 
 TEST(FaultStorage, CrashLosesExactlyTheUnsyncedWrites) {
   TempDir dir;
-  auto storage = FaultStorage::Create(CreatePosixStorage(), {.drop_unsynced = testing::DropUnsynced::kOn});
+  auto storage =
+      FaultStorage::Create(CreatePosixStorage(), {.drop_unsynced = testing::DropUnsynced::kOn});
   AlignedBuffer a(kPage), b(kPage), back(2 * kPage);
   FillPattern(a.span(), 1);
   FillPattern(b.span(), 2);
