@@ -1,0 +1,467 @@
+#include "offload/state_store.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "runtime/units.h"
+
+namespace strata {
+namespace {
+
+constexpr uint64_t kSlotMagic = 0x5845415441525453ull;  // "STRATAEX"
+constexpr uint32_t kFormatVersion = 1;
+constexpr uint64_t kAlign = 4096;
+
+struct SlotHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t extent_id;
+  uint64_t generation;
+  uint64_t payload_bytes;
+  uint64_t payload_hash;
+  uint64_t header_hash;  // of the bytes above
+};
+static_assert(sizeof(SlotHeader) == 48);
+
+uint64_t HeaderHash(const SlotHeader& h) {
+  return XXH3_64bits(&h, offsetof(SlotHeader, header_hash));
+}
+
+uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// A 4096-aligned scratch buffer for setup IO.
+struct Scratch {
+  explicit Scratch(size_t bytes)
+      : size(RoundUp(bytes, kAlign)),
+        data(static_cast<std::byte*>(std::aligned_alloc(kAlign, size))) {
+    std::memset(data, 0, size);
+  }
+  ~Scratch() { std::free(data); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  std::span<std::byte> span() { return {data, size}; }
+  size_t size;
+  std::byte* data;
+};
+
+}  // namespace
+
+struct StateStore::Op {
+  uint64_t ticket;
+  IoOp op;
+  uint32_t extent;
+  uint64_t generation;
+  uint32_t slot;
+  std::span<std::byte> buffer;
+  std::vector<IoRequest> requests;  // grouped by file
+  std::vector<uint32_t> pending_per_file;
+  size_t pending = 0;
+  Status status;
+  bool done = false;
+};
+
+StateStore::StateStore(const StateStoreOptions& options) : options_(options) {}
+
+Result<std::unique_ptr<StateStore>> StateStore::Create(Storage& storage,
+                                                       const StateStoreOptions& options) {
+  auto bad = [](const std::string& why) {
+    return InvalidArgumentError("state store options: " + why);
+  };
+  if (options.paths.empty()) return bad("no paths; give at least one directory");
+  if (options.extent_bytes == 0) return bad("extent_bytes is 0");
+  if (options.num_extents == 0) return bad("num_extents is 0");
+  if (options.block_bytes == 0 || options.block_bytes % kAlign != 0) {
+    return bad("block_bytes " + std::to_string(options.block_bytes) +
+               " is not a positive multiple of 4096");
+  }
+  if (options.block_bytes > 64 * kMiB) return bad("block_bytes above 64 MiB");
+  if (options.queue_depth == 0) return bad("queue_depth is 0");
+  std::unique_ptr<StateStore> store(new StateStore(options));
+  STRATA_RETURN_IF_ERROR(store->Init(storage));
+  return store;
+}
+
+StateStore::~StateStore() {
+  // Chunks in flight still point into caller buffers and into ops_.
+  for (size_t f = 0; f < files_.size(); ++f) {
+    while (files_[f]->InFlight() > 0) {
+      if (!ReapFile(static_cast<uint32_t>(f), 1).ok()) break;
+    }
+  }
+}
+
+Status StateStore::Init(Storage& storage) {
+  const uint32_t num_paths = static_cast<uint32_t>(options_.paths.size());
+  slot_bytes_ = kHeaderBytes + RoundUp(options_.extent_bytes, kAlign);
+  const uint64_t chunks = (slot_bytes_ + options_.block_bytes - 1) / options_.block_bytes;
+  // Each file reserves room for its share of a slot; file 0 has the most.
+  per_file_slot_bytes_ = 0;
+  for (uint32_t f = 0; f < num_paths; ++f) {
+    uint64_t bytes = 0;
+    for (uint64_t k = f; k < chunks; k += num_paths) {
+      bytes += std::min(options_.block_bytes, slot_bytes_ - k * options_.block_bytes);
+    }
+    per_file_slot_bytes_ = std::max(per_file_slot_bytes_, bytes);
+  }
+  committed_.assign(options_.num_extents, 0);
+  busy_.assign(options_.num_extents, 0);
+  const uint64_t file_bytes =
+      kSuperblockBytes + 2 * uint64_t{options_.num_extents} * per_file_slot_bytes_;
+  for (uint32_t f = 0; f < num_paths; ++f) {
+    std::string path =
+        options_.paths[f] + "/strata-rank" + std::to_string(options_.rank) + ".state";
+    FileOptions fo{.create = options_.open == StoreOpen::kCreate ? FileCreate::kCreate
+                                                                 : FileCreate::kOpenExisting,
+                   .direct = options_.direct,
+                   .queue_depth = options_.queue_depth};
+    auto file = storage.Open(path, fo);
+    if (!file.ok()) return file.status().WithContext("open state store");
+    if (options_.open == StoreOpen::kCreate) {
+      STRATA_RETURN_IF_ERROR((*file)->Resize(0).WithContext("create state store"));
+      STRATA_RETURN_IF_ERROR((*file)->Resize(file_bytes).WithContext("create state store"));
+    }
+    file_paths_.push_back(std::move(path));
+    files_.push_back(std::move(file).value());
+  }
+  if (options_.open == StoreOpen::kCreate) {
+    STRATA_RETURN_IF_ERROR(WriteSuperblocks());
+  } else {
+    STRATA_RETURN_IF_ERROR(CheckSuperblocks());
+    for (size_t f = 0; f < files_.size(); ++f) {
+      STRATA_ASSIGN_OR_RETURN(uint64_t size, files_[f]->SizeBytes());
+      if (size < file_bytes) {
+        return DataLossError("open state store " + file_paths_[f] + ": " + std::to_string(size) +
+                             " bytes where the geometry needs " + std::to_string(file_bytes) +
+                             "; the file was truncated: restore from a checkpoint");
+      }
+    }
+    STRATA_RETURN_IF_ERROR(ScanHeaders());
+  }
+  return OkStatus();
+}
+
+Status StateStore::RunSync(uint32_t file, IoRequest request) {
+  STRATA_RETURN_IF_ERROR(files_[file]->Submit(std::span<IoRequest>(&request, 1)));
+  IoRequest* done[1];
+  while (true) {
+    STRATA_ASSIGN_OR_RETURN(size_t n, files_[file]->Reap(done, 1));
+    if (n == 1) break;
+  }
+  return request.status;
+}
+
+namespace {
+nlohmann::json Geometry(const StateStoreOptions& o, uint32_t path_index) {
+  return {{"magic", "strata-state"},
+          {"version", kFormatVersion},
+          {"rank", o.rank},
+          {"path_index", path_index},
+          {"num_paths", o.paths.size()},
+          {"extent_bytes", o.extent_bytes},
+          {"num_extents", o.num_extents},
+          {"block_bytes", o.block_bytes}};
+}
+}  // namespace
+
+Status StateStore::WriteSuperblocks() {
+  Scratch block(kSuperblockBytes);
+  for (uint32_t f = 0; f < files_.size(); ++f) {
+    std::string text = Geometry(options_, f).dump();
+    std::memset(block.data, 0, block.size);
+    std::memcpy(block.data, text.data(), text.size());
+    STRATA_RETURN_IF_ERROR(
+        RunSync(f, IoRequest::Write(0, block.span())).WithContext("create state store"));
+    STRATA_RETURN_IF_ERROR(files_[f]->Sync());
+  }
+  return OkStatus();
+}
+
+Status StateStore::CheckSuperblocks() {
+  Scratch block(kSuperblockBytes);
+  for (uint32_t f = 0; f < files_.size(); ++f) {
+    STRATA_RETURN_IF_ERROR(
+        RunSync(f, IoRequest::Read(0, block.span())).WithContext("open state store"));
+    const char* text = reinterpret_cast<const char*>(block.data);
+    nlohmann::json found = nlohmann::json::parse(text, text + strnlen(text, block.size), nullptr,
+                                                 /*allow_exceptions=*/false);
+    nlohmann::json want = Geometry(options_, f);
+    if (found.is_discarded() || !found.is_object() || found.value("magic", "") != "strata-state") {
+      return DataLossError(
+          "open state store " + file_paths_[f] +
+          ": no valid superblock at offset 0 (not a Strata state file, or damaged); "
+          "recreate the store and restore from a checkpoint");
+    }
+    if (found != want) {
+      return FailedPreconditionError(
+          "open state store " + file_paths_[f] + ": it was created as " + found.dump() +
+          " but is opened as " + want.dump() +
+          "; open it with the same paths (in the same order), rank and geometry");
+    }
+  }
+  return OkStatus();
+}
+
+std::vector<StateStore::Placement> StateStore::SlotChunks(uint32_t id, uint32_t slot) const {
+  const uint32_t num_paths = static_cast<uint32_t>(files_.size());
+  const uint64_t base = kSuperblockBytes + (uint64_t{id} * 2 + slot) * per_file_slot_bytes_;
+  std::vector<Placement> out;
+  for (uint64_t k = 0, pos = 0; pos < slot_bytes_; ++k, pos += options_.block_bytes) {
+    out.push_back({static_cast<uint32_t>(k % num_paths),
+                   base + (k / num_paths) * options_.block_bytes,
+                   std::min(options_.block_bytes, slot_bytes_ - pos)});
+  }
+  return out;
+}
+
+Status StateStore::ScanHeaders() {
+  // The header is the first 4 KiB of chunk 0, which is always in file 0.
+  constexpr uint32_t kBatch = 64;
+  const uint32_t total = options_.num_extents * 2;
+  Scratch scratch(uint64_t{kBatch} * kHeaderBytes);
+  for (uint32_t first = 0; first < total; first += kBatch) {
+    const uint32_t n = std::min(kBatch, total - first);
+    std::vector<IoRequest> reqs;
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t g = first + i;
+      reqs.push_back(
+          IoRequest::Read(SlotChunks(g / 2, g % 2)[0].offset_bytes,
+                          scratch.span().subspan(uint64_t{i} * kHeaderBytes, kHeaderBytes), g));
+    }
+    STRATA_RETURN_IF_ERROR(files_[0]->Submit(reqs));
+    std::vector<IoRequest*> done(n);
+    size_t got = 0;
+    while (got < n) {
+      STRATA_ASSIGN_OR_RETURN(size_t k, files_[0]->Reap(done, n - got));
+      got += k;
+    }
+    for (uint32_t i = 0; i < n; ++i) {
+      STRATA_RETURN_IF_ERROR(reqs[i].status.WithContext("open state store: scan slot headers"));
+      SlotHeader h;
+      std::memcpy(&h, scratch.data + uint64_t{i} * kHeaderBytes, sizeof(h));
+      const uint32_t id = (first + i) / 2;
+      if (h.magic != kSlotMagic || h.header_hash != HeaderHash(h) || h.extent_id != id ||
+          h.payload_bytes != options_.extent_bytes || h.generation % 2 != (first + i) % 2) {
+        continue;  // never written, or torn: a read of that slot will say so
+      }
+      committed_[id] = std::max(committed_[id], h.generation);
+    }
+  }
+  return OkStatus();
+}
+
+Status StateStore::RegisterBuffers(std::span<const std::span<std::byte>> buffers) {
+  if (!ops_.empty()) {
+    return FailedPreconditionError(
+        "register buffers with the state store: " + std::to_string(ops_.size()) +
+        " extents in flight; wait for them first");
+  }
+  for (auto& f : files_) STRATA_RETURN_IF_ERROR(f->RegisterBuffers(buffers));
+  return OkStatus();
+}
+
+Result<StateStore::Ticket> StateStore::ReadExtent(uint32_t id, std::span<std::byte> buffer) {
+  return Start(IoOp::kRead, id, buffer);
+}
+
+Result<StateStore::Ticket> StateStore::WriteExtent(uint32_t id, std::span<std::byte> buffer) {
+  return Start(IoOp::kWrite, id, buffer);
+}
+
+Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<std::byte> buffer) {
+  const char* what = kind == IoOp::kRead ? "read extent " : "write extent ";
+  const std::string name = what + std::to_string(id);
+  if (id >= options_.num_extents) {
+    return OutOfRangeError(name + ": the store has " + std::to_string(options_.num_extents) +
+                           " extents");
+  }
+  if (buffer.size() != slot_bytes_) {
+    return InvalidArgumentError(name + ": buffer of " + std::to_string(buffer.size()) +
+                                " bytes, expected " + std::to_string(slot_bytes_) +
+                                " (ExtentBufferBytes())");
+  }
+  if (reinterpret_cast<uintptr_t>(buffer.data()) % kAlign != 0) {
+    return InvalidArgumentError(name +
+                                ": buffer is not 4096-aligned; use pinned or aligned_alloc memory");
+  }
+  if (busy_[id]) {
+    return FailedPreconditionError(
+        name + ": the extent already has IO in flight; wait for its ticket first");
+  }
+  auto op = std::make_unique<Op>();
+  op->ticket = next_ticket_++;
+  op->op = kind;
+  op->extent = id;
+  op->buffer = buffer;
+  if (kind == IoOp::kRead) {
+    if (committed_[id] == 0) {
+      return FailedPreconditionError(name + ": never written; write it before reading it");
+    }
+    op->generation = committed_[id];
+  } else {
+    op->generation = committed_[id] + 1;
+    SlotHeader h{kSlotMagic,
+                 kFormatVersion,
+                 id,
+                 op->generation,
+                 options_.extent_bytes,
+                 XXH3_64bits(buffer.data() + kHeaderBytes, options_.extent_bytes),
+                 0};
+    h.header_hash = HeaderHash(h);
+    std::memset(buffer.data(), 0, kHeaderBytes);
+    std::memcpy(buffer.data(), &h, sizeof(h));
+  }
+  op->slot = static_cast<uint32_t>(op->generation % 2);
+  std::vector<Placement> chunks = SlotChunks(id, op->slot);
+  std::stable_sort(chunks.begin(), chunks.end(),
+                   [](const Placement& a, const Placement& b) { return a.file < b.file; });
+  op->pending_per_file.assign(files_.size(), 0);
+  // Chunk k of the slot is bytes [k * block, ...) of the buffer; recover k from
+  // the file offset so that sorting by file keeps the mapping.
+  const uint64_t base = kSuperblockBytes + (uint64_t{id} * 2 + op->slot) * per_file_slot_bytes_;
+  const uint64_t num_paths = files_.size();
+  for (const Placement& p : chunks) {
+    const uint64_t k = ((p.offset_bytes - base) / options_.block_bytes) * num_paths + p.file;
+    std::span<std::byte> part = buffer.subspan(k * options_.block_bytes, p.size_bytes);
+    op->requests.push_back(kind == IoOp::kRead
+                               ? IoRequest::Read(p.offset_bytes, part, op->ticket)
+                               : IoRequest::Write(p.offset_bytes, part, op->ticket));
+    ++op->pending_per_file[p.file];
+  }
+  op->pending = op->requests.size();
+  size_t begin = 0;
+  for (uint32_t f = 0; f < files_.size(); ++f) {
+    const size_t n = op->pending_per_file[f];
+    if (n == 0) continue;
+    Status s = files_[f]->Submit(std::span<IoRequest>(op->requests).subspan(begin, n));
+    if (!s.ok()) {
+      if (begin == 0) return s.WithContext(name);
+      // Earlier files already have chunks: the op must finish before it is dropped.
+      op->status = s.WithContext(name);
+      op->pending -= op->requests.size() - begin;
+      for (uint32_t g = f; g < files_.size(); ++g) op->pending_per_file[g] = 0;
+      break;
+    }
+    begin += n;
+  }
+  busy_[id] = 1;
+  Ticket t{op->ticket};
+  ops_.emplace(op->ticket, std::move(op));
+  return t;
+}
+
+Status StateStore::ReapFile(uint32_t file, size_t min_completions) {
+  IoRequest* done[64];
+  STRATA_ASSIGN_OR_RETURN(size_t n, files_[file]->Reap(done, min_completions));
+  for (size_t i = 0; i < n; ++i) {
+    auto it = ops_.find(done[i]->user_data);
+    if (it == ops_.end()) continue;
+    Op& op = *it->second;
+    if (!done[i]->status.ok() && op.status.ok()) {
+      op.status = done[i]->status;
+    }
+    --op.pending_per_file[file];
+    if (--op.pending == 0) Finish(op);
+  }
+  return OkStatus();
+}
+
+void StateStore::Finish(Op& op) {
+  op.done = true;
+  busy_[op.extent] = 0;
+  const std::string gen =
+      " (generation " + std::to_string(op.generation) + ", slot " + std::to_string(op.slot) + ")";
+  if (op.op == IoOp::kWrite) {
+    if (op.status.ok()) {
+      committed_[op.extent] = op.generation;
+    } else {
+      std::string keep = committed_[op.extent] == 0
+                             ? std::string("; the extent has no committed copy yet")
+                             : "; generation " + std::to_string(committed_[op.extent]) +
+                                   " in the other slot is intact";
+      op.status = op.status.WithContext("write extent " + std::to_string(op.extent) + gen);
+      op.status = Status(op.status.code(), std::string(op.status.message()) + keep);
+    }
+    return;
+  }
+  if (!op.status.ok()) {
+    op.status = op.status.WithContext("read extent " + std::to_string(op.extent) + gen);
+    return;
+  }
+  op.status = VerifyRead(op);
+}
+
+Status StateStore::VerifyRead(const Op& op) const {
+  SlotHeader h;
+  std::memcpy(&h, op.buffer.data(), sizeof(h));
+  const Placement head = SlotChunks(op.extent, op.slot)[0];
+  const std::string where = "read extent " + std::to_string(op.extent) + " from " +
+                            IoObjectName(file_paths_[head.file], head.offset_bytes, slot_bytes_) +
+                            " (generation " + std::to_string(op.generation) + ", slot " +
+                            std::to_string(op.slot) + ")";
+  const std::string advice =
+      ": the copy on disk is torn or corrupt and was not used; restore the state from a checkpoint";
+  if (h.magic != kSlotMagic || h.header_hash != HeaderHash(h)) {
+    return DataLossError(where + ": slot header checksum mismatch" + advice);
+  }
+  if (h.extent_id != op.extent || h.payload_bytes != options_.extent_bytes) {
+    return DataLossError(where + ": the header belongs to extent " + std::to_string(h.extent_id) +
+                         " with " + std::to_string(h.payload_bytes) + " bytes" + advice);
+  }
+  if (h.generation != op.generation) {
+    return DataLossError(where + ": found generation " + std::to_string(h.generation) +
+                         " where the committed one is expected (a write that reported success did "
+                         "not reach the drive)" +
+                         advice);
+  }
+  if (XXH3_64bits(op.buffer.data() + kHeaderBytes, options_.extent_bytes) != h.payload_hash) {
+    return DataLossError(where + ": payload checksum (XXH3-64) mismatch" + advice);
+  }
+  return OkStatus();
+}
+
+std::optional<Status> StateStore::Poll(Ticket ticket) {
+  auto it = ops_.find(ticket.id);
+  if (it == ops_.end())
+    return NotFoundError("poll ticket " + std::to_string(ticket.id) +
+                         ": unknown or already consumed");
+  for (uint32_t f = 0; f < files_.size(); ++f) {
+    if (files_[f]->InFlight() > 0) {
+      Status s = ReapFile(f, 0);
+      if (!s.ok()) return s;
+    }
+  }
+  if (!it->second->done) return std::nullopt;
+  Status s = std::move(it->second->status);
+  ops_.erase(it);
+  return s;
+}
+
+Status StateStore::Wait(Ticket ticket) {
+  auto it = ops_.find(ticket.id);
+  if (it == ops_.end())
+    return NotFoundError("wait ticket " + std::to_string(ticket.id) +
+                         ": unknown or already consumed");
+  Op& op = *it->second;
+  while (!op.done) {
+    for (uint32_t f = 0; f < files_.size(); ++f) {
+      if (op.pending_per_file[f] > 0) {
+        STRATA_RETURN_IF_ERROR(ReapFile(f, 1));
+        break;
+      }
+    }
+  }
+  Status s = std::move(op.status);
+  ops_.erase(it);
+  return s;
+}
+
+Status StateStore::Sync() {
+  for (auto& f : files_) STRATA_RETURN_IF_ERROR(f->Sync());
+  return OkStatus();
+}
+
+}  // namespace strata

@@ -1,0 +1,154 @@
+// StateStore: the NVMe tier of the optimizer state. Fixed-size extents (one
+// per sub-group: its fp32 master weights, Adam m and v) live in one file per
+// rank per path, striped over the paths RAID-0 style, each extent in two slots
+// so that a failed write never destroys the last good copy.
+//
+//   STRATA_ASSIGN_OR_RETURN(auto storage, CreateStorage({}));
+//   STRATA_ASSIGN_OR_RETURN(auto store, StateStore::Create(*storage, {
+//       .paths = {"/nvme0/strata", "/nvme1/strata"}, .rank = 0,
+//       .extent_bytes = 384 * kMiB, .num_extents = 64}));
+//   // buf: store->ExtentBufferBytes() bytes, 4096-aligned (pinned memory).
+//   STRATA_RETURN_IF_ERROR(store->RegisterBuffers({&buf, 1}));
+//   fill(store->Payload(buf));
+//   STRATA_ASSIGN_OR_RETURN(StateStore::Ticket w, store->WriteExtent(3, buf));
+//   STRATA_RETURN_IF_ERROR(store->Wait(w));            // committed; Sync() makes it durable
+//   STRATA_ASSIGN_OR_RETURN(StateStore::Ticket r, store->ReadExtent(3, buf));
+//   ... other work; store->Poll(r) tells without blocking ...
+//   STRATA_RETURN_IF_ERROR(store->Wait(r));            // Payload(buf) is valid and verified
+//
+// On-disk layout (docs/nvme.md has the picture): file `<path>/strata-rank<r>.state`
+// per path; a 4 KiB superblock (JSON: geometry) then 2 * num_extents slots.
+// A slot is a 4 KiB header (magic, extent id, generation, payload size, XXH3-64
+// of the payload, XXH3-64 of the header) followed by the payload rounded up
+// to 4 KiB, i.e. exactly the caller's buffer. A slot is cut into block_bytes
+// chunks dealt round-robin over the paths, so one extent read uses every
+// drive. Every chunk is one IoRequest; queue_depth of them are in flight per
+// file.
+//
+// Generations: the store keeps the committed generation of each extent in
+// memory (scanned from the headers on open). Writing generation g goes to slot
+// g % 2, never the slot holding the committed copy; the write commits only
+// when every chunk succeeded. A read demands the committed generation: a
+// header or payload that does not verify, or an older generation where a
+// newer one was committed, is DataLoss — the store never returns corrupt or
+// stale data.
+//
+// Errors: InvalidArgument (buffer size or alignment, bad options),
+// OutOfRange (extent id), FailedPrecondition (extent never written, an extent
+// already has IO in flight, geometry of an existing store differs), DataLoss
+// (checksum or generation mismatch), and the IO errors of the storage with
+// file, offset and size (ResourceExhausted for ENOSPC, Internal for EIO, ...).
+//
+// Thread-safety: one thread drives a store. Buffers passed to Read/WriteExtent
+// must stay alive and untouched until their ticket completes. The destructor
+// waits for IO in flight. The Storage must outlive the store.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/status.h"
+#include "runtime/storage.h"
+
+namespace strata {
+
+enum class StoreOpen : uint8_t {
+  kCreate,        // new files sized for the geometry (existing ones are overwritten)
+  kOpenExisting,  // reopen after a restart: check the geometry, scan the headers
+};
+
+struct StateStoreOptions {
+  std::vector<std::string> paths;  // directories, one per drive
+  uint32_t rank = 0;
+  uint64_t extent_bytes = 0;  // payload bytes per extent
+  uint32_t num_extents = 0;
+  uint64_t block_bytes = 1 << 20;  // IO size and stripe unit; a multiple of 4096
+  uint32_t queue_depth = 8;        // requests in flight per file
+  DirectIo direct = DirectIo::kAuto;
+  StoreOpen open = StoreOpen::kCreate;
+};
+
+class StateStore {
+ public:
+  struct Ticket {
+    uint64_t id = 0;
+  };
+  static constexpr uint64_t kHeaderBytes = 4096;
+  static constexpr uint64_t kSuperblockBytes = 4096;
+
+  static Result<std::unique_ptr<StateStore>> Create(Storage& storage,
+                                                    const StateStoreOptions& options);
+  ~StateStore();
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  // Size of the buffer an extent is read into / written from: header + payload
+  // rounded up to 4096.
+  uint64_t ExtentBufferBytes() const { return slot_bytes_; }
+  // The payload part of such a buffer.
+  std::span<std::byte> Payload(std::span<std::byte> extent_buffer) const {
+    return extent_buffer.subspan(kHeaderBytes, options_.extent_bytes);
+  }
+
+  // Registers long-lived (pinned) buffers with every file; no IO in flight.
+  Status RegisterBuffers(std::span<const std::span<std::byte>> buffers);
+
+  // Starts reading extent `id` into `buffer` (ExtentBufferBytes(), 4096-aligned).
+  Result<Ticket> ReadExtent(uint32_t id, std::span<std::byte> buffer);
+  // Starts writing Payload(buffer) as the next generation of extent `id`; the
+  // store fills the header part of `buffer`.
+  Result<Ticket> WriteExtent(uint32_t id, std::span<std::byte> buffer);
+
+  // Whether the ticket is complete, without blocking: nullopt while in flight,
+  // else its final status (and the ticket is consumed). NotFound for a ticket
+  // that is unknown or already consumed.
+  std::optional<Status> Poll(Ticket ticket);
+  // Waits for this ticket only (other tickets progress meanwhile), returns its
+  // status and consumes it.
+  Status Wait(Ticket ticket);
+  // Makes every completed write durable (fdatasync on every file).
+  Status Sync();
+
+  // The committed generation of an extent (0: never written).
+  uint64_t generation(uint32_t id) const { return committed_.at(id); }
+  const std::vector<std::string>& file_paths() const { return file_paths_; }
+  size_t InFlight() const { return ops_.size(); }
+
+ private:
+  struct Op;
+  struct Placement {
+    uint32_t file;
+    uint64_t offset_bytes;
+    uint64_t size_bytes;
+  };
+
+  StateStore(const StateStoreOptions& options);
+  Status Init(Storage& storage);
+  Status WriteSuperblocks();
+  Status CheckSuperblocks();
+  Status ScanHeaders();
+  // Synchronous IO of one chunk, for setup.
+  Status RunSync(uint32_t file, IoRequest request);
+  std::vector<Placement> SlotChunks(uint32_t id, uint32_t slot) const;
+  Result<Ticket> Start(IoOp op, uint32_t id, std::span<std::byte> buffer);
+  Status ReapFile(uint32_t file, size_t min_completions);
+  void Finish(Op& op);
+  Status VerifyRead(const Op& op) const;
+
+  StateStoreOptions options_;
+  uint64_t slot_bytes_ = 0;
+  uint64_t per_file_slot_bytes_ = 0;
+  std::vector<std::string> file_paths_;
+  std::vector<std::unique_ptr<File>> files_;
+  std::vector<uint64_t> committed_;
+  std::vector<uint8_t> busy_;  // extent has an op in flight
+  std::unordered_map<uint64_t, std::unique_ptr<Op>> ops_;
+  uint64_t next_ticket_ = 1;
+};
+
+}  // namespace strata

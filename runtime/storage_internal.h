@@ -1,0 +1,69 @@
+// Shared pieces of the storage backends and wrappers. Not a public header.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <span>
+#include <string>
+
+#include "runtime/storage.h"
+
+namespace strata::internal {
+
+// Direct-IO alignment used when the device does not report a larger one.
+inline constexpr uint64_t kDirectIoAlignment = 4096;
+
+// InvalidArgument naming the first request of the batch with an empty buffer,
+// or (alignment_bytes > 1) a misaligned address, offset or length.
+Status ValidateBatch(const FileInfo& info, std::span<IoRequest> requests);
+
+// An fd opened for block IO, closed by the destructor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept;
+  ~Fd();
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+struct OpenedFd {
+  Fd fd;
+  IoMode io_mode;
+  uint64_t alignment_bytes;  // 1 when options.direct is kOff
+};
+// Opens `path` read-write with O_DIRECT as options.direct asks, falling back to
+// buffered IO (one warning) where the filesystem refuses O_DIRECT under kAuto.
+Result<OpenedFd> OpenBlockFd(const std::string& path, const FileOptions& options);
+
+Status SyncFd(int fd, const std::string& path);
+Status ResizeFd(int fd, const std::string& path, uint64_t size_bytes);
+Result<uint64_t> FdSizeBytes(int fd, const std::string& path);
+Status RemovePath(const std::string& path);
+
+// A thread-safe list of completed requests that Reap() drains.
+class CompletionList {
+ public:
+  void Push(IoRequest* request);
+  // Waits until `min` are available (or `stop()` says to give up), then moves up
+  // to out.size() into `out`.
+  size_t PopAtLeast(std::span<IoRequest*> out, size_t min);
+  size_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<IoRequest*> done_;
+};
+
+}  // namespace strata::internal

@@ -1,0 +1,136 @@
+// The mem backend: files are byte vectors owned by the storage, so they outlive
+// the File handles (a test can close and reopen). Requests complete inside
+// Submit(); Reap() hands them back.
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "runtime/storage.h"
+#include "runtime/storage_internal.h"
+
+namespace strata {
+namespace {
+
+struct MemData {
+  std::mutex mu;
+  std::vector<std::byte> bytes;
+};
+
+class MemFile final : public File {
+ public:
+  MemFile(std::shared_ptr<MemData> data, const std::string& path, const FileOptions& options)
+      : data_(std::move(data)) {
+    info_.path = path;
+    info_.backend = "mem";
+    info_.io_mode = IoMode::kBuffered;
+    // Alignment is enforced as for a real file, so tests on mem catch it too.
+    info_.alignment_bytes = options.direct == DirectIo::kOff ? 1 : internal::kDirectIoAlignment;
+    info_.queue_depth = options.queue_depth;
+  }
+
+  const FileInfo& info() const override { return info_; }
+
+  Status Submit(std::span<IoRequest> requests) override {
+    STRATA_RETURN_IF_ERROR(internal::ValidateBatch(info_, requests));
+    for (IoRequest& r : requests) {
+      r.status = OkStatus();
+      r.transferred_bytes = 0;
+      r.retries = 0;
+      Execute(r);
+      done_.push_back(&r);
+    }
+    return OkStatus();
+  }
+
+  Result<size_t> Reap(std::span<IoRequest*> completed, size_t) override {
+    size_t n = 0;
+    while (n < completed.size() && !done_.empty()) {
+      completed[n++] = done_.front();
+      done_.pop_front();
+    }
+    return n;
+  }
+
+  size_t InFlight() const override { return done_.size(); }
+  Status Sync() override { return OkStatus(); }
+  Status Resize(uint64_t size_bytes) override {
+    std::lock_guard<std::mutex> lock(data_->mu);
+    data_->bytes.resize(size_bytes);
+    return OkStatus();
+  }
+  Result<uint64_t> SizeBytes() override {
+    std::lock_guard<std::mutex> lock(data_->mu);
+    return static_cast<uint64_t>(data_->bytes.size());
+  }
+  Status RegisterBuffers(std::span<const std::span<std::byte>>) override {
+    if (!done_.empty()) {
+      return FailedPreconditionError("register buffers on " + info_.path + ": IO in flight");
+    }
+    return OkStatus();
+  }
+
+ private:
+  void Execute(IoRequest& r) {
+    std::lock_guard<std::mutex> lock(data_->mu);
+    std::vector<std::byte>& bytes = data_->bytes;
+    for (;;) {
+      const uint64_t off = r.offset_bytes + r.transferred_bytes;
+      const uint64_t len = r.buffer.size() - r.transferred_bytes;
+      std::byte* p = r.buffer.data() + r.transferred_bytes;
+      int64_t raw;
+      if (r.op == IoOp::kRead) {
+        const uint64_t avail = off < bytes.size() ? std::min<uint64_t>(len, bytes.size() - off) : 0;
+        if (avail > 0) std::memcpy(p, bytes.data() + off, avail);
+        raw = static_cast<int64_t>(avail);
+      } else {
+        if (off + len > bytes.size()) bytes.resize(off + len);
+        std::memcpy(bytes.data() + off, p, len);
+        raw = static_cast<int64_t>(len);
+      }
+      CompletionDecision d = InterpretCompletion(r, info_.path, raw);
+      r.transferred_bytes = d.transferred_bytes;
+      r.retries = d.retries;
+      if (d.action == CompletionAction::kResubmit) continue;
+      r.status = std::move(d.status);
+      return;
+    }
+  }
+
+  std::shared_ptr<MemData> data_;
+  FileInfo info_;
+  std::deque<IoRequest*> done_;
+};
+
+class MemStorage final : public Storage {
+ public:
+  std::string_view name() const override { return "mem"; }
+  Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = files_.find(path);
+    if (it == files_.end()) {
+      if (options.create == FileCreate::kOpenExisting) {
+        return NotFoundError("open " + path + ": ENOENT (no such file in the mem storage)");
+      }
+      it = files_.emplace(path, std::make_shared<MemData>()).first;
+    }
+    return std::unique_ptr<File>(std::make_unique<MemFile>(it->second, path, options));
+  }
+  Status Remove(const std::string& path) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (files_.erase(path) == 0) return NotFoundError("remove " + path + ": ENOENT (no such file)");
+    return OkStatus();
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<MemData>> files_;
+};
+
+}  // namespace
+
+std::unique_ptr<Storage> CreateMemStorage() { return std::make_unique<MemStorage>(); }
+
+}  // namespace strata

@@ -1,0 +1,279 @@
+// The io_uring backend: one ring per file, the fd in the ring's registered file
+// table, caller buffers registered for READ_FIXED/WRITE_FIXED, one
+// io_uring_submit per batch, never more SQEs in flight than the ring holds.
+#include <liburing.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <deque>
+#include <vector>
+
+#include "runtime/log.h"
+#include "runtime/storage.h"
+#include "runtime/storage_internal.h"
+
+namespace strata {
+namespace {
+
+constexpr unsigned kSqPollIdleMs = 50;
+
+struct RegisteredBuffer {
+  uintptr_t begin;
+  uintptr_t end;
+};
+
+class UringFile final : public File {
+ public:
+  static Result<std::unique_ptr<File>> Create(internal::OpenedFd opened, const std::string& path,
+                                              const FileOptions& options, SqPoll sqpoll) {
+    std::unique_ptr<UringFile> f(new UringFile(std::move(opened), path, options));
+    STRATA_RETURN_IF_ERROR(f->Init(sqpoll));
+    return std::unique_ptr<File>(std::move(f));
+  }
+
+  ~UringFile() override {
+    if (!ring_ok_) return;
+    // Requests still in the kernel write into caller memory: wait for them.
+    while (!pending_.empty() || sqes_in_flight_ > 0) {
+      pending_.clear();
+      if (sqes_in_flight_ == 0) break;
+      io_uring_cqe* cqe = nullptr;
+      if (io_uring_wait_cqe(&ring_, &cqe) != 0) break;
+      io_uring_cqe_seen(&ring_, cqe);
+      --sqes_in_flight_;
+    }
+    io_uring_queue_exit(&ring_);
+  }
+
+  const FileInfo& info() const override { return info_; }
+
+  Status Submit(std::span<IoRequest> requests) override {
+    STRATA_RETURN_IF_ERROR(internal::ValidateBatch(info_, requests));
+    for (IoRequest& r : requests) {
+      r.status = OkStatus();
+      r.transferred_bytes = 0;
+      r.retries = 0;
+      pending_.push_back(&r);
+    }
+    in_flight_ += requests.size();
+    return Pump();
+  }
+
+  Result<size_t> Reap(std::span<IoRequest*> completed, size_t min_completions) override {
+    const size_t want = std::min({min_completions, in_flight_, completed.size()});
+    for (;;) {
+      STRATA_RETURN_IF_ERROR(DrainCqes(ready_.size() < want ? Block::kWaitForOne : Block::kNo));
+      STRATA_RETURN_IF_ERROR(Pump());
+      if (ready_.size() >= want) break;
+    }
+    size_t n = 0;
+    while (n < completed.size() && !ready_.empty()) {
+      completed[n++] = ready_.front();
+      ready_.pop_front();
+    }
+    in_flight_ -= n;
+    return n;
+  }
+
+  size_t InFlight() const override { return in_flight_; }
+  Status Sync() override { return internal::SyncFd(fd_.get(), info_.path); }
+  Status Resize(uint64_t size_bytes) override {
+    return internal::ResizeFd(fd_.get(), info_.path, size_bytes);
+  }
+  Result<uint64_t> SizeBytes() override { return internal::FdSizeBytes(fd_.get(), info_.path); }
+
+  Status RegisterBuffers(std::span<const std::span<std::byte>> buffers) override {
+    if (in_flight_ != 0) {
+      return FailedPreconditionError("register buffers on " + info_.path + ": " +
+                                     std::to_string(in_flight_) +
+                                     " requests in flight; reap them first");
+    }
+    if (!registered_.empty()) {
+      io_uring_unregister_buffers(&ring_);
+      registered_.clear();
+      info_.fixed_buffers = false;
+    }
+    if (buffers.empty()) return OkStatus();
+    std::vector<iovec> iov;
+    for (std::span<std::byte> b : buffers) {
+      iov.push_back({b.data(), b.size()});
+    }
+    int rc = io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
+    if (rc < 0) {
+      WarnOnce("uring-register-buffers",
+               std::string(ErrnoError(-rc, "register " + std::to_string(iov.size()) +
+                                               " buffers with io_uring for " + info_.path)
+                               .message()) +
+                   "; IO proceeds without fixed buffers (raise `ulimit -l` to allow it)");
+      return OkStatus();
+    }
+    for (std::span<std::byte> b : buffers) {
+      const auto begin = reinterpret_cast<uintptr_t>(b.data());
+      registered_.push_back({begin, begin + b.size()});
+    }
+    info_.fixed_buffers = true;
+    return OkStatus();
+  }
+
+ private:
+  UringFile(internal::OpenedFd opened, const std::string& path, const FileOptions& options)
+      : fd_(std::move(opened.fd)) {
+    info_.path = path;
+    info_.backend = "uring";
+    info_.io_mode = opened.io_mode;
+    info_.alignment_bytes = opened.alignment_bytes;
+    info_.queue_depth = std::clamp<uint32_t>(options.queue_depth, 1, 4096);
+  }
+
+  Status Init(SqPoll sqpoll) {
+    io_uring_params params{};
+    if (sqpoll == SqPoll::kOn) {
+      params.flags |= IORING_SETUP_SQPOLL;
+      params.sq_thread_idle = kSqPollIdleMs;
+    }
+    // Completions are picked up when this thread next enters the kernel (it
+    // always does, to reap) instead of interrupting it: fewer IPIs and
+    // context switches on busy cores. Kernels before 5.19 refuse the flag.
+    io_uring_params coop = params;
+    coop.flags |= IORING_SETUP_COOP_TASKRUN;
+    int rc = io_uring_queue_init_params(info_.queue_depth, &ring_, &coop);
+    if (rc == -EINVAL) rc = io_uring_queue_init_params(info_.queue_depth, &ring_, &params);
+    if (rc < 0) {
+      return ErrnoError(-rc, "io_uring_queue_init (depth " + std::to_string(info_.queue_depth) +
+                                 ") for " + info_.path);
+    }
+    ring_ok_ = true;
+    const int fd = fd_.get();
+    fixed_file_ = io_uring_register_files(&ring_, &fd, 1) == 0;
+    info_.fixed_file = fixed_file_;
+    return OkStatus();
+  }
+
+  // Index of the registered buffer holding all of [p, p + len), or -1.
+  int FixedIndex(const std::byte* p, size_t len) const {
+    const auto b = reinterpret_cast<uintptr_t>(p);
+    for (size_t i = 0; i < registered_.size(); ++i) {
+      if (b >= registered_[i].begin && b + len <= registered_[i].end) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  // Moves pending requests into SQEs while the ring has room; one submit.
+  Status Pump() {
+    unsigned queued = 0;
+    while (!pending_.empty() && sqes_in_flight_ < info_.queue_depth) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe == nullptr) break;
+      IoRequest* r = pending_.front();
+      pending_.pop_front();
+      std::byte* p = r->buffer.data() + r->transferred_bytes;
+      const unsigned len = static_cast<unsigned>(r->buffer.size() - r->transferred_bytes);
+      const uint64_t off = r->offset_bytes + r->transferred_bytes;
+      const int fd = fixed_file_ ? 0 : fd_.get();
+      const int idx = FixedIndex(p, len);
+      if (r->op == IoOp::kRead) {
+        if (idx >= 0)
+          io_uring_prep_read_fixed(sqe, fd, p, len, off, idx);
+        else
+          io_uring_prep_read(sqe, fd, p, len, off);
+      } else {
+        if (idx >= 0)
+          io_uring_prep_write_fixed(sqe, fd, p, len, off, idx);
+        else
+          io_uring_prep_write(sqe, fd, p, len, off);
+      }
+      if (fixed_file_) sqe->flags |= IOSQE_FIXED_FILE;
+      io_uring_sqe_set_data(sqe, r);
+      ++sqes_in_flight_;
+      ++queued;
+    }
+    if (queued == 0) return OkStatus();
+    int rc;
+    do {
+      rc = io_uring_submit(&ring_);
+    } while (rc == -EINTR);
+    if (rc < 0) return ErrnoError(-rc, "io_uring_submit for " + info_.path);
+    return OkStatus();
+  }
+
+  enum class Block : uint8_t { kNo, kWaitForOne };
+  // Handles every available CQE; with kWaitForOne, blocks for at least one first.
+  Status DrainCqes(Block block) {
+    if (block == Block::kWaitForOne && sqes_in_flight_ > 0) {
+      io_uring_cqe* cqe = nullptr;
+      int rc;
+      do {
+        rc = io_uring_wait_cqe(&ring_, &cqe);
+      } while (rc == -EINTR);
+      if (rc < 0) return ErrnoError(-rc, "io_uring_wait_cqe for " + info_.path);
+    }
+    io_uring_cqe* cqes[64];
+    for (;;) {
+      const unsigned n = io_uring_peek_batch_cqe(&ring_, cqes, 64);
+      if (n == 0) return OkStatus();
+      for (unsigned i = 0; i < n; ++i) {
+        auto* r = static_cast<IoRequest*>(io_uring_cqe_get_data(cqes[i]));
+        CompletionDecision d = InterpretCompletion(*r, info_.path, cqes[i]->res);
+        r->transferred_bytes = d.transferred_bytes;
+        r->retries = d.retries;
+        if (d.action == CompletionAction::kResubmit) {
+          pending_.push_front(r);
+        } else {
+          r->status = std::move(d.status);
+          ready_.push_back(r);
+        }
+      }
+      io_uring_cq_advance(&ring_, n);
+      sqes_in_flight_ -= n;
+    }
+  }
+
+  internal::Fd fd_;
+  FileInfo info_;
+  io_uring ring_{};
+  bool ring_ok_ = false;
+  bool fixed_file_ = false;
+  std::vector<RegisteredBuffer> registered_;
+  std::deque<IoRequest*> pending_;  // submitted, not yet in an SQE
+  std::deque<IoRequest*> ready_;    // complete, not yet reaped
+  size_t in_flight_ = 0;            // submitted and not reaped
+  unsigned sqes_in_flight_ = 0;
+};
+
+class UringStorage final : public Storage {
+ public:
+  explicit UringStorage(SqPoll sqpoll) : sqpoll_(sqpoll) {}
+  std::string_view name() const override { return "uring"; }
+  Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override {
+    STRATA_ASSIGN_OR_RETURN(auto opened, internal::OpenBlockFd(path, options));
+    return UringFile::Create(std::move(opened), path, options, sqpoll_);
+  }
+  Status Remove(const std::string& path) override { return internal::RemovePath(path); }
+
+ private:
+  SqPoll sqpoll_;
+};
+
+}  // namespace
+
+bool UringAvailable() {
+  io_uring ring;
+  if (io_uring_queue_init(4, &ring, 0) < 0) return false;
+  io_uring_queue_exit(&ring);
+  return true;
+}
+
+Result<std::unique_ptr<Storage>> CreateUringStorage(SqPoll sqpoll) {
+  io_uring ring;
+  int rc = io_uring_queue_init(4, &ring, 0);
+  if (rc < 0) {
+    return Status(
+        StatusCode::kUnavailable,
+        std::string(
+            ErrnoError(-rc, "io_uring refused by the kernel: io_uring_queue_init").message()));
+  }
+  io_uring_queue_exit(&ring);
+  return std::unique_ptr<Storage>(std::make_unique<UringStorage>(sqpoll));
+}
+
+}  // namespace strata

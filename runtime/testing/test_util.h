@@ -1,0 +1,79 @@
+// Helpers for storage tests: a temporary directory removed on destruction, a
+// page-aligned buffer, and a seeded byte pattern.
+//
+//   TempDir dir;                       // /tmp/strata-test-XXXXXX (or $TMPDIR)
+//   AlignedBuffer buf(1 << 20);        // 4096-aligned, zeroed
+//   FillPattern(buf.span(), seed);
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <span>
+#include <string>
+
+namespace strata::testing {
+
+class TempDir {
+ public:
+  explicit TempDir(const std::string& parent = "") {
+    std::string base = parent;
+    if (base.empty()) {
+      const char* t = std::getenv("TMPDIR");
+      base = (t != nullptr && t[0] != '\0') ? t : "/tmp";
+    }
+    std::string tmpl = base + "/strata-test-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
+  }
+  ~TempDir() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  bool ok() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(size_t size_bytes, size_t alignment_bytes = 4096)
+      : size_(size_bytes),
+        data_(static_cast<std::byte*>(std::aligned_alloc(
+            alignment_bytes,
+            (size_bytes + alignment_bytes - 1) / alignment_bytes * alignment_bytes))) {
+    std::memset(data_, 0, size_);
+  }
+  ~AlignedBuffer() { std::free(data_); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+
+  std::span<std::byte> span() { return {data_, size_}; }
+  std::byte* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_;
+  std::byte* data_;
+};
+
+inline void FillPattern(std::span<std::byte> out, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  size_t i = 0;
+  for (; i + 8 <= out.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(out.data() + i, &v, 8);
+  }
+  for (; i < out.size(); ++i) out[i] = static_cast<std::byte>(rng());
+}
+
+}  // namespace strata::testing

@@ -1,0 +1,405 @@
+// The NVMe state store: round trips over every backend and striping, per-extent
+// completion, checksums, double-buffered slots under faults (many seeds),
+// restart and crash.
+#include "offload/state_store.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "runtime/testing/fault_storage.h"
+#include "runtime/testing/manual_storage.h"
+#include "runtime/testing/test_util.h"
+#include "runtime/units.h"
+
+namespace strata {
+namespace {
+
+using testing::AlignedBuffer;
+using testing::FaultStorage;
+using testing::FillPattern;
+using testing::TempDir;
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(dir_.ok());
+    for (int i = 0; i < 3; ++i) {
+      paths_.push_back(dir_.File("d" + std::to_string(i)));
+      std::filesystem::create_directory(paths_.back());
+    }
+  }
+  StateStoreOptions Options(size_t num_paths, uint64_t extent_bytes, uint32_t num_extents,
+                            uint64_t block) {
+    return {.paths = std::vector<std::string>(paths_.begin(), paths_.begin() + num_paths),
+            .rank = 1,
+            .extent_bytes = extent_bytes,
+            .num_extents = num_extents,
+            .block_bytes = block,
+            .queue_depth = 4};
+  }
+  TempDir dir_;
+  std::vector<std::string> paths_;
+};
+
+Status WriteWait(StateStore& s, uint32_t id, std::span<std::byte> buf) {
+  STRATA_ASSIGN_OR_RETURN(auto t, s.WriteExtent(id, buf));
+  return s.Wait(t);
+}
+Status ReadWait(StateStore& s, uint32_t id, std::span<std::byte> buf) {
+  STRATA_ASSIGN_OR_RETURN(auto t, s.ReadExtent(id, buf));
+  return s.Wait(t);
+}
+
+TEST_F(StoreTest, RoundTripOverEveryBackendPathCountAndShape) {
+  std::vector<std::pair<std::string, std::unique_ptr<Storage>>> storages;
+  storages.emplace_back("posix", CreatePosixStorage());
+  storages.emplace_back("mem", CreateMemStorage());
+  if (UringAvailable()) storages.emplace_back("uring", CreateUringStorage(SqPoll::kOff).value());
+  struct Shape {
+    size_t paths;
+    uint64_t extent_bytes, block;
+  } shapes[] = {{1, 100000, 65536},
+                {2, 1 << 20, 65536},
+                {3, 300000, 16384},
+                {3, 4096, 1 << 20},
+                {2, 12345, 4096}};
+  for (auto& [name, storage] : storages) {
+    for (const Shape& sh : shapes) {
+      SCOPED_TRACE(name + " paths " + std::to_string(sh.paths) + " extent " +
+                   std::to_string(sh.extent_bytes) + " block " + std::to_string(sh.block));
+      auto store = StateStore::Create(*storage, Options(sh.paths, sh.extent_bytes, 3, sh.block));
+      ASSERT_TRUE(store.ok()) << store.status();
+      StateStore& s = **store;
+      ASSERT_EQ(s.file_paths().size(), sh.paths);
+      std::vector<std::unique_ptr<AlignedBuffer>> bufs;
+      for (uint32_t id = 0; id < 3; ++id) {
+        bufs.push_back(std::make_unique<AlignedBuffer>(s.ExtentBufferBytes()));
+        FillPattern(s.Payload(bufs.back()->span()), id + 10);
+      }
+      // All three writes in flight at once.
+      std::vector<StateStore::Ticket> tickets;
+      for (uint32_t id = 0; id < 3; ++id)
+        tickets.push_back(s.WriteExtent(id, bufs[id]->span()).value());
+      for (auto t : tickets) ASSERT_TRUE(s.Wait(t).ok());
+      for (uint32_t id = 0; id < 3; ++id) {
+        AlignedBuffer back(s.ExtentBufferBytes());
+        ASSERT_TRUE(ReadWait(s, id, back.span()).ok());
+        EXPECT_EQ(std::memcmp(s.Payload(back.span()).data(), s.Payload(bufs[id]->span()).data(),
+                              sh.extent_bytes),
+                  0);
+        EXPECT_EQ(s.generation(id), 1u);
+      }
+    }
+  }
+}
+
+TEST_F(StoreTest, StripingSpreadsOneExtentOverEveryFile) {
+  auto storage = CreatePosixStorage();
+  auto store = StateStore::Create(*storage, Options(3, 3 * kMiB - 4096, 2, kMiB)).value();
+  // A slot is 3 MiB: one 1 MiB chunk per file.
+  for (const std::string& p : store->file_paths()) {
+    EXPECT_EQ(std::filesystem::file_size(p), 4096 + 2 * 2 * kMiB) << p;
+  }
+  AlignedBuffer buf(store->ExtentBufferBytes());
+  FillPattern(store->Payload(buf.span()), 3);
+  ASSERT_TRUE(WriteWait(*store, 1, buf.span()).ok());
+  ASSERT_TRUE(store->Sync().ok());
+  // The slot of generation 1 of extent 1 is slot 1: per-file offset 4096 + 3 MiB.
+  for (size_t f = 0; f < 3; ++f) {
+    int fd = ::open(store->file_paths()[f].c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    std::vector<std::byte> chunk(kMiB);
+    ASSERT_EQ(::pread(fd, chunk.data(), kMiB, 4096 + 3 * kMiB), static_cast<ssize_t>(kMiB));
+    ::close(fd);
+    EXPECT_EQ(std::memcmp(chunk.data(), buf.data() + f * kMiB, kMiB), 0) << "file " << f;
+  }
+}
+
+TEST_F(StoreTest, CompletionIsPerExtentWhenRequestsCompleteOutOfOrder) {
+  auto manual = testing::ManualStorage::Create();
+  manual->SetAutoComplete(testing::AutoComplete::kOn);  // setup IO and the writes
+  auto store = StateStore::Create(*manual, Options(2, 64 * kKiB, 2, 16 * kKiB)).value();
+  AlignedBuffer a(store->ExtentBufferBytes()), b(store->ExtentBufferBytes());
+  AlignedBuffer ra(store->ExtentBufferBytes()), rb(store->ExtentBufferBytes());
+  FillPattern(store->Payload(a.span()), 1);
+  FillPattern(store->Payload(b.span()), 2);
+  ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
+  ASSERT_TRUE(WriteWait(*store, 1, b.span()).ok());
+  manual->SetAutoComplete(testing::AutoComplete::kOff);
+  auto ta = store->ReadExtent(0, ra.span()).value();
+  auto tb = store->ReadExtent(1, rb.span()).value();
+  EXPECT_EQ(store->ReadExtent(1, rb.span()).status().code(), StatusCode::kFailedPrecondition);
+  std::vector<IoRequest*> pending = manual->Pending();
+  ASSERT_EQ(pending.size(), 2u * (68 * kKiB / (16 * kKiB) + 1));  // 5 chunks per extent
+  EXPECT_FALSE(store->Poll(ta).has_value());
+  std::vector<IoRequest*> of_a, of_b;
+  for (IoRequest* r : pending) (r->user_data == ta.id ? of_a : of_b).push_back(r);
+  ASSERT_EQ(of_a.size(), of_b.size());
+  // Complete b's chunks last-first; a stays in flight.
+  for (auto it = of_b.rbegin(); it != of_b.rend(); ++it) ASSERT_TRUE(manual->Complete(*it).ok());
+  auto pb = store->Poll(tb);
+  ASSERT_TRUE(pb.has_value());
+  EXPECT_TRUE(pb->ok()) << *pb;
+  EXPECT_EQ(
+      std::memcmp(store->Payload(rb.span()).data(), store->Payload(b.span()).data(), 64 * kKiB), 0);
+  EXPECT_FALSE(store->Poll(ta).has_value());
+  EXPECT_EQ(store->InFlight(), 1u);
+  for (IoRequest* r : of_a) ASSERT_TRUE(manual->Complete(r).ok());
+  EXPECT_TRUE(store->Wait(ta).ok());
+  EXPECT_EQ(
+      std::memcmp(store->Payload(ra.span()).data(), store->Payload(a.span()).data(), 64 * kKiB), 0);
+  EXPECT_EQ(store->Poll(ta)->code(), StatusCode::kNotFound);
+}
+
+TEST_F(StoreTest, FailedWriteKeepsThePreviousCopyBitwise) {
+  auto fault = FaultStorage::Create(CreatePosixStorage(), {.seed = 1});
+  auto store = StateStore::Create(*fault, Options(2, 200000, 2, 65536)).value();
+  AlignedBuffer good(store->ExtentBufferBytes()), next(store->ExtentBufferBytes()),
+      back(store->ExtentBufferBytes());
+  FillPattern(store->Payload(good.span()), 1);
+  ASSERT_TRUE(WriteWait(*store, 0, good.span()).ok());
+  for (auto kind :
+       {&testing::FaultOptions::write_eio_one_in, &testing::FaultOptions::write_enospc_one_in}) {
+    testing::FaultOptions fo{.seed = 2};
+    fo.*kind = 1;
+    fault->SetOptions(fo);
+    FillPattern(store->Payload(next.span()), 2);
+    Status s = WriteWait(*store, 0, next.span());
+    EXPECT_FALSE(s.ok());
+    EXPECT_TRUE(s.code() == StatusCode::kInternal || s.code() == StatusCode::kResourceExhausted)
+        << s;
+    EXPECT_NE(s.message().find("write extent 0 (generation 2, slot 0)"), std::string_view::npos)
+        << s;
+    EXPECT_NE(s.message().find("strata-rank1.state@"), std::string_view::npos) << s;
+    EXPECT_NE(s.message().find("generation 1 in the other slot is intact"), std::string_view::npos)
+        << s;
+    fault->SetOptions({});
+    EXPECT_EQ(store->generation(0), 1u);
+    ASSERT_TRUE(ReadWait(*store, 0, back.span()).ok());
+    EXPECT_EQ(
+        std::memcmp(store->Payload(back.span()).data(), store->Payload(good.span()).data(), 200000),
+        0);
+  }
+}
+
+TEST_F(StoreTest, TornWriteIsDataLossNeverStaleOrCorruptData) {
+  auto fault = FaultStorage::Create(CreateMemStorage(), {.seed = 1});
+  auto store = StateStore::Create(*fault, Options(1, 1 << 20, 1, 1 << 20)).value();
+  AlignedBuffer a(store->ExtentBufferBytes()), b(store->ExtentBufferBytes()),
+      back(store->ExtentBufferBytes());
+  FillPattern(store->Payload(a.span()), 1);
+  FillPattern(store->Payload(b.span()), 2);
+  ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
+  ASSERT_TRUE(WriteWait(*store, 0, b.span()).ok());  // generation 2 in slot 0
+  fault->SetOptions({.torn_write_one_in = 1});
+  // Generation 3 goes to slot 1 (generation 1, payload a): new data whose first
+  // half lands, over the old.
+  FillPattern(store->Payload(a.span()), 3);
+  ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
+  fault->SetOptions({});
+  Status s = ReadWait(*store, 0, back.span());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("generation 3"), std::string_view::npos) << s;
+  EXPECT_NE(s.message().find("checkpoint"), std::string_view::npos) << s;
+  // Rewriting the extent heals it.
+  ASSERT_TRUE(WriteWait(*store, 0, b.span()).ok());
+  ASSERT_TRUE(ReadWait(*store, 0, back.span()).ok());
+  EXPECT_EQ(
+      std::memcmp(store->Payload(back.span()).data(), store->Payload(b.span()).data(), 1 << 20), 0);
+}
+
+TEST_F(StoreTest, FlippedBitIsDataLoss) {
+  auto storage = CreatePosixStorage();
+  auto store = StateStore::Create(*storage, Options(1, 50000, 1, 65536)).value();
+  AlignedBuffer a(store->ExtentBufferBytes()), back(store->ExtentBufferBytes());
+  FillPattern(store->Payload(a.span()), 1);
+  ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
+  ASSERT_TRUE(store->Sync().ok());
+  // Generation 1 is slot 1 of extent 0: file offset 4096 + slot size.
+  const off_t pos = 4096 + static_cast<off_t>(store->ExtentBufferBytes()) + 4096 + 777;
+  int fd = ::open(store->file_paths()[0].c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  std::byte x;
+  ASSERT_EQ(::pread(fd, &x, 1, pos), 1);
+  x ^= std::byte{0x10};
+  ASSERT_EQ(::pwrite(fd, &x, 1, pos), 1);
+  ::fsync(fd);
+  ::close(fd);
+  Status s = ReadWait(*store, 0, back.span());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("payload checksum"), std::string_view::npos) << s;
+  EXPECT_NE(s.message().find(store->file_paths()[0]), std::string_view::npos) << s;
+}
+
+TEST_F(StoreTest, ReopenAfterRestartScansGenerations) {
+  auto storage = CreateUringStorage(SqPoll::kOff);
+  std::unique_ptr<Storage> st = storage.ok() ? std::move(storage).value() : CreatePosixStorage();
+  StateStoreOptions o = Options(2, 70000, 3, 16384);
+  std::vector<std::unique_ptr<AlignedBuffer>> bufs;
+  {
+    auto store = StateStore::Create(*st, o).value();
+    for (uint32_t id = 0; id < 3; ++id) {
+      bufs.push_back(std::make_unique<AlignedBuffer>(store->ExtentBufferBytes()));
+      for (uint32_t g = 0; g <= id; ++g) {  // extent id reaches generation id + 1
+        FillPattern(store->Payload(bufs[id]->span()), id * 100 + g);
+        ASSERT_TRUE(WriteWait(*store, id, bufs[id]->span()).ok());
+      }
+    }
+    ASSERT_TRUE(store->Sync().ok());
+  }
+  o.open = StoreOpen::kOpenExisting;
+  auto store = StateStore::Create(*st, o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (uint32_t id = 0; id < 3; ++id) {
+    EXPECT_EQ((*store)->generation(id), id + 1);
+    AlignedBuffer back((*store)->ExtentBufferBytes());
+    ASSERT_TRUE(ReadWait(**store, id, back.span()).ok());
+    EXPECT_EQ(std::memcmp((*store)->Payload(back.span()).data(),
+                          (*store)->Payload(bufs[id]->span()).data(), 70000),
+              0);
+  }
+  store->reset();
+  StateStoreOptions other = o;
+  other.extent_bytes = 80000;
+  auto bad = StateStore::Create(*st, other);
+  EXPECT_EQ(bad.status().code(), StatusCode::kFailedPrecondition) << bad.status();
+  EXPECT_NE(bad.status().message().find("same paths"), std::string_view::npos) << bad.status();
+}
+
+TEST_F(StoreTest, CrashLosesOnlyUnsyncedGenerations) {
+  auto fault =
+      FaultStorage::Create(CreatePosixStorage(), {.drop_unsynced = testing::DropUnsynced::kOn});
+  StateStoreOptions o = Options(2, 100000, 2, 32768);
+  AlignedBuffer a(4096 + 102400), b(4096 + 102400), back(4096 + 102400);
+  {
+    auto store = StateStore::Create(*fault, o).value();
+    ASSERT_EQ(store->ExtentBufferBytes(), a.size());
+    FillPattern(store->Payload(a.span()), 1);
+    FillPattern(store->Payload(b.span()), 2);
+    ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
+    ASSERT_TRUE(WriteWait(*store, 1, a.span()).ok());
+    ASSERT_TRUE(store->Sync().ok());
+    ASSERT_TRUE(WriteWait(*store, 0, b.span()).ok());  // generation 2, never synced
+  }
+  ASSERT_TRUE(fault->SimulateCrash().ok());
+  o.open = StoreOpen::kOpenExisting;
+  auto store = StateStore::Create(*fault, o).value();
+  EXPECT_EQ(store->generation(0), 1u);
+  EXPECT_EQ(store->generation(1), 1u);
+  ASSERT_TRUE(ReadWait(*store, 0, back.span()).ok());
+  EXPECT_EQ(
+      std::memcmp(store->Payload(back.span()).data(), store->Payload(a.span()).data(), 100000), 0);
+}
+
+TEST_F(StoreTest, BadArgumentsAreReportedBeforeAnyIo) {
+  auto storage = CreateMemStorage();
+  auto store = StateStore::Create(*storage, Options(1, 8192, 2, 4096)).value();
+  AlignedBuffer buf(store->ExtentBufferBytes() + 4096);
+  EXPECT_EQ(store->ReadExtent(0, buf.span().first(store->ExtentBufferBytes())).status().code(),
+            StatusCode::kFailedPrecondition);  // never written
+  EXPECT_EQ(store->WriteExtent(2, buf.span().first(store->ExtentBufferBytes())).status().code(),
+            StatusCode::kOutOfRange);
+  EXPECT_EQ(store->WriteExtent(0, buf.span()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      store->WriteExtent(0, buf.span().subspan(8, store->ExtentBufferBytes())).status().code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Wait({12345}).code(), StatusCode::kNotFound);
+  EXPECT_EQ(StateStore::Create(*storage, Options(1, 8192, 2, 1000)).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(StateStore::Create(*storage, {}).status().code(), StatusCode::kInvalidArgument);
+  StateStoreOptions missing = Options(1, 8192, 2, 4096);
+  missing.paths = {dir_.File("no-such-dir")};
+  auto st2 = CreatePosixStorage();
+  Status s = StateStore::Create(*st2, missing).status();
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  EXPECT_NE(s.message().find("no-such-dir"), std::string_view::npos) << s;
+}
+
+// Many seeds of random writes and reads under every kind of fault. A read that
+// succeeds returns exactly the last committed payload; a failed write never
+// changes what reads return; DataLoss happens only after a torn write.
+TEST_F(StoreTest, FaultSuiteManySeeds) {
+  const uint64_t base_seed = std::random_device{}();
+  std::printf("base seed %llu\n", static_cast<unsigned long long>(base_seed));
+  uint64_t writes_failed = 0, reads_failed = 0, data_loss = 0, reads_ok = 0;
+  constexpr uint32_t kExtents = 4;
+  constexpr uint64_t kPayload = 40000;
+  for (uint64_t i = 0; i < 150; ++i) {
+    const uint64_t seed = base_seed + i;
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    testing::FaultOptions fo{.seed = seed,
+                             .read_eio_one_in = 25,
+                             .write_eio_one_in = 25,
+                             .write_enospc_one_in = 40,
+                             .eintr_one_in = 6,
+                             .short_io_one_in = 5,
+                             .torn_write_one_in = i % 3 == 0 ? 40u : 0u};
+    auto fault = FaultStorage::Create(CreateMemStorage(), {});
+    auto store = StateStore::Create(*fault, Options(2, kPayload, kExtents, 8192)).value();
+    fault->SetOptions(fo);
+    std::vector<std::vector<std::byte>> model(kExtents);
+    std::vector<bool> torn(kExtents, false);
+    AlignedBuffer buf(store->ExtentBufferBytes());
+    for (int step = 0; step < 30; ++step) {
+      const uint32_t id = rng() % kExtents;
+      const uint64_t torn_before = fault->stats().torn_writes.load();
+      if (model[id].empty() || rng() % 2) {
+        FillPattern(store->Payload(buf.span()), rng());
+        Status s = WriteWait(*store, id, buf.span());
+        if (s.ok()) {
+          auto p = store->Payload(buf.span());
+          model[id].assign(p.begin(), p.end());
+          torn[id] = fault->stats().torn_writes.load() != torn_before;
+        } else {
+          ++writes_failed;
+          ASSERT_TRUE(s.code() == StatusCode::kInternal ||
+                      s.code() == StatusCode::kResourceExhausted)
+              << s;
+          ASSERT_NE(s.message().find("write extent " + std::to_string(id)), std::string_view::npos)
+              << s;
+        }
+      } else {
+        std::memset(buf.data(), 0, buf.size());
+        Status s = ReadWait(*store, id, buf.span());
+        if (s.ok()) {
+          ++reads_ok;
+          ASSERT_FALSE(torn[id]) << "a torn extent was returned as good";
+          ASSERT_EQ(std::memcmp(store->Payload(buf.span()).data(), model[id].data(), kPayload), 0)
+              << "extent " << id << " step " << step;
+        } else if (s.code() == StatusCode::kDataLoss) {
+          ++data_loss;
+          ASSERT_TRUE(torn[id]) << s;
+        } else {
+          ++reads_failed;
+          ASSERT_EQ(s.code(), StatusCode::kInternal) << s;
+          ASSERT_NE(s.message().find("EIO"), std::string_view::npos) << s;
+        }
+      }
+    }
+    // With faults off, every extent reads back its last committed payload.
+    fault->SetOptions({});
+    for (uint32_t id = 0; id < kExtents; ++id) {
+      if (model[id].empty() || torn[id]) continue;
+      ASSERT_TRUE(ReadWait(*store, id, buf.span()).ok());
+      ASSERT_EQ(std::memcmp(store->Payload(buf.span()).data(), model[id].data(), kPayload), 0)
+          << "extent " << id;
+    }
+  }
+  std::printf(
+      "writes failed %llu, reads failed %llu, data loss detected %llu, reads ok %llu\n",
+      static_cast<unsigned long long>(writes_failed), static_cast<unsigned long long>(reads_failed),
+      static_cast<unsigned long long>(data_loss), static_cast<unsigned long long>(reads_ok));
+  EXPECT_GT(writes_failed, 20u);
+  EXPECT_GT(reads_failed, 10u);
+  EXPECT_GT(data_loss, 0u);
+  EXPECT_GT(reads_ok, 500u);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,182 @@
+// Backend-specific behaviour: the io_uring and O_DIRECT fallbacks, fixed
+// buffers, the counting wrapper and manual completion.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/vfs.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "runtime/storage.h"
+#include "runtime/testing/manual_storage.h"
+#include "runtime/testing/test_util.h"
+
+namespace strata {
+namespace {
+
+using testing::AlignedBuffer;
+using testing::FillPattern;
+using testing::TempDir;
+
+Status WriteAndWait(File& f, uint64_t offset, std::span<std::byte> buf) {
+  IoRequest r = IoRequest::Write(offset, buf);
+  STRATA_RETURN_IF_ERROR(f.Submit(std::span(&r, 1)));
+  IoRequest* done[1];
+  STRATA_ASSIGN_OR_RETURN(size_t n, f.Reap(done, 1));
+  if (n != 1) return InternalError("not reaped");
+  return r.status;
+}
+
+TEST(StorageFallback, UringRefusalFallsBackToPosix) {
+  ::setenv("STRATA_URING_REFUSE", "1", 1);
+  auto s = CreateStorage({.backend = StorageBackend::kUring});
+  auto strict =
+      CreateStorage({.backend = StorageBackend::kUring, .fallback = UringFallback::kFail});
+  ::unsetenv("STRATA_URING_REFUSE");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->name(), "posix");
+  EXPECT_EQ(strict.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(strict.status().message().find("io_uring refused"), std::string_view::npos)
+      << strict.status();
+}
+
+TEST(StorageFallback, UringIsChosenWhereAvailable) {
+  if (!UringAvailable()) GTEST_SKIP() << "io_uring not available here";
+  auto s = CreateStorage({.backend = StorageBackend::kUring});
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ((*s)->name(), "uring");
+}
+
+bool IsTmpfs(const std::string& path) {
+  struct statfs st;
+  return ::statfs(path.c_str(), &st) == 0 && st.f_type == 0x01021994;  // TMPFS_MAGIC
+}
+
+// Kernels since 6.6 accept O_DIRECT on tmpfs, so the refusal is forced with
+// STRATA_O_DIRECT_REFUSE (the same EINVAL path as a refusing filesystem).
+TEST(StorageFallback, ODirectRefusedFallsBackToBufferedAndStillChecksAlignment) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::vector<std::unique_ptr<Storage>> storages;
+  storages.push_back(CreatePosixStorage());
+  if (auto u = CreateUringStorage(SqPoll::kOff); u.ok()) storages.push_back(std::move(u).value());
+  ::setenv("STRATA_O_DIRECT_REFUSE", "1", 1);
+  for (auto& storage : storages) {
+    SCOPED_TRACE(std::string(storage->name()));
+    auto f = storage->Open(dir.File("x"), {.create = FileCreate::kCreate});
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ((*f)->info().io_mode, IoMode::kBuffered);
+    EXPECT_EQ((*f)->info().alignment_bytes, 4096u);
+    AlignedBuffer buf(8192);
+    FillPattern(buf.span(), 1);
+    EXPECT_TRUE(WriteAndWait(**f, 4096, buf.span()).ok());
+    EXPECT_EQ(WriteAndWait(**f, 100, buf.span()).code(), StatusCode::kInvalidArgument);
+    auto strict =
+        storage->Open(dir.File("y"), {.create = FileCreate::kCreate, .direct = DirectIo::kRequire});
+    EXPECT_EQ(strict.status().code(), StatusCode::kInvalidArgument) << strict.status();
+    EXPECT_NE(strict.status().message().find("O_DIRECT"), std::string_view::npos);
+  }
+  ::unsetenv("STRATA_O_DIRECT_REFUSE");
+}
+
+TEST(StorageFallback, TmpfsWorksWhateverItSaysToODirect) {
+  if (!std::filesystem::is_directory("/dev/shm") || !IsTmpfs("/dev/shm")) {
+    GTEST_SKIP() << "no tmpfs at /dev/shm";
+  }
+  TempDir dir("/dev/shm");
+  ASSERT_TRUE(dir.ok());
+  auto f = CreatePosixStorage()->Open(dir.File("x"), {.create = FileCreate::kCreate});
+  ASSERT_TRUE(f.ok()) << f.status();
+  AlignedBuffer buf(8192);
+  EXPECT_TRUE(WriteAndWait(**f, 4096, buf.span()).ok());
+}
+
+TEST(StorageFallback, ODirectWorksOnTheTestDirectory) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  if (IsTmpfs(dir.path())) GTEST_SKIP() << dir.path() << " is tmpfs";
+  auto f = CreatePosixStorage()->Open(
+      dir.File("x"), {.create = FileCreate::kCreate, .direct = DirectIo::kRequire});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->info().io_mode, IoMode::kDirect);
+  AlignedBuffer buf(4096);
+  // The kernel would say EINVAL; the file says which value is wrong first.
+  Status s = WriteAndWait(**f, 0, buf.span().first(512));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("length 512"), std::string_view::npos) << s;
+}
+
+TEST(UringBackend, FixedBuffersAndFixedFileAreUsed) {
+  if (!UringAvailable()) GTEST_SKIP() << "io_uring not available here";
+  TempDir dir;
+  auto storage = CreateUringStorage(SqPoll::kOff).value();
+  auto f = storage->Open(dir.File("x"), {.create = FileCreate::kCreate, .queue_depth = 2}).value();
+  EXPECT_TRUE(f->info().fixed_file);
+  AlignedBuffer reg(1 << 20), other(1 << 20);
+  std::span<std::byte> bufs[] = {reg.span()};
+  ASSERT_TRUE(f->RegisterBuffers(bufs).ok());
+  EXPECT_TRUE(f->info().fixed_buffers);
+  FillPattern(reg.span(), 11);
+  ASSERT_TRUE(WriteAndWait(*f, 0, reg.span()).ok());
+  // A buffer outside the registered ones takes the plain path.
+  IoRequest r = IoRequest::Read(0, other.span());
+  ASSERT_TRUE(f->Submit(std::span(&r, 1)).ok());
+  IoRequest* done[1];
+  ASSERT_EQ(f->Reap(done, 1).value(), 1u);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(std::memcmp(reg.data(), other.data(), reg.size()), 0);
+}
+
+TEST(CountingStorage, CountsOpsAndBytes) {
+  auto counters = std::make_shared<IoCounters>();
+  auto storage = CreateCountingStorage(CreateMemStorage(), counters);
+  EXPECT_EQ(storage->name(), "counting(mem)");
+  auto f = storage->Open("x", {.create = FileCreate::kCreate}).value();
+  AlignedBuffer buf(8192);
+  ASSERT_TRUE(WriteAndWait(*f, 0, buf.span()).ok());
+  ASSERT_TRUE(WriteAndWait(*f, 8192, buf.span().first(4096)).ok());
+  IoRequest r = IoRequest::Read(16384, buf.span());  // past the end: an error
+  ASSERT_TRUE(f->Submit(std::span(&r, 1)).ok());
+  IoRequest* done[1];
+  ASSERT_EQ(f->Reap(done, 1).value(), 1u);
+  ASSERT_TRUE(f->Sync().ok());
+  EXPECT_EQ(counters->writes.load(), 2u);
+  EXPECT_EQ(counters->write_bytes.load(), 12288u);
+  EXPECT_EQ(counters->reads.load(), 0u);
+  EXPECT_EQ(counters->errors.load(), 1u);
+  EXPECT_EQ(counters->syncs.load(), 1u);
+  EXPECT_EQ(counters->opens.load(), 1u);
+}
+
+TEST(ManualStorage, RequestsCompleteInTheOrderTheTestChooses) {
+  auto storage = testing::ManualStorage::Create();
+  auto f = storage->Open("x", {.create = FileCreate::kCreate}).value();
+  AlignedBuffer a(4096), b(4096), c(4096);
+  FillPattern(a.span(), 1);
+  FillPattern(b.span(), 2);
+  std::vector<IoRequest> reqs = {IoRequest::Write(0, a.span(), 0),
+                                 IoRequest::Write(4096, b.span(), 1)};
+  ASSERT_TRUE(f->Submit(reqs).ok());
+  IoRequest* done[2];
+  EXPECT_EQ(f->Reap(done, 1).status().code(), StatusCode::kFailedPrecondition);
+  auto pending = storage->Pending();
+  ASSERT_EQ(pending.size(), 2u);
+  ASSERT_TRUE(storage->Complete(pending[1]).ok());
+  ASSERT_EQ(f->Reap(done, 1).value(), 1u);
+  EXPECT_EQ(done[0]->user_data, 1u);
+  ASSERT_TRUE(storage->Fail(pending[0], ErrnoError(EIO, "write x@0+4KiB")).ok());
+  ASSERT_EQ(f->Reap(done, 1).value(), 1u);
+  EXPECT_EQ(done[0]->user_data, 0u);
+  EXPECT_EQ(done[0]->status.code(), StatusCode::kInternal);
+  // The failed write did nothing; the completed one is there.
+  IoRequest r = IoRequest::Read(4096, c.span());
+  ASSERT_TRUE(f->Submit(std::span(&r, 1)).ok());
+  ASSERT_TRUE(storage->Complete(storage->Pending().at(0)).ok());
+  ASSERT_EQ(f->Reap(done, 1).value(), 1u);
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_EQ(std::memcmp(b.data(), c.data(), 4096), 0);
+  EXPECT_EQ(storage->Complete(&r).code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace strata

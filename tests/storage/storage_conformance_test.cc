@@ -1,0 +1,291 @@
+// The Storage/File contract, run against every backend and every wrapper with
+// its faults off. A new backend must pass it.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "runtime/storage.h"
+#include "runtime/testing/fault_storage.h"
+#include "runtime/testing/test_util.h"
+
+namespace strata {
+namespace {
+
+using testing::AlignedBuffer;
+using testing::FillPattern;
+using testing::TempDir;
+
+struct Backend {
+  std::string name;
+  std::function<std::unique_ptr<Storage>()> make;
+  bool needs_uring = false;
+  bool needs_sqpoll = false;  // SQPOLL needs privileges on kernels before 5.11
+};
+
+std::vector<Backend> Backends() {
+  auto uring = [] { return std::move(CreateUringStorage(SqPoll::kOff)).value(); };
+  return {
+      {"uring", uring, true},
+      {"uring_sqpoll", [] { return std::move(CreateUringStorage(SqPoll::kOn)).value(); }, true,
+       true},
+      {"posix", [] { return CreatePosixStorage(); }},
+      {"mem", [] { return CreateMemStorage(); }},
+      {"counting_uring",
+       [uring] { return CreateCountingStorage(uring(), std::make_shared<IoCounters>()); }, true},
+      {"counting_posix",
+       [] { return CreateCountingStorage(CreatePosixStorage(), std::make_shared<IoCounters>()); }},
+      {"fault_off_posix",
+       [] {
+         return std::unique_ptr<Storage>(testing::FaultStorage::Create(CreatePosixStorage(), {}));
+       }},
+      {"fault_off_uring",
+       [uring] { return std::unique_ptr<Storage>(testing::FaultStorage::Create(uring(), {})); },
+       true},
+      {"fault_off_mem",
+       [] {
+         return std::unique_ptr<Storage>(testing::FaultStorage::Create(CreateMemStorage(), {}));
+       }},
+  };
+}
+
+void PrintTo(const Backend& b, std::ostream* os) { *os << b.name; }
+
+class StorageConformance : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    if (GetParam().needs_uring && !UringAvailable()) GTEST_SKIP() << "io_uring not available here";
+    ASSERT_TRUE(dir_.ok());
+    storage_ = GetParam().make();
+    if (GetParam().needs_sqpoll) {
+      auto probe = storage_->Open(dir_.File("probe"), {.create = FileCreate::kCreate});
+      if (!probe.ok()) GTEST_SKIP() << "SQPOLL refused here: " << probe.status();
+    }
+  }
+
+  std::unique_ptr<File> OpenNew(const std::string& name, uint32_t queue_depth = 8) {
+    auto f = storage_->Open(dir_.File(name),
+                            {.create = FileCreate::kCreate, .queue_depth = queue_depth});
+    EXPECT_TRUE(f.ok()) << f.status();
+    return std::move(f).value();
+  }
+
+  // Submits all, reaps all; returns the reaped pointers in completion order.
+  std::vector<IoRequest*> RunAll(File& f, std::span<IoRequest> reqs) {
+    EXPECT_TRUE(f.Submit(reqs).ok());
+    std::vector<IoRequest*> out;
+    std::vector<IoRequest*> buf(7);  // smaller than the batch on purpose
+    while (out.size() < reqs.size()) {
+      auto n = f.Reap(buf, 1);
+      EXPECT_TRUE(n.ok()) << n.status();
+      if (!n.ok()) break;
+      out.insert(out.end(), buf.begin(), buf.begin() + *n);
+    }
+    EXPECT_EQ(f.InFlight(), 0u);
+    return out;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Storage> storage_;
+};
+
+TEST_P(StorageConformance, WritesReadBackBitwiseInBatchesLargerThanTheQueue) {
+  auto f = OpenNew("a", /*queue_depth=*/4);
+  constexpr size_t kReqs = 37, kBlock = 16384;
+  AlignedBuffer src(kReqs * kBlock), dst(kReqs * kBlock);
+  const uint64_t seed = 1234;
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  FillPattern(src.span(), seed);
+  std::vector<IoRequest> reqs;
+  for (size_t i = 0; i < kReqs; ++i) {
+    reqs.push_back(IoRequest::Write(i * kBlock, src.span().subspan(i * kBlock, kBlock), i));
+  }
+  std::vector<IoRequest*> done = RunAll(*f, reqs);
+  ASSERT_EQ(done.size(), kReqs);
+  std::vector<bool> seen(kReqs);
+  for (IoRequest* r : done) {
+    ASSERT_TRUE(r->status.ok()) << r->status;
+    EXPECT_EQ(r->transferred_bytes, kBlock);
+    ASSERT_LT(r->user_data, kReqs);
+    EXPECT_FALSE(seen[r->user_data]) << "reaped twice";
+    seen[r->user_data] = true;
+  }
+  ASSERT_TRUE(f->Sync().ok());
+  // Read back in reverse order, in one batch.
+  std::vector<IoRequest> reads;
+  for (size_t i = kReqs; i-- > 0;) {
+    reads.push_back(IoRequest::Read(i * kBlock, dst.span().subspan(i * kBlock, kBlock), i));
+  }
+  done = RunAll(*f, reads);
+  ASSERT_EQ(done.size(), kReqs);
+  for (IoRequest* r : done) ASSERT_TRUE(r->status.ok()) << r->status;
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
+  auto size = f->SizeBytes();
+  ASSERT_TRUE(size.ok());
+  EXPECT_EQ(*size, kReqs * kBlock);
+}
+
+TEST_P(StorageConformance, DataSurvivesCloseAndReopen) {
+  AlignedBuffer src(65536), dst(65536);
+  FillPattern(src.span(), 99);
+  {
+    auto f = OpenNew("b");
+    IoRequest w = IoRequest::Write(8192, src.span());
+    RunAll(*f, std::span(&w, 1));
+    ASSERT_TRUE(w.status.ok()) << w.status;
+    ASSERT_TRUE(f->Sync().ok());
+  }
+  auto f = storage_->Open(dir_.File("b"), {});
+  ASSERT_TRUE(f.ok()) << f.status();
+  IoRequest r = IoRequest::Read(8192, dst.span());
+  RunAll(**f, std::span(&r, 1));
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
+}
+
+TEST_P(StorageConformance, ReadPastEndIsOutOfRangeNamingTheFile) {
+  auto f = OpenNew("c");
+  ASSERT_TRUE(f->Resize(8192).ok());
+  AlignedBuffer buf(16384);
+  IoRequest r = IoRequest::Read(4096, buf.span());
+  RunAll(*f, std::span(&r, 1));
+  EXPECT_EQ(r.status.code(), StatusCode::kOutOfRange) << r.status;
+  EXPECT_NE(r.status.message().find(dir_.File("c") + "@4096+16KiB"), std::string_view::npos)
+      << r.status;
+  EXPECT_EQ(r.transferred_bytes, 4096u);
+}
+
+TEST_P(StorageConformance, MisalignedRequestsAreInvalidArgumentAndNothingIsSubmitted) {
+  auto f = OpenNew("d");
+  ASSERT_TRUE(f->Resize(1 << 20).ok());
+  AlignedBuffer buf(3 * 4096);
+  struct Case {
+    const char* what;
+    IoRequest req;
+    const char* expect;
+  } cases[] = {
+      {"address", IoRequest::Read(0, buf.span().subspan(512, 4096)), "buffer address"},
+      {"offset", IoRequest::Read(100, buf.span().first(4096)), "offset 100"},
+      {"length", IoRequest::Write(0, buf.span().first(4000)), "length 4000"},
+  };
+  for (Case& c : cases) {
+    // A good request first: the batch is all or nothing.
+    std::vector<IoRequest> batch = {IoRequest::Read(0, buf.span().first(4096)), c.req};
+    Status s = f->Submit(batch);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.expect), std::string_view::npos) << s;
+    EXPECT_NE(s.message().find("O_DIRECT"), std::string_view::npos) << s;
+    EXPECT_EQ(f->InFlight(), 0u);
+  }
+  IoRequest empty = IoRequest::Read(0, {});
+  EXPECT_EQ(f->Submit(std::span(&empty, 1)).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(StorageConformance, BufferedFilesTakeAnyAlignment) {
+  auto f =
+      storage_->Open(dir_.File("e"), {.create = FileCreate::kCreate, .direct = DirectIo::kOff});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->info().alignment_bytes, 1u);
+  EXPECT_EQ((*f)->info().io_mode, IoMode::kBuffered);
+  std::vector<std::byte> src(1000), dst(1000);
+  FillPattern(src, 5);
+  IoRequest w = IoRequest::Write(3, src);
+  RunAll(**f, std::span(&w, 1));
+  ASSERT_TRUE(w.status.ok()) << w.status;
+  IoRequest r = IoRequest::Read(3, dst);
+  RunAll(**f, std::span(&r, 1));
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(src, dst);
+}
+
+TEST_P(StorageConformance, OpenMissingIsNotFound) {
+  auto f = storage_->Open(dir_.File("missing"), {});
+  EXPECT_EQ(f.status().code(), StatusCode::kNotFound) << f.status();
+  EXPECT_NE(f.status().message().find("missing"), std::string_view::npos);
+  EXPECT_EQ(storage_->Remove(dir_.File("missing")).code(), StatusCode::kNotFound);
+}
+
+TEST_P(StorageConformance, RegisteredBuffersAreUsedAndNeedNoIoInFlight) {
+  auto f = OpenNew("g", 4);
+  AlignedBuffer a(1 << 20), b(1 << 20);
+  std::span<std::byte> bufs[] = {a.span(), b.span()};
+  ASSERT_TRUE(f->RegisterBuffers(bufs).ok());
+  FillPattern(a.span(), 3);
+  std::vector<IoRequest> w;
+  for (int i = 0; i < 4; ++i)
+    w.push_back(IoRequest::Write(i * 262144, a.span().subspan(i * 262144, 262144)));
+  ASSERT_TRUE(f->Submit(w).ok());
+  EXPECT_EQ(f->RegisterBuffers(bufs).code(), StatusCode::kFailedPrecondition);
+  std::vector<IoRequest*> done(8);
+  size_t got = 0;
+  while (got < 4) {
+    auto n = f->Reap(done, 1);
+    ASSERT_TRUE(n.ok()) << n.status();
+    for (size_t i = 0; i < *n; ++i) ASSERT_TRUE(done[i]->status.ok()) << done[i]->status;
+    got += *n;
+  }
+  IoRequest r = IoRequest::Read(0, b.span());
+  RunAll(*f, std::span(&r, 1));
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+  ASSERT_TRUE(f->RegisterBuffers({}).ok());
+}
+
+TEST_P(StorageConformance, ReapWithMinZeroDoesNotBlock) {
+  auto f = OpenNew("h");
+  std::vector<IoRequest*> done(4);
+  auto n = f->Reap(done, 0);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 0u);
+  n = f->Reap(done, 5);  // nothing in flight: returns at once
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 0u);
+}
+
+TEST_P(StorageConformance, RandomOpsMatchAPlainReferenceModel) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  constexpr size_t kFile = 64 * 4096;
+  std::vector<std::byte> model(kFile);
+  auto f = OpenNew("r", 3);
+  ASSERT_TRUE(f->Resize(kFile).ok());
+  for (int round = 0; round < 20; ++round) {
+    // Non-overlapping requests within a batch; their order is free.
+    std::vector<size_t> pages(64);
+    for (size_t i = 0; i < pages.size(); ++i) pages[i] = i;
+    std::shuffle(pages.begin(), pages.end(), rng);
+    const size_t n = 1 + rng() % 10;
+    std::vector<std::unique_ptr<AlignedBuffer>> bufs;
+    std::vector<IoRequest> reqs;
+    for (size_t i = 0; i < n; ++i) {
+      const size_t page = pages[i];
+      bufs.push_back(std::make_unique<AlignedBuffer>(4096));
+      if (rng() % 2) {
+        FillPattern(bufs.back()->span(), rng());
+        std::memcpy(model.data() + page * 4096, bufs.back()->data(), 4096);
+        reqs.push_back(IoRequest::Write(page * 4096, bufs.back()->span(), page));
+      } else {
+        reqs.push_back(IoRequest::Read(page * 4096, bufs.back()->span(), page));
+      }
+    }
+    RunAll(*f, reqs);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(reqs[i].status.ok()) << reqs[i].status;
+      if (reqs[i].op == IoOp::kRead) {
+        ASSERT_EQ(std::memcmp(bufs[i]->data(), model.data() + reqs[i].offset_bytes, 4096), 0)
+            << "round " << round << " page " << reqs[i].user_data;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, StorageConformance, ::testing::ValuesIn(Backends()),
+                         [](const ::testing::TestParamInfo<Backend>& info) {
+                           return info.param.name;
+                         });
+
+}  // namespace
+}  // namespace strata

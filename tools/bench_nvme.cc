@@ -1,0 +1,377 @@
+// `strata bench nvme`: sequential read or write throughput of the storage
+// engine on one or more drives, optionally against fio on the same files with
+// the same engine, block size and queue depth, interleaved, best of several.
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/log.h"
+#include "runtime/storage.h"
+#include "runtime/units.h"
+#include "tools/cli.h"
+
+namespace strata::cli {
+namespace {
+
+struct NvmeArgs {
+  std::string dir;
+  std::vector<std::string> paths;
+  std::string size = "1GiB";
+  std::string block = "1MiB";
+  uint32_t qd = 8;
+  std::string op = "read";
+  std::string backend = "uring";
+  std::string buffers = "thp";
+  int repeat = 3;
+  bool vs_fio = false;
+  bool json = false;
+};
+
+// Files to remove on Ctrl-C; unlink is async-signal-safe.
+constexpr int kMaxFiles = 64;
+char g_cleanup[kMaxFiles][4096];
+std::atomic<int> g_cleanup_count{0};
+
+void OnSignal(int sig) {
+  for (int i = 0; i < g_cleanup_count.load(); ++i) ::unlink(g_cleanup[i]);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+class TestFiles {
+ public:
+  ~TestFiles() {
+    for (const std::string& p : paths_) ::unlink(p.c_str());
+    g_cleanup_count = 0;
+  }
+  void Add(const std::string& p) {
+    paths_.push_back(p);
+    const int i = g_cleanup_count.load();
+    if (i < kMaxFiles && p.size() < sizeof(g_cleanup[0])) {
+      std::memcpy(g_cleanup[i], p.c_str(), p.size() + 1);
+      g_cleanup_count = i + 1;
+    }
+  }
+  const std::vector<std::string>& paths() const { return paths_; }
+
+ private:
+  std::vector<std::string> paths_;
+};
+
+// IO buffers in one mapping backed by transparent huge pages where the kernel
+// allows: a 1 MiB buffer of scattered 4 KiB pages is 256 DMA segments, more
+// than many devices take in one request (virtio-blk: 254), so the block layer
+// would split every request.
+enum class HugePages : uint8_t { kOff, kTransparent };
+
+struct AlignedBuffers {
+  AlignedBuffers(size_t count, size_t bytes, HugePages huge) {
+    constexpr size_t kHuge = 2 << 20;
+    map_bytes = (count * bytes + kHuge - 1) / kHuge * kHuge + kHuge;
+    void* p =
+        ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      map = nullptr;
+      return;
+    }
+    map = static_cast<std::byte*>(p);
+    std::byte* base = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(map) + kHuge - 1) /
+                                                   kHuge * kHuge);
+    if (huge == HugePages::kTransparent) ::madvise(base, map_bytes - kHuge, MADV_HUGEPAGE);
+    for (size_t i = 0; i < count; ++i) spans.emplace_back(base + i * bytes, bytes);
+  }
+  // Called after registration, which faults the pages in all at once (as fio's
+  // buffers are): pages faulted one store at a time, between other processes'
+  // allocations, end up more scattered in physical memory, i.e. more DMA
+  // segments per request.
+  void Fill() {
+    for (size_t i = 0; i < spans.size(); ++i) {
+      for (size_t j = 0; j < spans[i].size(); ++j)
+        spans[i][j] = static_cast<std::byte>((j * 131 + i * 7) & 0xff);
+    }
+  }
+  ~AlignedBuffers() {
+    if (map != nullptr) ::munmap(map, map_bytes);
+  }
+  std::byte* map;
+  size_t map_bytes;
+  std::vector<std::span<std::byte>> spans;
+};
+
+// Sequential IO over [0, size_bytes) of one file with `qd` requests in flight.
+Status RunFile(File& file, IoOp op, uint64_t size_bytes, uint64_t block_bytes, uint32_t qd,
+               std::span<const std::span<std::byte>> buffers, std::atomic<uint64_t>* progress) {
+  std::vector<IoRequest> reqs(qd);
+  std::vector<IoRequest*> done(qd);
+  uint64_t next = 0;
+  size_t active = 0;
+  for (uint32_t i = 0; i < qd && next < size_bytes; ++i, next += block_bytes) {
+    reqs[i] = IoRequest{op, next, buffers[i].first(std::min(block_bytes, size_bytes - next)), i, {},
+                        0,  0};
+    ++active;
+  }
+  STRATA_RETURN_IF_ERROR(file.Submit(std::span(reqs).first(active)));
+  while (active > 0) {
+    STRATA_ASSIGN_OR_RETURN(size_t n, file.Reap(done, 1));
+    for (size_t i = 0; i < n; ++i) {
+      IoRequest* r = done[i];
+      STRATA_RETURN_IF_ERROR(r->status);
+      if (progress) progress->fetch_add(r->transferred_bytes, std::memory_order_relaxed);
+      if (next < size_bytes) {
+        *r = IoRequest{op,
+                       next,
+                       buffers[r->user_data].first(std::min(block_bytes, size_bytes - next)),
+                       r->user_data,
+                       {},
+                       0,
+                       0};
+        next += block_bytes;
+        STRATA_RETURN_IF_ERROR(file.Submit(std::span(r, 1)));
+      } else {
+        --active;
+      }
+    }
+  }
+  return OkStatus();
+}
+
+enum class Progress : uint8_t { kQuiet, kShow };
+
+// One pass over every file, one thread per file (as fio runs one job per
+// file). Returns bytes per second over all files.
+Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint64_t per_file_bytes,
+                       uint64_t block_bytes, uint32_t qd,
+                       std::vector<std::unique_ptr<AlignedBuffers>>& bufs, Progress show_progress) {
+  std::vector<Status> results(files.size());
+  std::atomic<uint64_t> progress{0};
+  std::atomic<bool> finished{false};
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (size_t f = 0; f < files.size(); ++f) {
+    threads.emplace_back([&, f] {
+      results[f] =
+          RunFile(*files[f], op, per_file_bytes, block_bytes, qd, bufs[f]->spans, &progress);
+    });
+  }
+  std::thread reporter;
+  if (show_progress == Progress::kShow) {
+    reporter = std::thread([&] {
+      const uint64_t total = per_file_bytes * files.size();
+      while (!finished.load()) {
+        std::fprintf(stderr, "\rwriting test files: %s / %s ", FormatBytes(progress.load()).c_str(),
+                     FormatBytes(total).c_str());
+        for (int i = 0; i < 10 && !finished.load(); ++i)
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      std::fprintf(stderr, "\rwriting test files: %s done%20s\n", FormatBytes(total).c_str(), "");
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  finished = true;
+  if (reporter.joinable()) reporter.join();
+  for (Status& s : results) STRATA_RETURN_IF_ERROR(s);
+  return static_cast<double>(per_file_bytes * files.size()) / secs;
+}
+
+std::string FioCommand(const NvmeArgs& a, const std::vector<std::string>& files,
+                       uint64_t per_file_bytes, uint64_t block_bytes) {
+  std::string cmd = fmt::format(
+      "fio --output-format=json --ioengine={} --direct=1 --rw={} --bs={} --iodepth={} --size={} "
+      "--group_reporting",
+      a.backend == "uring" ? "io_uring" : "psync", a.op, block_bytes, a.qd, per_file_bytes);
+  if (a.backend == "uring") cmd += " --fixedbufs --registerfiles";
+  for (size_t i = 0; i < files.size(); ++i)
+    cmd += fmt::format(" --name=job{} --filename={}", i, files[i]);
+  return cmd;
+}
+
+Result<double> RunFio(const std::string& cmd, const std::string& op) {
+  FILE* p = ::popen((cmd + " 2>/dev/null").c_str(), "r");
+  if (p == nullptr) return ErrnoError(errno, "run fio");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int rc = ::pclose(p);
+  if (rc != 0) {
+    return FailedPreconditionError(
+        fmt::format("run `{}`: exit status {}; is the fio package installed?", cmd, rc));
+  }
+  // fio may print notes before the JSON object.
+  const size_t brace = out.find('{');
+  nlohmann::json j =
+      nlohmann::json::parse(brace == std::string::npos ? out : out.substr(brace), nullptr, false);
+  if (j.is_discarded() || !j.contains("jobs") || j["jobs"].empty()) {
+    return InternalError("parse fio's JSON output of `" + cmd + "`");
+  }
+  double bw = 0;
+  for (const auto& job : j["jobs"]) bw += job[op]["bw_bytes"].get<double>();
+  return bw;
+}
+
+Status RunBenchNvme(const NvmeArgs& a) {
+  std::vector<std::string> dirs = a.paths;
+  if (dirs.empty()) dirs.push_back(a.dir);
+  if (dirs.empty() || dirs[0].empty()) return InvalidArgumentError("give --dir or --paths");
+  STRATA_ASSIGN_OR_RETURN(uint64_t size_bytes, ParseBytes(a.size));
+  STRATA_ASSIGN_OR_RETURN(uint64_t block_bytes, ParseBytes(a.block));
+  if (block_bytes == 0 || block_bytes % 4096 != 0) {
+    return InvalidArgumentError(
+        fmt::format("--block {}: must be a positive multiple of 4096 (O_DIRECT)", a.block));
+  }
+  if (a.qd == 0 || a.qd > 1024) return InvalidArgumentError("--qd must be 1..1024");
+  if (a.repeat < 1) return InvalidArgumentError("--repeat must be at least 1");
+  const uint64_t per_file_bytes = size_bytes / dirs.size() / block_bytes * block_bytes;
+  if (per_file_bytes == 0) {
+    return InvalidArgumentError(fmt::format("--size {}: smaller than one block per path", a.size));
+  }
+  const IoOp op = a.op == "read" ? IoOp::kRead : IoOp::kWrite;
+
+  STRATA_ASSIGN_OR_RETURN(
+      auto storage, CreateStorage({.backend = a.backend == "posix" ? StorageBackend::kPosix
+                                                                   : StorageBackend::kUring}));
+  ::signal(SIGINT, OnSignal);
+  ::signal(SIGTERM, OnSignal);
+  TestFiles test_files;
+  std::vector<std::unique_ptr<File>> files;
+  std::vector<std::unique_ptr<AlignedBuffers>> bufs;
+  for (const std::string& d : dirs) {
+    const std::string path = fmt::format("{}/strata-bench-nvme.{}.dat", d, ::getpid());
+    test_files.Add(path);
+    STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
+                                                         .direct = DirectIo::kAuto,
+                                                         .queue_depth = a.qd}));
+    bufs.push_back(std::make_unique<AlignedBuffers>(
+        a.qd, block_bytes, a.buffers == "thp" ? HugePages::kTransparent : HugePages::kOff));
+    STRATA_RETURN_IF_ERROR(f->RegisterBuffers(bufs.back()->spans));
+    bufs.back()->Fill();
+    files.push_back(std::move(f));
+  }
+  const FileInfo& info = files[0]->info();
+  std::fprintf(
+      stderr,
+      "bench nvme: %s %s sequential, %zu file(s) x %s, block %s, qd %u, %s backend (%s%s)\n",
+      a.op.c_str(), info.io_mode == IoMode::kDirect ? "O_DIRECT" : "buffered", files.size(),
+      FormatBytes(per_file_bytes).c_str(), FormatBytes(block_bytes).c_str(), a.qd,
+      std::string(storage->name()).c_str(),
+      info.fixed_buffers ? "fixed buffers" : "unregistered buffers",
+      info.fixed_file ? ", registered file" : "");
+  // Lay the files out (also what the write test overwrites, as fio does).
+  STRATA_RETURN_IF_ERROR(
+      RunPass(files, IoOp::kWrite, per_file_bytes, block_bytes, a.qd, bufs, Progress::kShow)
+          .status());
+  for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
+
+  const std::string fio_cmd = FioCommand(a, test_files.paths(), per_file_bytes, block_bytes);
+  std::vector<double> ours, fio;
+  // Interleaved, and the order alternates so neither side always runs on a
+  // drive (or host cache) the other just warmed.
+  for (int i = 0; i < a.repeat; ++i) {
+    double f = 0;
+    const bool fio_first = a.vs_fio && i % 2 == 1;
+    if (fio_first) {
+      STRATA_ASSIGN_OR_RETURN(f, RunFio(fio_cmd, a.op));
+    }
+    STRATA_ASSIGN_OR_RETURN(
+        double bw, RunPass(files, op, per_file_bytes, block_bytes, a.qd, bufs, Progress::kQuiet));
+    ours.push_back(bw);
+    if (a.vs_fio && !fio_first) {
+      STRATA_ASSIGN_OR_RETURN(f, RunFio(fio_cmd, a.op));
+    }
+    std::fprintf(stderr, "  run %d: strata %s", i + 1, FormatRate(bw).c_str());
+    if (a.vs_fio) {
+      fio.push_back(f);
+      std::fprintf(stderr, ", fio %s", FormatRate(f).c_str());
+    }
+    std::fprintf(stderr, "\n");
+  }
+  const double best = *std::max_element(ours.begin(), ours.end());
+  const double fio_best = fio.empty() ? 0 : *std::max_element(fio.begin(), fio.end());
+  if (a.json) {
+    nlohmann::json j = {{"op", a.op},
+                        {"paths", dirs},
+                        {"size_bytes", per_file_bytes * files.size()},
+                        {"block_bytes", block_bytes},
+                        {"queue_depth", a.qd},
+                        {"backend", std::string(storage->name())},
+                        {"io_mode", info.io_mode == IoMode::kDirect ? "direct" : "buffered"},
+                        {"fixed_buffers", info.fixed_buffers},
+                        {"buffers", a.buffers},
+                        {"repeat", a.repeat},
+                        {"bytes_per_sec", best},
+                        {"runs_bytes_per_sec", ours}};
+    if (a.vs_fio) {
+      j["fio_bytes_per_sec"] = fio_best;
+      j["fio_runs_bytes_per_sec"] = fio;
+      j["ratio_to_fio"] = fio_best > 0 ? best / fio_best : 0.0;
+      j["fio_command"] = fio_cmd;
+    }
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("nvme %s  block %s  qd %u  files %zu: strata %s (best of %d)", a.op.c_str(),
+                FormatBytes(block_bytes).c_str(), a.qd, files.size(), FormatRate(best).c_str(),
+                a.repeat);
+    if (a.vs_fio) {
+      std::printf("  fio %s  ratio %.3f", FormatRate(fio_best).c_str(),
+                  fio_best > 0 ? best / fio_best : 0.0);
+    }
+    std::printf("\n");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+void AddBenchNvmeCommand(Cli& cli) {
+  auto args = std::make_shared<NvmeArgs>();
+  CLI::App* cmd =
+      cli.bench->add_subcommand("nvme", "Sequential NVMe read/write throughput, optionally vs fio");
+  auto* dir =
+      cmd->add_option("--dir", args->dir, "Directory for the test file (removed afterwards)");
+  auto* paths = cmd->add_option("--paths", args->paths,
+                                "Directories, one per drive (striped), comma separated")
+                    ->delimiter(',');
+  dir->excludes(paths);
+  paths->excludes(dir);
+  cmd->add_option("--size", args->size, "Bytes moved per run, over all paths (e.g. 1GiB)")
+      ->capture_default_str();
+  cmd->add_option("--block", args->block, "Block (request) size, a multiple of 4096")
+      ->capture_default_str();
+  cmd->add_option("--qd", args->qd, "Requests in flight per file")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--op", args->op, "read or write")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"read", "write"}));
+  cmd->add_option("--backend", args->backend, "uring or posix")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"uring", "posix"}));
+  cmd->add_option("--buffers", args->buffers,
+                  "IO buffer memory: thp (transparent huge pages, fewer DMA segments) or plain (4 "
+                  "KiB pages, as fio uses)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"thp", "plain"}));
+  cmd->add_option("--repeat", args->repeat, "Runs of each (best is reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
+  cmd->add_flag("--vs-fio", args->vs_fio,
+                "Also run fio with the same engine, file, size, block and depth");
+  cmd->add_flag("--json", args->json, "Print one JSON object on stdout");
+  cmd->callback(
+      [&cli, args] { RunAction(cli, "bench nvme", [args] { return RunBenchNvme(*args); }); });
+}
+
+}  // namespace strata::cli
