@@ -101,13 +101,10 @@ std::string_view ErrnoName(int err) {
 }
 
 Status ErrnoError(int err, std::string_view op) {
-  std::string m(op);
-  m += ": ";
-  m += ErrnoName(err);
-  if (ErrnoName(err) == "errno") m += " " + std::to_string(err);
-  m += " (";
-  m += std::strerror(err);
-  m += ")";
+  std::string name(ErrnoName(err));
+  if (name == "errno") name.append(" ").append(std::to_string(err));
+  std::string m;
+  m.append(op).append(": ").append(name).append(" (").append(std::strerror(err)).append(")");
   StatusCode code = ErrnoToCode(err);
   if (code == StatusCode::kOk) code = StatusCode::kInternal;
   return Status(code, std::move(m));
