@@ -260,7 +260,7 @@ Status CpuAdam::TrafficBaseline(const AdamState& state, GradView grad, OutView o
                              cai::OutKindOf(out)};
   const auto fn = HWY_DYNAMIC_DISPATCH(BaselineRange);
   impl_->ForChunks(args.s0, state.params.size(),
-                   [&](size_t begin, size_t count) { fn(args, begin, count); });
+                   [&](size_t begin, size_t count) { fn(0.0f, args, begin, count); });
   return OkStatus();
 }
 

@@ -217,8 +217,9 @@ class CpuAdam {
 
   // For benchmarks: a streaming pass with exactly Step's memory traffic (reads
   // grad, reads and writes params/exp_avg/exp_avg_sq, writes out; same dtypes,
-  // chunks and threads) and trivial arithmetic. It overwrites the state with
-  // meaningless values. Same errors as Step.
+  // chunks and threads) and trivial arithmetic: p, m, v are rewritten with
+  // their own values (x + 0 * g) and `out` gets the truncated params. Same
+  // errors as Step.
   Status TrafficBaseline(const AdamState& state, GradView grad, OutView out);
 
  private:

@@ -26,5 +26,6 @@ struct Cli {
 void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& body);
 
 void AddInfoCommand(Cli& cli);
+void AddBenchAdamCommand(Cli& cli);
 
 }  // namespace strata::cli

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   cli.bench->require_subcommand(1);
 
   strata::cli::AddInfoCommand(cli);
+  strata::cli::AddBenchAdamCommand(cli);
 
   try {
     cli.app.parse(argc, argv);

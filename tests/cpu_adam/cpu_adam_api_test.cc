@@ -249,3 +249,36 @@ TEST(CpuAdamThreads, DefaultUsesEveryHardwareThread) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// The benchmark baseline touches every element of every array and keeps
+// finite state as it was; out receives the truncated params.
+TEST(CpuAdamBaseline, TouchesEveryArrayAndKeepsState) {
+  const size_t n = 3 * kUpdateChunkElems + 11;
+  std::vector<float> p(n), m(n), v(n);
+  std::vector<uint16_t> g(n), out(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    p[i] = 1.0f + static_cast<float>(i % 100) * 0.01f;
+    m[i] = 0.5f;
+    v[i] = 0.25f;
+    g[i] = F32ToBF16(static_cast<float>(i % 7));
+  }
+  const std::vector<float> p0(p), m0(m), v0(v);
+  auto opt = CpuAdam::Create({.threads = 2});
+  ASSERT_TRUE(opt.ok());
+  ASSERT_TRUE((*opt)->TrafficBaseline({p, m, v}, GradView::BF16(g), OutView::BF16(out)).ok());
+  EXPECT_EQ(p, p0);
+  EXPECT_EQ(m, m0);
+  EXPECT_EQ(v, v0);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(out[i], std::bit_cast<uint32_t>(p[i]) >> 16) << i;
+  }
+  std::vector<float> short_m(n - 1);
+  EXPECT_EQ((*opt)->TrafficBaseline({p, short_m, v}, GradView::BF16(g), OutView::None()).code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace strata

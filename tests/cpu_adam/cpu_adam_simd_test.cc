@@ -211,7 +211,9 @@ void ExpectConversions(const std::vector<float>& values) {
         << hwy::TargetName(HWY_TARGET) << " bf16 of 0x" << std::hex << bits;
     // fp32 out is p itself (a signalling NaN comes out quieted by the update).
     ASSERT_EQ(std::bit_cast<uint32_t>(f32[i]), std::bit_cast<uint32_t>(p[i])) << std::hex << bits;
-    if (!std::isnan(values[i])) ASSERT_EQ(std::bit_cast<uint32_t>(f32[i]), bits) << std::hex << bits;
+    if (!std::isnan(values[i])) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(f32[i]), bits) << std::hex << bits;
+    }
   }
 }
 
