@@ -134,21 +134,35 @@ using GradElem = std::conditional_t<G == DType::kF32, float, uint16_t>;
 template <cai::OutKind O>
 using OutElem = std::conditional_t<O == cai::OutKind::kF32, float, uint16_t>;
 
-// Runs `vec(args, i)` over [begin, begin + count) in whole vectors; the last
-// partial vector runs on zero-padded copies of the arrays and only its
-// `count % N` elements are copied back.
-template <DType G, cai::OutKind O, int kStates, class VecFn>
+// Runs `vec(args, i)` over [begin, begin + count) in whole vectors; `vec`
+// updates the state of lanes [i, i + N) and returns the new params, which
+// this function converts and stores to the output. The last partial vector
+// runs on zero-padded copies of the arrays and only its `count % N` elements
+// are copied back.
+//
+// The output of vector i is converted while vector i + 1 is computed
+// (software pipelining): the conversion's integer ops then do not queue
+// behind the long sqrt/div chain, which otherwise fills the scheduler and
+// makes fp16/bf16 output cost ~2x on one core.
+// kConvertOut = false: `vec` writes the output itself (the baseline).
+template <DType G, cai::OutKind O, int kStates, bool kConvertOut = true, class VecFn>
 HWY_INLINE void ForEachVector(const cai::KernelArgs& a, size_t begin, size_t count,
                               const VecFn& vec) {
   const DF df;
   const size_t N = hn::Lanes(df);
   size_t i = begin;
   const size_t end = begin + count;
-  {
+  if (i + N <= end) {
     // A local copy: stores through the float pointers cannot alias it, so the
     // pointers stay in registers.
     const cai::KernelArgs local = a;
-    for (; i + N <= end; i += N) vec(local, i);
+    VF prev = vec(local, i);
+    for (i += N; i + N <= end; i += N) {
+      const VF p = vec(local, i);
+      if constexpr (kConvertOut) StoreOut<O>(prev, local.out, i - N);
+      prev = p;
+    }
+    if constexpr (kConvertOut) StoreOut<O>(prev, local.out, i - N);
   }
   const size_t rem = end - i;
   if (rem == 0) return;
@@ -167,7 +181,8 @@ HWY_INLINE void ForEachVector(const cai::KernelArgs& a, size_t begin, size_t cou
   std::memcpy(g_buf, static_cast<const GE*>(a.grad) + i, rem * sizeof(GE));
   t.grad = g_buf;
   t.out = o_buf;
-  vec(t, 0);
+  const VF p = vec(t, 0);
+  if constexpr (kConvertOut) StoreOut<O>(p, t.out, 0);
   for (int s = 0; s < kStates; ++s) std::memcpy(states[s] + i, s_buf[s], rem * sizeof(float));
   if constexpr (O != cai::OutKind::kNone) {
     std::memcpy(static_cast<OE*>(a.out) + i, o_buf, rem * sizeof(OE));
@@ -199,7 +214,7 @@ HWY_NOINLINE void AdamLoop(const cai::AdamCoeffs& c, const cai::KernelArgs& args
     hn::StoreU(p, df, a.s0 + i);
     hn::StoreU(m, df, a.s1 + i);
     hn::StoreU(v, df, a.s2 + i);
-    StoreOut<O>(p, a.out, i);
+    return p;
   });
 }
 
@@ -222,7 +237,7 @@ HWY_NOINLINE void AdagradLoop(const cai::AdagradCoeffs& c, const cai::KernelArgs
     p = hn::Add(p, hn::Mul(neg_clr, hn::Div(g, std_dev)));
     hn::StoreU(p, df, a.s0 + i);
     hn::StoreU(s, df, a.s1 + i);
-    StoreOut<O>(p, a.out, i);
+    return p;
   });
 }
 
@@ -250,7 +265,7 @@ HWY_NOINLINE void LionLoop(const cai::LionCoeffs& c, const cai::KernelArgs& args
     p = hn::Add(p, hn::Mul(neg_lr, sign));
     hn::StoreU(p, df, a.s0 + i);
     hn::StoreU(hn::Add(hn::Mul(m, b2), hn::Mul(omb2, g)), df, a.s1 + i);
-    StoreOut<O>(p, a.out, i);
+    return p;
   });
 }
 
@@ -264,7 +279,7 @@ HWY_NOINLINE void BaselineLoop(float coeff, const cai::KernelArgs& args, size_t 
   const DF df;
   const DU du;
   const VF k = hn::Set(df, coeff);
-  ForEachVector<G, O, 3>(args, begin, count, [&](const cai::KernelArgs& a, size_t i) {
+  ForEachVector<G, O, 3, false>(args, begin, count, [&](const cai::KernelArgs& a, size_t i) {
     const VF g = hn::Mul(LoadGrad<G>(a.grad, i), k);
     const VF p = hn::Add(hn::LoadU(df, a.s0 + i), g);
     hn::StoreU(p, df, a.s0 + i);
@@ -276,6 +291,7 @@ HWY_NOINLINE void BaselineLoop(float coeff, const cai::KernelArgs& args, size_t 
       // Truncation: same bytes as the rounded conversion, less arithmetic.
       StoreU16(hn::ShiftRight<16>(hn::BitCast(du, p)), static_cast<uint16_t*>(a.out) + i);
     }
+    return p;
   });
 }
 
