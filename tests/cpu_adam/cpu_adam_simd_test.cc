@@ -49,11 +49,12 @@ struct Buffers {
       bufs.emplace_back(n * 4, ((misalign + static_cast<size_t>(s)) % 16) * 4);
       state.push_back(bufs.back().As<float>(n));
     }
-    bufs.emplace_back(n * 4, (misalign % 7) * 2);
+    // Unaligned for vectors, aligned for the element type (the contract).
+    bufs.emplace_back(n * 4, (misalign % 7) * DTypeSize(grad_dtype));
     grad_buf = &bufs.back();
     if (out_kind >= 0) {
       const DType od = kOutTypes[static_cast<size_t>(out_kind)];
-      bufs.emplace_back(n * 4, (misalign % 5) * 2);
+      bufs.emplace_back(n * 4, (misalign % 5) * DTypeSize(od));
       out = OutView{od, bufs.back().As<std::byte>(n).data(), n};
     }
   }
@@ -313,7 +314,7 @@ void TestGradStatsMatchesReference() {
     for (size_t n : {size_t{0}, size_t{1}, size_t{5}, size_t{1031}, kGradStatsBlockElems + 7,
                      3 * kGradStatsBlockElems + 1}) {
       for (size_t nonfinite_every : {size_t{0}, size_t{97}}) {
-        Buffer buf(n * 4, (rng() % 4) * 2);
+        Buffer buf(n * 4, (rng() % 4) * DTypeSize(gd));
         void* data = buf.As<std::byte>(n).data();
         cpu_adam_test::FillGrad(rng, gd, data, n, nonfinite_every);
         const GradView gv{gd, data, n};
