@@ -29,9 +29,15 @@ struct Arrays {
     for (size_t i = 0; i < n; ++i) {
       const float x = static_cast<float>(i % 1000) * 1e-5f + 1e-4f;
       switch (grad_dtype) {
-        case DType::kF16: reinterpret_cast<uint16_t*>(g.data())[i] = F32ToF16(x); break;
-        case DType::kBF16: reinterpret_cast<uint16_t*>(g.data())[i] = F32ToBF16(x); break;
-        default: reinterpret_cast<float*>(g.data())[i] = x; break;
+        case DType::kF16:
+          reinterpret_cast<uint16_t*>(g.data())[i] = F32ToF16(x);
+          break;
+        case DType::kBF16:
+          reinterpret_cast<uint16_t*>(g.data())[i] = F32ToBF16(x);
+          break;
+        default:
+          reinterpret_cast<float*>(g.data())[i] = x;
+          break;
       }
     }
     gv = GradView{grad_dtype, g.data(), n};
@@ -104,9 +110,9 @@ void BM_GradStats(benchmark::State& st) {
 void StepArgs(benchmark::internal::Benchmark* b) {
   b->ArgNames({"grad", "out", "threads"});
   for (int threads : {1, 2}) {
-    b->Args({2, 2, threads});  // bf16 -> bf16: the target configuration
-    b->Args({1, 1, threads});  // fp16 -> fp16
-    b->Args({0, 0, threads});  // fp32 -> fp32
+    b->Args({2, 2, threads});   // bf16 -> bf16: the target configuration
+    b->Args({1, 1, threads});   // fp16 -> fp16
+    b->Args({0, 0, threads});   // fp32 -> fp32
     b->Args({0, -1, threads});  // fp32, no output
   }
   b->UseRealTime()->Unit(benchmark::kMillisecond);

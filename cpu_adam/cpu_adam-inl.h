@@ -48,8 +48,8 @@ HWY_INLINE hn::Vec<hn::RebindToFloat<D>> F16BitsToF32(D du, hn::Vec<D> h) {
   const auto mant = hn::And(h, hn::Set(du, 0x3ffu));
   const auto mant13 = hn::ShiftLeft<13>(mant);
   // Zero/subnormal: mant * 2^-24 is exact in fp32.
-  const auto sub = hn::BitCast(
-      du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, mant)), hn::Set(df, 0x1p-24f)));
+  const auto sub =
+      hn::BitCast(du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, mant)), hn::Set(df, 0x1p-24f)));
   const auto inf_nan = hn::Or(hn::Set(du, 0x7f800000u), mant13);
   const auto normal = hn::Or(hn::ShiftLeft<23>(hn::Add(exp, hn::Set(du, 112u))), mant13);
   const auto exp_i = hn::BitCast(di, exp);
@@ -82,8 +82,8 @@ HWY_INLINE hn::Vec<D> F32BitsToF16(D du, hn::Vec<D> x) {
   const auto is_nan = hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7f800000)));
   const auto is_inf = hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x477fefff)));
   const auto is_normal = hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x387fffff)));
-  const auto normal = hn::ShiftRight<13>(hn::Add(
-      hn::Add(a, hn::Set(du, 0xc8000fffu)), hn::And(hn::ShiftRight<13>(a), hn::Set(du, 1u))));
+  const auto normal = hn::ShiftRight<13>(hn::Add(hn::Add(a, hn::Set(du, 0xc8000fffu)),
+                                                 hn::And(hn::ShiftRight<13>(a), hn::Set(du, 1u))));
   const auto aligned = hn::Add(hn::BitCast(df, a), hn::Set(df, 0.5f));
   const auto sub = hn::Sub(hn::BitCast(du, aligned), hn::Set(du, 0x3f000000u));
   auto r = hn::IfThenElse(is_normal, normal, sub);
@@ -353,22 +353,33 @@ HWY_NOINLINE cai::StatsPartial StatsLoop(const void* grad, size_t begin, size_t 
 
 // ---- Entry points (one per exported function) --------------------------------
 
-#define STRATA_CPU_ADAM_SWITCH_OUT(LOOP, G, ...)                               \
-  switch (o) {                                                                \
-    case cai::OutKind::kNone: LOOP<G, cai::OutKind::kNone>(__VA_ARGS__); break; \
-    case cai::OutKind::kF32: LOOP<G, cai::OutKind::kF32>(__VA_ARGS__); break;   \
-    case cai::OutKind::kF16: LOOP<G, cai::OutKind::kF16>(__VA_ARGS__); break;   \
-    case cai::OutKind::kBF16: LOOP<G, cai::OutKind::kBF16>(__VA_ARGS__); break; \
+#define STRATA_CPU_ADAM_SWITCH_OUT(LOOP, G, ...) \
+  switch (o) {                                   \
+    case cai::OutKind::kNone:                    \
+      LOOP<G, cai::OutKind::kNone>(__VA_ARGS__); \
+      break;                                     \
+    case cai::OutKind::kF32:                     \
+      LOOP<G, cai::OutKind::kF32>(__VA_ARGS__);  \
+      break;                                     \
+    case cai::OutKind::kF16:                     \
+      LOOP<G, cai::OutKind::kF16>(__VA_ARGS__);  \
+      break;                                     \
+    case cai::OutKind::kBF16:                    \
+      LOOP<G, cai::OutKind::kBF16>(__VA_ARGS__); \
+      break;                                     \
   }
 
-#define STRATA_CPU_ADAM_SWITCH(LOOP, ...)                                     \
-  {                                                                           \
-    const cai::OutKind o = a.out_kind;                                        \
-    switch (a.grad_dtype) {                                                   \
-      case DType::kF16: STRATA_CPU_ADAM_SWITCH_OUT(LOOP, DType::kF16, __VA_ARGS__) break;  \
-      case DType::kBF16: STRATA_CPU_ADAM_SWITCH_OUT(LOOP, DType::kBF16, __VA_ARGS__) break; \
-      default: STRATA_CPU_ADAM_SWITCH_OUT(LOOP, DType::kF32, __VA_ARGS__) break;            \
-    }                                                                         \
+#define STRATA_CPU_ADAM_SWITCH(LOOP, ...)                                  \
+  {                                                                        \
+    const cai::OutKind o = a.out_kind;                                     \
+    switch (a.grad_dtype) {                                                \
+      case DType::kF16:                                                    \
+        STRATA_CPU_ADAM_SWITCH_OUT(LOOP, DType::kF16, __VA_ARGS__) break;  \
+      case DType::kBF16:                                                   \
+        STRATA_CPU_ADAM_SWITCH_OUT(LOOP, DType::kBF16, __VA_ARGS__) break; \
+      default:                                                             \
+        STRATA_CPU_ADAM_SWITCH_OUT(LOOP, DType::kF32, __VA_ARGS__) break;  \
+    }                                                                      \
   }
 
 void AdamRange(const cai::AdamCoeffs& c, const cai::KernelArgs& a, size_t begin, size_t count) {
@@ -381,14 +392,16 @@ void AdagradRange(const cai::AdagradCoeffs& c, const cai::KernelArgs& a, size_t 
 void LionRange(const cai::LionCoeffs& c, const cai::KernelArgs& a, size_t begin, size_t count) {
   STRATA_CPU_ADAM_SWITCH(LionLoop, c, a, begin, count)
 }
-void BaselineRange(float coeff, const cai::KernelArgs& a, size_t begin, size_t count) {
-  STRATA_CPU_ADAM_SWITCH(BaselineLoop, coeff, a, begin, count)
-}
-cai::StatsPartial StatsRange(const void* grad, DType dtype, size_t begin, size_t count) {
+void BaselineRange(float coeff, const cai::KernelArgs& a, size_t begin, size_t count){
+    STRATA_CPU_ADAM_SWITCH(BaselineLoop, coeff, a, begin, count)} cai::StatsPartial
+    StatsRange(const void* grad, DType dtype, size_t begin, size_t count) {
   switch (dtype) {
-    case DType::kF16: return StatsLoop<DType::kF16>(grad, begin, count);
-    case DType::kBF16: return StatsLoop<DType::kBF16>(grad, begin, count);
-    default: return StatsLoop<DType::kF32>(grad, begin, count);
+    case DType::kF16:
+      return StatsLoop<DType::kF16>(grad, begin, count);
+    case DType::kBF16:
+      return StatsLoop<DType::kBF16>(grad, begin, count);
+    default:
+      return StatsLoop<DType::kF32>(grad, begin, count);
   }
 }
 const char* TargetNameOfThisTarget() { return hwy::TargetName(HWY_TARGET); }

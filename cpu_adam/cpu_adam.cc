@@ -3,13 +3,18 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_adam/cpu_adam.cc"
+// foreach_target.h must come before the -inl.h it re-includes.
+// clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-
 #include "cpu_adam/cpu_adam-inl.h"
 #include "hwy/highway.h"
+// clang-format on
 
 #if HWY_ONCE
 
+#include "cpu_adam/cpu_adam.h"
+
+#include <fmt/format.h>
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/info.h>
 #include <oneapi/tbb/parallel_for.h>
@@ -21,9 +26,6 @@
 #include <cstdint>
 #include <vector>
 
-#include <fmt/format.h>
-
-#include "cpu_adam/cpu_adam.h"
 #include "cpu_adam/cpu_adam_internal.h"
 
 namespace strata {

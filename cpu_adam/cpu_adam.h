@@ -93,9 +93,7 @@ struct GradView {
 
   static GradView F32(std::span<const float> g) { return {DType::kF32, g.data(), g.size()}; }
   static GradView F16(std::span<const uint16_t> g) { return {DType::kF16, g.data(), g.size()}; }
-  static GradView BF16(std::span<const uint16_t> g) {
-    return {DType::kBF16, g.data(), g.size()};
-  }
+  static GradView BF16(std::span<const uint16_t> g) { return {DType::kBF16, g.data(), g.size()}; }
 };
 
 // Where the updated params are written, converted to `dtype`. Not owning.
@@ -128,8 +126,8 @@ struct AdamHyper {
   double weight_decay = 1e-2;
   WeightDecayMode weight_decay_mode = WeightDecayMode::kDecoupled;
   BiasCorrection bias_correction = BiasCorrection::kOn;
-  int64_t step = 1;          // 1 for the first update (after incrementing)
-  float grad_scale = 1.0f;   // 1/loss_scale x clip coefficient
+  int64_t step = 1;         // 1 for the first update (after incrementing)
+  float grad_scale = 1.0f;  // 1/loss_scale x clip coefficient
 };
 
 struct AdagradHyper {

@@ -1,9 +1,9 @@
 #include "cpu_adam/cpu_adam_internal.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace strata::cpu_adam_internal {
 namespace {
@@ -96,9 +96,8 @@ Result<AdagradCoeffs> DeriveAdagrad(const AdagradHyper& h) {
   }
   const double denom = 1.0 + static_cast<double>(h.step - 1) * h.lr_decay;
   if (!(denom > 0.0)) {
-    return InvalidArgumentError(
-        fmt::format("{}: 1 + (step - 1) * lr_decay = {} must be > 0 (lr_decay = {})", op, denom,
-                    h.lr_decay));
+    return InvalidArgumentError(fmt::format(
+        "{}: 1 + (step - 1) * lr_decay = {} must be > 0 (lr_decay = {})", op, denom, h.lr_decay));
   }
   AdagradCoeffs c{};
   c.grad_scale = h.grad_scale;
@@ -130,9 +129,9 @@ Result<LionCoeffs> DeriveLion(const LionHyper& h) {
 
 Status CheckGrad(std::string_view op, GradView grad) {
   if (!IsFloatDType(grad.dtype)) {
-    return InvalidArgumentError(fmt::format(
-        "{}: grad dtype {} is not supported; pass fp32, fp16 or bf16 grads", op,
-        DTypeText(grad.dtype)));
+    return InvalidArgumentError(
+        fmt::format("{}: grad dtype {} is not supported; pass fp32, fp16 or bf16 grads", op,
+                    DTypeText(grad.dtype)));
   }
   if (grad.elems > 0 && grad.data == nullptr) {
     return InvalidArgumentError(
@@ -151,7 +150,8 @@ Status CheckSpans(std::string_view op, std::span<const std::span<float>> state,
           state_names[i], state[i].size(), state_names[0], n));
     }
     if (n > 0 && state[i].data() == nullptr) {
-      return InvalidArgumentError(fmt::format("{}: {} is null with {} elems", op, state_names[i], n));
+      return InvalidArgumentError(
+          fmt::format("{}: {} is null with {} elems", op, state_names[i], n));
     }
   }
   STRATA_RETURN_IF_ERROR(CheckGrad(op, grad));
@@ -167,10 +167,10 @@ Status CheckSpans(std::string_view op, std::span<const std::span<float>> state,
           DTypeText(out.dtype)));
     }
     if (out.elems != n) {
-      return InvalidArgumentError(fmt::format(
-          "{}: output has {} elems but {} has {}; pass an output of the same length or "
-          "OutView::None()",
-          op, out.elems, state_names[0], n));
+      return InvalidArgumentError(
+          fmt::format("{}: output has {} elems but {} has {}; pass an output of the same length or "
+                      "OutView::None()",
+                      op, out.elems, state_names[0], n));
     }
     if (out.data == nullptr) {
       return InvalidArgumentError(fmt::format("{}: output is null with {} elems", op, out.elems));

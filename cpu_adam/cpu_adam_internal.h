@@ -80,9 +80,12 @@ struct KernelArgs {
 inline OutKind OutKindOf(const OutView& out) {
   if (out.is_none()) return OutKind::kNone;
   switch (out.dtype) {
-    case DType::kF16: return OutKind::kF16;
-    case DType::kBF16: return OutKind::kBF16;
-    default: return OutKind::kF32;
+    case DType::kF16:
+      return OutKind::kF16;
+    case DType::kBF16:
+      return OutKind::kBF16;
+    default:
+      return OutKind::kF32;
   }
 }
 

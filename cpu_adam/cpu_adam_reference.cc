@@ -15,18 +15,27 @@ using cpu_adam_internal::Decay;
 
 float LoadGrad(const GradView& g, size_t i) {
   switch (g.dtype) {
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(g.data)[i]);
-    case DType::kBF16: return BF16ToF32(static_cast<const uint16_t*>(g.data)[i]);
-    default: return static_cast<const float*>(g.data)[i];
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(g.data)[i]);
+    case DType::kBF16:
+      return BF16ToF32(static_cast<const uint16_t*>(g.data)[i]);
+    default:
+      return static_cast<const float*>(g.data)[i];
   }
 }
 
 void StoreOut(const OutView& o, size_t i, float p) {
   if (o.is_none()) return;
   switch (o.dtype) {
-    case DType::kF16: static_cast<uint16_t*>(o.data)[i] = F32ToF16(p); break;
-    case DType::kBF16: static_cast<uint16_t*>(o.data)[i] = F32ToBF16(p); break;
-    default: static_cast<float*>(o.data)[i] = p; break;
+    case DType::kF16:
+      static_cast<uint16_t*>(o.data)[i] = F32ToF16(p);
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(o.data)[i] = F32ToBF16(p);
+      break;
+    default:
+      static_cast<float*>(o.data)[i] = p;
+      break;
   }
 }
 

@@ -1,6 +1,7 @@
 // `strata bench adam`: throughput of the fused CPU Adam step against a
 // streaming baseline with exactly the same memory traffic, measured in the
 // same run, interleaved.
+#include <fmt/format.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -8,11 +9,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "cpu_adam/cpu_adam.h"
 #include "runtime/dtype.h"
@@ -31,8 +30,8 @@ class HostArray {
     const size_t rounded = std::max(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
     void* p = std::aligned_alloc(kAlign, rounded);
     if (p == nullptr) {
-      return ResourceExhaustedError(fmt::format("allocate {} ({}): out of memory; lower --params",
-                                                name, FormatBytes(bytes)));
+      return ResourceExhaustedError(
+          fmt::format("allocate {} ({}): out of memory; lower --params", name, FormatBytes(bytes)));
     }
     madvise(p, rounded, MADV_HUGEPAGE);  // advisory: failure only costs TLB misses
     HostArray a;
@@ -72,7 +71,7 @@ double Median(std::vector<double> v) {
 
 Status Run(const Options& o) {
   STRATA_ASSIGN_OR_RETURN(const uint64_t n64, ParseCount(o.params));
-  if (n64 == 0) return InvalidArgumentError("bench adam: --params must be > 0");
+  if (n64 == 0) return InvalidArgumentError("--params 0: the benchmark needs at least one param");
   const size_t n = static_cast<size_t>(n64);
   STRATA_ASSIGN_OR_RETURN(const DType grad_dtype, ParseDType(o.grad));
   const bool out_none = o.out == "none";
@@ -106,9 +105,15 @@ Status Run(const Options& o) {
       ps[i] = x;
       const float gx = x * 1e-2f + 1e-3f;
       switch (grad_dtype) {
-        case DType::kF16: reinterpret_cast<uint16_t*>(gs)[i] = F32ToF16(gx); break;
-        case DType::kBF16: reinterpret_cast<uint16_t*>(gs)[i] = F32ToBF16(gx); break;
-        default: reinterpret_cast<float*>(gs)[i] = gx; break;
+        case DType::kF16:
+          reinterpret_cast<uint16_t*>(gs)[i] = F32ToF16(gx);
+          break;
+        case DType::kBF16:
+          reinterpret_cast<uint16_t*>(gs)[i] = F32ToBF16(gx);
+          break;
+        default:
+          reinterpret_cast<float*>(gs)[i] = gx;
+          break;
       }
     }
     std::memset(m.data(), 0, n * 4);

@@ -2,13 +2,13 @@
 // errors, the formulas themselves (against double-precision math written
 // from the header), skipping a step on non-finite grads, and thread options.
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <limits>
 #include <random>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "cpu_adam/cpu_adam.h"
 #include "cpu_adam/cpu_adam_reference.h"
@@ -89,10 +89,10 @@ TEST(CpuAdamArgs, BadHyperparameters) {
   bad(AdamHyper{.lr = std::numeric_limits<double>::quiet_NaN()}, "lr is nan");
   bad(AdamHyper{.grad_scale = std::numeric_limits<float>::infinity()}, "grad_scale is inf");
   // beta1 = 0 (no momentum) is valid, with and without bias correction.
-  EXPECT_TRUE(AdamStep(AdamHyper{.beta1 = 0.0}, a.state(), GradView::F32(a.g), OutView::None())
-                  .ok());
-  EXPECT_TRUE(AdamStep(AdamHyper{.beta1 = 0.0, .bias_correction = BiasCorrection::kOff},
-                       a.state(), GradView::F32(a.g), OutView::None())
+  EXPECT_TRUE(
+      AdamStep(AdamHyper{.beta1 = 0.0}, a.state(), GradView::F32(a.g), OutView::None()).ok());
+  EXPECT_TRUE(AdamStep(AdamHyper{.beta1 = 0.0, .bias_correction = BiasCorrection::kOff}, a.state(),
+                       GradView::F32(a.g), OutView::None())
                   .ok());
 
   std::vector<float> s(4);
@@ -100,9 +100,9 @@ TEST(CpuAdamArgs, BadHyperparameters) {
                         OutView::None())
                 .code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(LionStep(LionHyper{.beta2 = 1.5}, {a.p, a.m}, GradView::F32(a.g), OutView::None())
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      LionStep(LionHyper{.beta2 = 1.5}, {a.p, a.m}, GradView::F32(a.g), OutView::None()).code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(CpuAdam::Create({.threads = 100000}).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -130,8 +130,11 @@ TEST(CpuAdamFormula, AdamAndAdamWFollowTorchFormulas) {
       std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), g(n);
       std::vector<double> dp(n), dm(n, 0.0), dv(n, 0.0);
       for (size_t i = 0; i < n; ++i) dp[i] = p[i] = cpu_adam_test::SmallValue(rng, 1.0f);
-      AdamHyper h{.lr = 1e-2, .weight_decay = 0.1, .weight_decay_mode = mode,
-                  .bias_correction = bc, .grad_scale = 0.5f};
+      AdamHyper h{.lr = 1e-2,
+                  .weight_decay = 0.1,
+                  .weight_decay_mode = mode,
+                  .bias_correction = bc,
+                  .grad_scale = 0.5f};
       for (int64_t step = 1; step <= 20; ++step) {
         h.step = step;
         for (size_t i = 0; i < n; ++i) g[i] = cpu_adam_test::SmallValue(rng, 1.0f);
@@ -177,8 +180,8 @@ TEST(CpuAdamFormula, FirstAdamStepMovesByLrTimesSign) {
 TEST(CpuAdamFormula, AdagradAndLionFollowTheirFormulas) {
   std::vector<float> p = {1.0f, -1.0f, 0.5f}, s = {0.0f, 1.0f, 0.0f};
   std::vector<float> g = {2.0f, 1.0f, 0.0f};
-  ASSERT_TRUE(AdagradStep(AdagradHyper{.lr = 0.1, .lr_decay = 0.5, .eps = 1e-10, .step = 3},
-                          {p, s}, GradView::F32(g), OutView::None())
+  ASSERT_TRUE(AdagradStep(AdagradHyper{.lr = 0.1, .lr_decay = 0.5, .eps = 1e-10, .step = 3}, {p, s},
+                          GradView::F32(g), OutView::None())
                   .ok());
   // clr = 0.1 / (1 + 2 * 0.5) = 0.05; s = {4, 2, 0}.
   EXPECT_NEAR(p[0], 1.0f - 0.05f * 2.0f / 2.0f, 1e-7);

@@ -6,10 +6,11 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "tests/cpu_adam/cpu_adam_simd_test.cc"
+// clang-format off
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-
 #include "hwy/highway.h"
 #include "hwy/tests/hwy_gtest.h"
+// clang-format on
 
 #include <array>
 #include <cmath>
@@ -74,8 +75,8 @@ struct Buffers {
 // every step. `update(fast, buffers, step)` performs one update.
 using UpdateFn = std::function<Status(bool fast, Buffers& b, int64_t step)>;
 
-void CompareWithReference(const char* name, int states, const UpdateFn& update,
-                          int steps, bool wide_params, uint64_t salt) {
+void CompareWithReference(const char* name, int states, const UpdateFn& update, int steps,
+                          bool wide_params, uint64_t salt) {
   std::mt19937_64 rng(cpu_adam_test::TestSeed() ^ salt);
   for (DType gd : kGradTypes) {
     for (int ok : kOutKinds) {
@@ -84,8 +85,8 @@ void CompareWithReference(const char* name, int states, const UpdateFn& update,
         Buffers fast(states, n, gd, ok, misalign);
         Buffers ref(states, n, gd, ok, misalign + 3);
         for (size_t i = 0; i < n; ++i) {
-          fast.state[0][i] = wide_params ? cpu_adam_test::WideValue(rng)
-                                         : cpu_adam_test::SmallValue(rng, 1.0f);
+          fast.state[0][i] =
+              wide_params ? cpu_adam_test::WideValue(rng) : cpu_adam_test::SmallValue(rng, 1.0f);
           for (int s = 1; s < states; ++s) {
             const float x = cpu_adam_test::SmallValue(rng, 1e-3f);
             // Second moments/sums are non-negative.
@@ -105,15 +106,13 @@ void CompareWithReference(const char* name, int states, const UpdateFn& update,
           std::memcpy(ref.grad_data(), fast.grad_data(), n * DTypeSize(gd));
           ASSERT_TRUE(update(true, fast, step).ok());
           ASSERT_TRUE(update(false, ref, step).ok());
-          const std::string where = std::string(name) + " target " +
-                                    hwy::TargetName(HWY_TARGET) + " grad " +
-                                    std::string(DTypeName(gd)) + " out " +
+          const std::string where = std::string(name) + " target " + hwy::TargetName(HWY_TARGET) +
+                                    " grad " + std::string(DTypeName(gd)) + " out " +
                                     cpu_adam_test::OutName(fast.out) + " n " + std::to_string(n) +
                                     " step " + std::to_string(step) + ": state";
           for (int s = 0; s < states; ++s) {
             ASSERT_TRUE(FloatsMatch(fast.state[static_cast<size_t>(s)],
-                                    ref.state[static_cast<size_t>(s)],
-                                    where + std::to_string(s)));
+                                    ref.state[static_cast<size_t>(s)], where + std::to_string(s)));
           }
           ASSERT_TRUE(OutMatch(fast.out, ref.out, n, where + " out"));
         }
@@ -330,8 +329,8 @@ void TestGradStatsMatchesReference() {
         // Non-negative terms: any summation order is within (terms) * 2^-53
         // relative of the exact sum; blocked SIMD and sequential differ by at
         // most twice that.
-        const double blocks = static_cast<double>((n + kGradStatsBlockElems - 1) /
-                                                  kGradStatsBlockElems);
+        const double blocks =
+            static_cast<double>((n + kGradStatsBlockElems - 1) / kGradStatsBlockElems);
         const double rel = 2.0 * (static_cast<double>(kGradStatsBlockElems) + blocks) * 0x1p-53;
         EXPECT_NEAR(fast->sum_sq, ref->sum_sq, rel * ref->sum_sq + 1e-300)
             << DTypeName(gd) << " n " << n << " " << hwy::TargetName(HWY_TARGET);

@@ -2,6 +2,8 @@
 // misalignments, and bitwise comparisons (NaN equals NaN).
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -9,8 +11,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "cpu_adam/cpu_adam.h"
 #include "runtime/dtype.h"
@@ -60,12 +60,18 @@ inline void FillGrad(std::mt19937_64& rng, DType dtype, void* data, size_t n,
     float g = pick(rng) == 0 ? WideValue(rng) * 1e-3f : SmallValue(rng, 0.01f);
     if (nonfinite_every > 0 && i % nonfinite_every == nonfinite_every - 1) {
       g = (i / nonfinite_every) % 2 ? std::numeric_limits<float>::infinity()
-                                     : std::numeric_limits<float>::quiet_NaN();
+                                    : std::numeric_limits<float>::quiet_NaN();
     }
     switch (dtype) {
-      case DType::kF16: static_cast<uint16_t*>(data)[i] = F32ToF16(g); break;
-      case DType::kBF16: static_cast<uint16_t*>(data)[i] = F32ToBF16(g); break;
-      default: static_cast<float*>(data)[i] = g; break;
+      case DType::kF16:
+        static_cast<uint16_t*>(data)[i] = F32ToF16(g);
+        break;
+      case DType::kBF16:
+        static_cast<uint16_t*>(data)[i] = F32ToBF16(g);
+        break;
+      default:
+        static_cast<float*>(data)[i] = g;
+        break;
     }
   }
 }
