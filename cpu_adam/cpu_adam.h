@@ -63,9 +63,9 @@
 // share its arena. The free functions run on the calling thread only (for an
 // engine that drives its own threads) and are thread-safe on disjoint spans.
 //
-// Spans: any length (0 included) and any alignment of float (4 bytes) or
-// uint16_t (2 bytes). Params, state, grads and output must not overlap, except
-// that nothing else is read after an element is written.
+// Spans: any length (0 included) and any alignment of their element type
+// (4 bytes for float, 2 for uint16_t); no vector alignment is needed. Params,
+// state, grad and output must not overlap one another.
 //
 // Errors (all InvalidArgument, checked once per call, nothing is written):
 // state/grad/output lengths that differ, a null pointer with elems > 0, a grad
