@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
 
   strata::cli::AddInfoCommand(cli);
   strata::cli::AddBenchNvmeCommand(cli);
+  strata::cli::AddBenchAdamCommand(cli);
 
   try {
     cli.app.parse(argc, argv);
