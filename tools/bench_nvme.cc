@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -226,6 +227,13 @@ Status RunBenchNvme(const NvmeArgs& a) {
   std::vector<std::string> dirs = a.paths;
   if (dirs.empty()) dirs.push_back(a.dir);
   if (dirs.empty() || dirs[0].empty()) return InvalidArgumentError("give --dir or --paths");
+  for (const std::string& d : dirs) {
+    struct stat st;
+    if (::stat(d.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      return InvalidArgumentError(fmt::format(
+          "--dir {}: not an existing directory; create it on the drive to measure", d));
+    }
+  }
   STRATA_ASSIGN_OR_RETURN(uint64_t size_bytes, ParseBytes(a.size));
   STRATA_ASSIGN_OR_RETURN(uint64_t block_bytes, ParseBytes(a.block));
   if (block_bytes == 0 || block_bytes % 4096 != 0) {
