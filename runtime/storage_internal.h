@@ -18,6 +18,24 @@ inline constexpr uint64_t kDirectIoAlignment = 4096;
 // or (alignment_bytes > 1) a misaligned address, offset or length.
 Status ValidateBatch(const FileInfo& info, std::span<IoRequest> requests);
 
+// Clears a request's result before it is submitted.
+inline void ResetResult(IoRequest& r) {
+  r.status = OkStatus();
+  r.transferred_bytes = 0;
+  r.retries = 0;
+}
+
+// Moves up to completed.size() requests from the front of `ready` into
+// `completed`, in order; returns how many.
+inline size_t PopCompleted(std::deque<IoRequest*>& ready, std::span<IoRequest*> completed) {
+  size_t n = 0;
+  while (n < completed.size() && !ready.empty()) {
+    completed[n++] = ready.front();
+    ready.pop_front();
+  }
+  return n;
+}
+
 // An fd opened for block IO, closed by the destructor.
 class Fd {
  public:

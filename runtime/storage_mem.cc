@@ -36,9 +36,7 @@ class MemFile final : public File {
   Status Submit(std::span<IoRequest> requests) override {
     STRATA_RETURN_IF_ERROR(internal::ValidateBatch(info_, requests));
     for (IoRequest& r : requests) {
-      r.status = OkStatus();
-      r.transferred_bytes = 0;
-      r.retries = 0;
+      internal::ResetResult(r);
       Execute(r);
       done_.push_back(&r);
     }
@@ -46,11 +44,7 @@ class MemFile final : public File {
   }
 
   Result<size_t> Reap(std::span<IoRequest*> completed, size_t) override {
-    size_t n = 0;
-    while (n < completed.size() && !done_.empty()) {
-      completed[n++] = done_.front();
-      done_.pop_front();
-    }
+    const size_t n = internal::PopCompleted(done_, completed);
     return n;
   }
 

@@ -47,9 +47,7 @@ class PosixFile final : public File {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (IoRequest& r : requests) {
-        r.status = OkStatus();
-        r.transferred_bytes = 0;
-        r.retries = 0;
+        internal::ResetResult(r);
         queue_.push_back(&r);
       }
     }

@@ -50,9 +50,7 @@ class UringFile final : public File {
   Status Submit(std::span<IoRequest> requests) override {
     STRATA_RETURN_IF_ERROR(internal::ValidateBatch(info_, requests));
     for (IoRequest& r : requests) {
-      r.status = OkStatus();
-      r.transferred_bytes = 0;
-      r.retries = 0;
+      internal::ResetResult(r);
       pending_.push_back(&r);
     }
     in_flight_ += requests.size();
@@ -66,11 +64,7 @@ class UringFile final : public File {
       STRATA_RETURN_IF_ERROR(Pump());
       if (ready_.size() >= want) break;
     }
-    size_t n = 0;
-    while (n < completed.size() && !ready_.empty()) {
-      completed[n++] = ready_.front();
-      ready_.pop_front();
-    }
+    const size_t n = internal::PopCompleted(ready_, completed);
     in_flight_ -= n;
     return n;
   }

@@ -40,9 +40,7 @@ class FaultFile final : public File {
   Status Submit(std::span<IoRequest> requests) override {
     STRATA_RETURN_IF_ERROR(internal::ValidateBatch(info_, requests));
     for (IoRequest& r : requests) {
-      r.status = OkStatus();
-      r.transferred_bytes = 0;
-      r.retries = 0;
+      internal::ResetResult(r);
       ++in_flight_;
       STRATA_RETURN_IF_ERROR(Dispatch(&r));
     }
@@ -61,11 +59,7 @@ class FaultFile final : public File {
       for (size_t i = 0; i < n; ++i) STRATA_RETURN_IF_ERROR(OnAttemptDone(base_done[i]));
       if (!need) break;
     }
-    size_t n = 0;
-    while (n < completed.size() && !ready_.empty()) {
-      completed[n++] = ready_.front();
-      ready_.pop_front();
-    }
+    const size_t n = internal::PopCompleted(ready_, completed);
     in_flight_ -= n;
     return n;
   }

@@ -21,9 +21,7 @@ class ManualFile final : public File {
   Status Submit(std::span<IoRequest> requests) override {
     STRATA_RETURN_IF_ERROR(internal::ValidateBatch(info_, requests));
     for (IoRequest& r : requests) {
-      r.status = OkStatus();
-      r.transferred_bytes = 0;
-      r.retries = 0;
+      internal::ResetResult(r);
       storage_->AddPending(&r, this, base_.get());
     }
     in_flight_ += requests.size();
@@ -38,11 +36,7 @@ class ManualFile final : public File {
                                      " completions but the test completed only " +
                                      std::to_string(ready_.size()) + " (would hang)");
     }
-    size_t n = 0;
-    while (n < completed.size() && !ready_.empty()) {
-      completed[n++] = ready_.front();
-      ready_.pop_front();
-    }
+    const size_t n = internal::PopCompleted(ready_, completed);
     in_flight_ -= n;
     return n;
   }
