@@ -31,19 +31,20 @@ std::string Describe(DType dtype, size_t elems) {
 Status CheckTensor(std::string_view op, std::string_view name, const void* data, size_t elems,
                    DType dtype) {
   if (!IsFloatType(dtype)) {
-    return InvalidArgumentError(fmt::format("{}: {} has dtype {}; only fp32, fp16 and bf16 are "
-                                            "supported",
-                                            op, name, DTypeName(dtype)));
+    return InvalidArgumentError(
+        fmt::format("{}: {} has dtype {}; only fp32, fp16 and bf16 are "
+                    "supported",
+                    op, name, DTypeName(dtype)));
   }
   if (data == nullptr && elems > 0) {
-    return InvalidArgumentError(fmt::format("{}: {} ({}) has a null data pointer", op, name,
-                                            Describe(dtype, elems)));
+    return InvalidArgumentError(
+        fmt::format("{}: {} ({}) has a null data pointer", op, name, Describe(dtype, elems)));
   }
   return OkStatus();
 }
 
-Status CheckSameLength(std::string_view op, std::string_view a, size_t a_elems,
-                       std::string_view b, size_t b_elems) {
+Status CheckSameLength(std::string_view op, std::string_view a, size_t a_elems, std::string_view b,
+                       size_t b_elems) {
   if (a_elems != b_elems) {
     return InvalidArgumentError(
         fmt::format("{}: {} has {} elems but {} has {}; pass tensors of the same length", op, a,
@@ -60,8 +61,7 @@ Status CheckEntries(std::string_view op, std::span<const Entry> entries, size_t 
   for (size_t i = 0; i < entries.size(); ++i) {
     const Entry& e = entries[i];
     const std::string name = fmt::format("entry {}", i);
-    STRATA_RETURN_IF_ERROR(
-        CheckTensor(op, name, e.tensor.data, e.tensor.elems, e.tensor.dtype));
+    STRATA_RETURN_IF_ERROR(CheckTensor(op, name, e.tensor.data, e.tensor.elems, e.tensor.dtype));
     if (e.offset_elems > bucket_elems || e.tensor.elems > bucket_elems - e.offset_elems) {
       return InvalidArgumentError(fmt::format(
           "{}: entry {} ({} at offset {}) ends past the bucket of {} elems; size the bucket to "
@@ -121,9 +121,10 @@ Status LaunchCuda(std::string_view op, Device& device, StreamRef stream, Fn laun
 #else
 template <typename Fn>
 Status LaunchCuda(std::string_view op, Device& device, StreamRef, Fn) {
-  return UnimplementedError(fmt::format("{} on {}: this build has no CUDA kernels; rebuild with "
-                                        "STRATA_CUDA=ON",
-                                        op, device.name()));
+  return UnimplementedError(
+      fmt::format("{} on {}: this build has no CUDA kernels; rebuild with "
+                  "STRATA_CUDA=ON",
+                  op, device.name()));
 }
 #endif
 
@@ -147,15 +148,15 @@ Status PackGrads(Device& device, StreamRef stream, std::span<const PackEntry> en
     std::vector<ElemRange> used;
     for (const PackEntry& e : copy) {
       if (e.tensor.elems == 0) continue;
-      const int err =
-          internal::CudaConvert(s, e.tensor.data, e.tensor.dtype, base + e.offset_elems * elem_bytes,
-                                bucket.dtype, e.tensor.elems, scale, internal::ScaleModeOf(scale));
+      const int err = internal::CudaConvert(s, e.tensor.data, e.tensor.dtype,
+                                            base + e.offset_elems * elem_bytes, bucket.dtype,
+                                            e.tensor.elems, scale, internal::ScaleModeOf(scale));
       if (err != 0) return err;
       used.push_back({e.offset_elems, e.offset_elems + e.tensor.elems});
     }
     for (const ElemRange& gap : internal::PaddingRanges(std::move(used), bucket.elems)) {
-      const int err = internal::CudaZero(s, base + gap.begin * elem_bytes,
-                                         (gap.end - gap.begin) * elem_bytes);
+      const int err =
+          internal::CudaZero(s, base + gap.begin * elem_bytes, (gap.end - gap.begin) * elem_bytes);
       if (err != 0) return err;
     }
     return 0;
@@ -179,9 +180,9 @@ Status UnpackParams(Device& device, StreamRef stream, ConstDeviceTensor bucket,
     const auto* base = static_cast<const std::byte*>(bucket.data);
     for (const UnpackEntry& e : copy) {
       if (e.tensor.elems == 0) continue;
-      const int err = internal::CudaConvert(s, base + e.offset_elems * elem_bytes, bucket.dtype,
-                                            e.tensor.data, e.tensor.dtype, e.tensor.elems, 1.0f,
-                                            internal::ScaleMode::kNone);
+      const int err =
+          internal::CudaConvert(s, base + e.offset_elems * elem_bytes, bucket.dtype, e.tensor.data,
+                                e.tensor.dtype, e.tensor.elems, 1.0f, internal::ScaleMode::kNone);
       if (err != 0) return err;
     }
     return 0;
@@ -256,8 +257,8 @@ Status GradStats(Device& device, StreamRef stream, ConstDeviceTensor grad, float
         kOp, stats_buffer_bytes, stats_buffer == nullptr ? " (null)" : "", grad.elems, need));
   }
   if (reinterpret_cast<uintptr_t>(stats_buffer) % alignof(DeviceGradStats) != 0) {
-    return InvalidArgumentError(fmt::format("{}: stats buffer {} is not 8-byte aligned", kOp,
-                                            stats_buffer));
+    return InvalidArgumentError(
+        fmt::format("{}: stats buffer {} is not 8-byte aligned", kOp, stats_buffer));
   }
   if (RunsOnHost(device)) {
     return EnqueueHost(device, stream, [grad, grad_scale, stats_buffer] {
@@ -265,8 +266,7 @@ Status GradStats(Device& device, StreamRef stream, ConstDeviceTensor grad, float
     });
   }
   return LaunchCuda(kOp, device, stream, [&](void* s) {
-    return internal::CudaGradStats(s, grad.data, grad.dtype, grad.elems, grad_scale,
-                                   stats_buffer);
+    return internal::CudaGradStats(s, grad.data, grad.dtype, grad.elems, grad_scale, stats_buffer);
   });
 }
 
@@ -297,15 +297,21 @@ Status AdamStep(Device& device, StreamRef stream, const AdamHyper& hyper,
       return strata::AdamStep(hyper, s, g, o);
     });
   }
-  const internal::AdamKernelCoeffs k{c.grad_scale,    c.beta1,    c.one_minus_beta1,
-                                     c.beta2,         c.one_minus_beta2,
-                                     c.eps,           c.bc2_sqrt, c.neg_step_size,
-                                     c.l2_decay,      c.decay_factor,
+  const internal::AdamKernelCoeffs k{c.grad_scale,
+                                     c.beta1,
+                                     c.one_minus_beta1,
+                                     c.beta2,
+                                     c.one_minus_beta2,
+                                     c.eps,
+                                     c.bc2_sqrt,
+                                     c.neg_step_size,
+                                     c.l2_decay,
+                                     c.decay_factor,
                                      static_cast<int>(c.decay)};
   return LaunchCuda(kOp, device, stream, [&](void* s) {
     if (n == 0) return 0;
-    return internal::CudaAdamStep(s, k, state, grad.data, grad.dtype,
-                                  has_out ? out.data : nullptr, out.dtype);
+    return internal::CudaAdamStep(s, k, state, grad.data, grad.dtype, has_out ? out.data : nullptr,
+                                  out.dtype);
   });
 }
 

@@ -20,17 +20,26 @@ constexpr unsigned kMaxBlocks = 65535u * 8u;
 
 __device__ __forceinline__ float Load(const void* p, DType dtype, size_t i) {
   switch (dtype) {
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBF16: return BF16ToF32(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kBF16:
+      return BF16ToF32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
   }
 }
 
 __device__ __forceinline__ void Store(void* p, DType dtype, size_t i, float v) {
   switch (dtype) {
-    case DType::kF16: static_cast<uint16_t*>(p)[i] = F32ToF16(v); break;
-    case DType::kBF16: static_cast<uint16_t*>(p)[i] = F32ToBF16(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
+    case DType::kF16:
+      static_cast<uint16_t*>(p)[i] = F32ToF16(v);
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(p)[i] = F32ToBF16(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+      break;
   }
 }
 
@@ -114,8 +123,8 @@ __global__ void AdamKernel(AdamKernelCoeffs c, float* params, float* exp_avg, fl
     if (c.decay == 1) g = __fadd_rn(g, __fmul_rn(c.l2_decay, p));
     if (c.decay == 2) p = __fmul_rn(p, c.decay_factor);
     const float m = __fadd_rn(__fmul_rn(exp_avg[i], c.beta1), __fmul_rn(c.one_minus_beta1, g));
-    const float v = __fadd_rn(__fmul_rn(exp_avg_sq[i], c.beta2),
-                              __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+    const float v =
+        __fadd_rn(__fmul_rn(exp_avg_sq[i], c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
     p = __fadd_rn(p, __fmul_rn(c.neg_step_size, __fdiv_rn(m, denom)));
     params[i] = p;

@@ -17,17 +17,26 @@ namespace {
 
 float Load(const void* p, DType dtype, size_t i) {
   switch (dtype) {
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBF16: return BF16ToF32(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kBF16:
+      return BF16ToF32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
   }
 }
 
 void Store(void* p, DType dtype, size_t i, float v) {
   switch (dtype) {
-    case DType::kF16: static_cast<uint16_t*>(p)[i] = F32ToF16(v); break;
-    case DType::kBF16: static_cast<uint16_t*>(p)[i] = F32ToBF16(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
+    case DType::kF16:
+      static_cast<uint16_t*>(p)[i] = F32ToF16(v);
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(p)[i] = F32ToBF16(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+      break;
   }
 }
 

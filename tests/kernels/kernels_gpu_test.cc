@@ -46,10 +46,9 @@ class KernelsGpuTest : public ::testing::Test {
       auto staging = device_->AllocateHost(bytes);
       EXPECT_TRUE(staging.ok()) << staging.status();
       std::memcpy(staging->data(), host, bytes);
-      EXPECT_TRUE(device_
-                      ->CopyAsync(d->data(), staging->data(), bytes, CopyKind::kHostToDevice,
-                                  stream_)
-                      .ok());
+      EXPECT_TRUE(
+          device_->CopyAsync(d->data(), staging->data(), bytes, CopyKind::kHostToDevice, stream_)
+              .ok());
       EXPECT_TRUE(device_->StreamSynchronize(stream_).ok());
     }
     return *std::move(d);
@@ -81,8 +80,8 @@ TEST_F(KernelsGpuTest, CastMatchesHostTwinBitwise) {
   for (DType from : kFloatTypes) {
     for (DType to : kFloatTypes) {
       for (size_t n : kSizes) {
-        SCOPED_TRACE(std::string(DTypeName(from)) + "->" + std::string(DTypeName(to)) + " n=" +
-                     std::to_string(n));
+        SCOPED_TRACE(std::string(DTypeName(from)) + "->" + std::string(DTypeName(to)) +
+                     " n=" + std::to_string(n));
         const auto src = RandomTensor(from, n, rng);
         std::vector<std::byte> want(n * DTypeSize(to));
         internal::ConvertHost(src.data(), from, want.data(), to, n, 1.0f,
@@ -180,8 +179,8 @@ TEST_F(KernelsGpuTest, GradStatsMatchesHostTwinBitwiseAndReferenceClosely) {
       internal::GradStatsHost({g.data(), n, t}, 0.5f, want.data());
       DeviceBuffer d_g = Upload(g);
       DeviceBuffer d_buf = Upload(std::vector<std::byte>(buf_bytes, std::byte{0xee}));
-      ASSERT_TRUE(GradStats(*device_, stream_, {d_g.data(), n, t}, 0.5f, d_buf.data(), buf_bytes)
-                      .ok());
+      ASSERT_TRUE(
+          GradStats(*device_, stream_, {d_g.data(), n, t}, 0.5f, d_buf.data(), buf_bytes).ok());
       const auto got = Download(d_buf, sizeof(DeviceGradStats));
       EXPECT_EQ(std::memcmp(got.data(), want.data(), sizeof(DeviceGradStats)), 0);
       DeviceGradStats st;
@@ -239,28 +238,31 @@ TEST_F(KernelsGpuTest, AdamStepMatchesCpuAdamReference) {
                      d_v = Upload(v.data(), n * 4), d_g = Upload(g);
         const size_t out_bytes = out_k == 0 ? 0 : n * DTypeSize(out_t);
         DeviceBuffer d_out = Upload(std::vector<std::byte>(out_bytes));
-        const AdamHyper h{.lr = 1e-3, .weight_decay = 0.05, .weight_decay_mode = mode,
-                          .step = 11, .grad_scale = 0.5f};
+        const AdamHyper h{.lr = 1e-3,
+                          .weight_decay = 0.05,
+                          .weight_decay_mode = mode,
+                          .step = 11,
+                          .grad_scale = 0.5f};
         ASSERT_TRUE(AdamStep(*device_, stream_, h,
                              {d_p.as<float>(), d_m.as<float>(), d_v.as<float>(), n},
                              {d_g.data(), n, grad_t},
                              out_k == 0 ? DeviceTensor{} : DeviceTensor{d_out.data(), n, out_t})
                         .ok());
         std::vector<std::byte> out_ref(out_bytes);
-        ASSERT_TRUE(reference::AdamStep(
-                        h, {p, m, v}, GradView{grad_t, g.data(), n},
-                        out_k == 0 ? OutView::None() : OutView{out_t, out_ref.data(), n})
-                        .ok());
-        const auto gp = Download(d_p, n * 4), gm = Download(d_m, n * 4),
-                   gv = Download(d_v, n * 4), go = Download(d_out, out_bytes);
+        ASSERT_TRUE(
+            reference::AdamStep(h, {p, m, v}, GradView{grad_t, g.data(), n},
+                                out_k == 0 ? OutView::None() : OutView{out_t, out_ref.data(), n})
+                .ok());
+        const auto gp = Download(d_p, n * 4), gm = Download(d_m, n * 4), gv = Download(d_v, n * 4),
+                   go = Download(d_out, out_bytes);
         int64_t worst = 0;
         for (size_t i = 0; i < n; ++i) {
           float x, y, z;
           std::memcpy(&x, gp.data() + 4 * i, 4);
           std::memcpy(&y, gm.data() + 4 * i, 4);
           std::memcpy(&z, gv.data() + 4 * i, 4);
-          worst = std::max({worst, UlpDistance(x, p[i]), UlpDistance(y, m[i]),
-                            UlpDistance(z, v[i])});
+          worst =
+              std::max({worst, UlpDistance(x, p[i]), UlpDistance(y, m[i]), UlpDistance(z, v[i])});
         }
         std::cout << "[ adam ] max ulp vs reference: " << worst << "\n";
         EXPECT_LE(worst, 1);

@@ -19,9 +19,9 @@
 namespace strata::kernels {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FiniteTensor;
 using testing::FirstBitDifference;
+using ::testing::HasSubstr;
 using testing::kFloatTypes;
 using testing::LoadRef;
 using testing::RandomTensor;
@@ -57,8 +57,8 @@ TEST_F(KernelsHostTest, CastEveryDtypePairMatchesDtypeFunctions) {
   for (DType from : kFloatTypes) {
     for (DType to : kFloatTypes) {
       for (size_t n : kOddSizes) {
-        SCOPED_TRACE(std::string(DTypeName(from)) + "->" + std::string(DTypeName(to)) + " n=" +
-                     std::to_string(n));
+        SCOPED_TRACE(std::string(DTypeName(from)) + "->" + std::string(DTypeName(to)) +
+                     " n=" + std::to_string(n));
         const auto src = RandomTensor(from, n, rng);
         std::vector<std::byte> dst(n * DTypeSize(to), std::byte{0x5a});
         std::vector<std::byte> want(n * DTypeSize(to));
@@ -188,8 +188,7 @@ TEST_F(KernelsHostTest, UnpackParamsScattersAndConverts) {
     for (size_t k = 0; k < dsts.size(); ++k) {
       std::vector<std::byte> want(dsts[k].size());
       for (size_t i = 0; i < pc.elems[k]; ++i) {
-        StoreRef(want.data(), pc.dtypes[k], i,
-                 LoadRef(bucket.data(), bucket_t, pc.offsets[k] + i));
+        StoreRef(want.data(), pc.dtypes[k], i, LoadRef(bucket.data(), bucket_t, pc.offsets[k] + i));
       }
       EXPECT_EQ(FirstBitDifference(dsts[k].data(), want.data(), pc.dtypes[k], pc.elems[k]), "")
           << "entry " << k;
@@ -233,8 +232,8 @@ TEST_F(KernelsHostTest, LaunchReturnsBeforeTheWorkRuns) {
 TEST_F(KernelsHostTest, GradStatsMatchesCpuAdamReference) {
   std::mt19937_64 rng(testing::TestSeed());
   for (DType t : kFloatTypes) {
-    for (size_t n : {size_t{0}, size_t{1}, size_t{4095}, size_t{4096}, size_t{4097},
-                     size_t{100003}}) {
+    for (size_t n :
+         {size_t{0}, size_t{1}, size_t{4095}, size_t{4096}, size_t{4097}, size_t{100003}}) {
       SCOPED_TRACE(std::string(DTypeName(t)) + " n=" + std::to_string(n));
       const auto g = FiniteTensor(t, n, 3.0f, rng);
       std::vector<double> buf(GradStatsBufferBytes(n) / sizeof(double));
@@ -302,19 +301,20 @@ TEST_F(KernelsHostTest, AdamStepMatchesCpuAdamReferenceBitwise) {
         const auto g = FiniteTensor(grad_t, n, 0.5f, rng);
         std::vector<std::byte> out(out_k == 0 ? 0 : n * DTypeSize(out_t));
         std::vector<std::byte> out_ref(out.size());
-        const AdamHyper h{.lr = 1e-3, .weight_decay = 0.05, .weight_decay_mode = mode,
-                          .step = 7, .grad_scale = 0.5f};
+        const AdamHyper h{.lr = 1e-3,
+                          .weight_decay = 0.05,
+                          .weight_decay_mode = mode,
+                          .step = 7,
+                          .grad_scale = 0.5f};
         const DeviceTensor out_t_view =
             out_k == 0 ? DeviceTensor{} : DeviceTensor{out.data(), n, out_t};
         ASSERT_TRUE(AdamStep(*device_, stream_, h, {p.data(), m.data(), v.data(), n},
                              Const(g, grad_t), out_t_view)
                         .ok());
         Sync();
-        const OutView ov =
-            out_k == 0 ? OutView::None() : OutView{out_t, out_ref.data(), n};
-        ASSERT_TRUE(reference::AdamStep(h, {p_ref, m_ref, v_ref}, GradView{grad_t, g.data(), n},
-                                        ov)
-                        .ok());
+        const OutView ov = out_k == 0 ? OutView::None() : OutView{out_t, out_ref.data(), n};
+        ASSERT_TRUE(
+            reference::AdamStep(h, {p_ref, m_ref, v_ref}, GradView{grad_t, g.data(), n}, ov).ok());
         EXPECT_EQ(FirstBitDifference(p.data(), p_ref.data(), DType::kF32, n), "");
         EXPECT_EQ(FirstBitDifference(m.data(), m_ref.data(), DType::kF32, n), "");
         EXPECT_EQ(FirstBitDifference(v.data(), v_ref.data(), DType::kF32, n), "");

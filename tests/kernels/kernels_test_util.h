@@ -103,8 +103,8 @@ inline std::string FirstBitDifference(const void* a, const void* b, DType dtype,
   for (size_t i = 0; i < elems; ++i) {
     if (std::memcmp(static_cast<const std::byte*>(a) + i * size,
                     static_cast<const std::byte*>(b) + i * size, size) != 0) {
-      return "element " + std::to_string(i) + ": " + std::to_string(LoadRef(a, dtype, i)) +
-             " vs " + std::to_string(LoadRef(b, dtype, i));
+      return "element " + std::to_string(i) + ": " + std::to_string(LoadRef(a, dtype, i)) + " vs " +
+             std::to_string(LoadRef(b, dtype, i));
     }
   }
   return "";
