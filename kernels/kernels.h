@@ -11,17 +11,20 @@
 //     stream order, never inline in the caller.
 // The host twins are also the references the CUDA kernels are tested against
 // (tests/kernels): cast, pack, unpack, scale and accumulate are bit for bit
-// equal; GradStats uses the same blocking and reduction order on both; Adam
-// runs cpu_adam's formula with the same fp32 operations (see docs/kernels.md
-// for the stated tolerances).
+// equal, except that a NaN produced by arithmetic (scale, accumulate, a
+// scaled pack) is a NaN of unspecified sign and payload (x86 keeps the
+// input's, CUDA returns the canonical NaN); GradStats uses the same blocking and reduction order on
+// both; Adam runs cpu_adam's formula with the same fp32 operations (see docs/kernels.md for the
+// stated tolerances).
 //
 //   STRATA_ASSIGN_OR_RETURN(auto dev, OpenDevice("auto"));
 //   std::vector<PackEntry> entries = {{{g0, n0, DType::kBF16}, 0},
 //                                     {{g1, n1, DType::kBF16}, 1024}};
 //   STRATA_RETURN_IF_ERROR(PackGrads(*dev, stream, entries,
 //                                    {bucket, bucket_elems, DType::kF32}, 1.0f / scale));
+//   // stats_buf: device memory of GradStatsBufferBytes(bucket_elems) bytes.
 //   STRATA_RETURN_IF_ERROR(GradStats(*dev, stream, {bucket, bucket_elems, DType::kF32},
-//                                    1.0f, stats_buf));   // a DeviceGradStats + scratch
+//                                    1.0f, stats_buf, GradStatsBufferBytes(bucket_elems)));
 //   STRATA_RETURN_IF_ERROR(dev->StreamSynchronize(stream));
 //
 // Ordering and lifetime: a launcher returns as soon as the work is enqueued

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -105,6 +106,23 @@ inline std::string FirstBitDifference(const void* a, const void* b, DType dtype,
                     static_cast<const std::byte*>(b) + i * size, size) != 0) {
       return "element " + std::to_string(i) + ": " + std::to_string(LoadRef(a, dtype, i)) + " vs " +
              std::to_string(LoadRef(b, dtype, i));
+    }
+  }
+  return "";
+}
+
+// Like FirstBitDifference, but two NaNs are equal whatever their sign and
+// payload: arithmetic on a NaN yields a NaN whose bits differ between CPUs
+// and GPUs (x86 keeps the input's payload and sign, CUDA returns 0x7fffffff).
+inline std::string FirstDifferenceAnyNaN(const void* a, const void* b, DType dtype, size_t elems) {
+  const size_t size = DTypeSize(dtype);
+  for (size_t i = 0; i < elems; ++i) {
+    const float x = LoadRef(a, dtype, i);
+    const float y = LoadRef(b, dtype, i);
+    if (std::isnan(x) && std::isnan(y)) continue;
+    if (std::memcmp(static_cast<const std::byte*>(a) + i * size,
+                    static_cast<const std::byte*>(b) + i * size, size) != 0) {
+      return "element " + std::to_string(i) + ": " + std::to_string(x) + " vs " + std::to_string(y);
     }
   }
   return "";
