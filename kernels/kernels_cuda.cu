@@ -1,0 +1,181 @@
+// CUDA kernels behind kernels.h. Each mirrors its host twin in
+// kernels_host.cc operation for operation: element conversions call the same
+// constexpr functions of runtime/dtype.h (--expt-relaxed-constexpr), float
+// arithmetic uses explicit round-to-nearest intrinsics (and --fmad=false), so
+// results are bit for bit those of the twins. Dtypes are dispatched per
+// element at run time instead of by template to keep nvcc time small; the
+// branch is uniform across a warp and the kernels are bound by memory.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/kernels_internal.h"
+#include "runtime/dtype.h"
+
+namespace strata::kernels::internal {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr unsigned kMaxBlocks = 65535u * 8u;
+
+__device__ __forceinline__ float Load(const void* p, DType dtype, size_t i) {
+  switch (dtype) {
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kBF16:
+      return BF16ToF32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void Store(void* p, DType dtype, size_t i, float v) {
+  switch (dtype) {
+    case DType::kF16:
+      static_cast<uint16_t*>(p)[i] = F32ToF16(v);
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(p)[i] = F32ToBF16(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+      break;
+  }
+}
+
+unsigned GridFor(size_t elems) {
+  const size_t blocks = (elems + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+__global__ void ConvertKernel(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                              size_t elems, float scale, ScaleMode mode) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems;
+       i += stride) {
+    float v = Load(src, src_dtype, i);
+    if (mode == ScaleMode::kMultiply) v = __fmul_rn(v, scale);
+    Store(dst, dst_dtype, i, v);
+  }
+}
+
+__global__ void AccumulateKernel(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                                 size_t elems) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems;
+       i += stride) {
+    Store(dst, dst_dtype, i, __fadd_rn(Load(dst, dst_dtype, i), Load(src, src_dtype, i)));
+  }
+}
+
+// Pass 1: one CUDA block per kGradStatsBlockElemsDevice elements; writes the
+// block's sum and non-finite count to scratch[block].
+__global__ void GradStatsBlockKernel(const void* grad, DType dtype, size_t elems,
+                                     DeviceGradStats* scratch) {
+  __shared__ double sums[kGradStatsThreads];
+  __shared__ unsigned long long counts[kGradStatsThreads];
+  const size_t begin = static_cast<size_t>(blockIdx.x) * kGradStatsBlockElemsDevice;
+  const size_t end =
+      begin + kGradStatsBlockElemsDevice < elems ? begin + kGradStatsBlockElemsDevice : elems;
+  double acc = 0.0;
+  unsigned long long nonfinite = 0;
+  for (size_t i = begin + threadIdx.x; i < end; i += kGradStatsThreads) {
+    const float g = Load(grad, dtype, i);
+    if (!isfinite(g)) ++nonfinite;
+    const double d = static_cast<double>(g);
+    acc = __dadd_rn(acc, __dmul_rn(d, d));
+  }
+  sums[threadIdx.x] = acc;
+  counts[threadIdx.x] = nonfinite;
+  __syncthreads();
+  for (unsigned stride = kGradStatsThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + stride]);
+      counts[threadIdx.x] += counts[threadIdx.x + stride];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) scratch[blockIdx.x] = DeviceGradStats{sums[0], counts[0]};
+}
+
+// Pass 2: one thread adds the block results in block order (the order the
+// host twin uses), then applies grad_scale^2.
+__global__ void GradStatsFinalKernel(const DeviceGradStats* scratch, size_t blocks,
+                                     float grad_scale, DeviceGradStats* result) {
+  double total = 0.0;
+  uint64_t nonfinite = 0;
+  for (size_t b = 0; b < blocks; ++b) {
+    total = __dadd_rn(total, scratch[b].sum_sq);
+    nonfinite += scratch[b].nonfinite_elems;
+  }
+  const double s = static_cast<double>(grad_scale);
+  *result = DeviceGradStats{__dmul_rn(total, __dmul_rn(s, s)), nonfinite};
+}
+
+__global__ void AdamKernel(AdamKernelCoeffs c, float* params, float* exp_avg, float* exp_avg_sq,
+                           size_t elems, const void* grad, DType grad_dtype, void* out,
+                           DType out_dtype) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems;
+       i += stride) {
+    float g = __fmul_rn(Load(grad, grad_dtype, i), c.grad_scale);
+    float p = params[i];
+    if (c.decay == 1) g = __fadd_rn(g, __fmul_rn(c.l2_decay, p));
+    if (c.decay == 2) p = __fmul_rn(p, c.decay_factor);
+    const float m = __fadd_rn(__fmul_rn(exp_avg[i], c.beta1), __fmul_rn(c.one_minus_beta1, g));
+    const float v =
+        __fadd_rn(__fmul_rn(exp_avg_sq[i], c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+    p = __fadd_rn(p, __fmul_rn(c.neg_step_size, __fdiv_rn(m, denom)));
+    params[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if (out != nullptr) Store(out, out_dtype, i, p);
+  }
+}
+
+}  // namespace
+
+int CudaConvert(void* stream, const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                size_t elems, float scale, ScaleMode mode) {
+  ConvertKernel<<<GridFor(elems), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      src, src_dtype, dst, dst_dtype, elems, scale, mode);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int CudaZero(void* stream, void* dst, size_t bytes) {
+  return static_cast<int>(cudaMemsetAsync(dst, 0, bytes, static_cast<cudaStream_t>(stream)));
+}
+
+int CudaAccumulate(void* stream, const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                   size_t elems) {
+  AccumulateKernel<<<GridFor(elems), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      src, src_dtype, dst, dst_dtype, elems);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int CudaGradStats(void* stream, const void* grad, DType dtype, size_t elems, float grad_scale,
+                  void* stats_buffer) {
+  auto* result = static_cast<DeviceGradStats*>(stats_buffer);
+  DeviceGradStats* scratch = result + 1;
+  const size_t blocks = (elems + kGradStatsBlockElemsDevice - 1) / kGradStatsBlockElemsDevice;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (blocks > 0) {
+    if (blocks > 0x7fffffffu) return static_cast<int>(cudaErrorInvalidValue);
+    GradStatsBlockKernel<<<static_cast<unsigned>(blocks), kGradStatsThreads, 0, s>>>(
+        grad, dtype, elems, scratch);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
+  }
+  GradStatsFinalKernel<<<1, 1, 0, s>>>(scratch, blocks, grad_scale, result);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int CudaAdamStep(void* stream, const AdamKernelCoeffs& coeffs, const DeviceAdamState& state,
+                 const void* grad, DType grad_dtype, void* out, DType out_dtype) {
+  AdamKernel<<<GridFor(state.elems), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      coeffs, state.params, state.exp_avg, state.exp_avg_sq, state.elems, grad, grad_dtype, out,
+      out_dtype);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace strata::kernels::internal

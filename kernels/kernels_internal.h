@@ -1,0 +1,72 @@
+// Internal to kernels/ and its tests: the host twins (plain C++, run
+// synchronously on the calling thread; the launchers in kernels.cc enqueue
+// them on a stream) and the CUDA launch functions of kernels_cuda.cu.
+// No CUDA headers here: a cudaStream_t travels as void*, a cudaError_t as int.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace strata::kernels::internal {
+
+// Whether a conversion multiplies by its scale (skipped for scale == 1 so
+// plain casts are exact copies of the bits dtype.h's functions produce).
+enum class ScaleMode : uint8_t { kNone = 0, kMultiply = 1 };
+
+inline ScaleMode ScaleModeOf(float scale) {
+  return scale == 1.0f ? ScaleMode::kNone : ScaleMode::kMultiply;
+}
+
+// ---- Host twins: the references of the CUDA kernels ------------------------
+
+// dst[i] = convert(float(src[i]) [* scale]) for i < elems.
+void ConvertHost(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t elems,
+                 float scale, ScaleMode mode);
+// Entries must already be validated (in range, disjoint).
+void PackGradsHost(std::span<const PackEntry> entries, DeviceTensor bucket, float scale);
+void UnpackParamsHost(ConstDeviceTensor bucket, std::span<const UnpackEntry> entries);
+void AccumulateHost(ConstDeviceTensor src, DeviceTensor dst);
+// Writes a DeviceGradStats at stats_buffer, using the rest as scratch.
+void GradStatsHost(ConstDeviceTensor grad, float grad_scale, void* stats_buffer);
+
+// A [begin, end) range of bucket elements.
+struct ElemRange {
+  size_t begin = 0;
+  size_t end = 0;
+};
+// The ranges of [0, bucket_elems) covered by none of `used` (disjoint, in
+// range, any order), in increasing order.
+std::vector<ElemRange> PaddingRanges(std::vector<ElemRange> used, size_t bucket_elems);
+
+// ---- CUDA (kernels_cuda.cu; only when the build has CUDA) ------------------
+
+// The per-element fp32 scalars of an Adam update (cpu_adam's derived
+// coefficients, see cpu_adam/cpu_adam_internal.h).
+struct AdamKernelCoeffs {
+  float grad_scale;
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float eps;
+  float bc2_sqrt;
+  float neg_step_size;
+  float l2_decay;
+  float decay_factor;
+  int decay;  // 0 none, 1 L2, 2 decoupled (cpu_adam_internal::Decay)
+};
+
+// Each returns a cudaError_t as int (0: launched). `stream` is a cudaStream_t.
+int CudaConvert(void* stream, const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                size_t elems, float scale, ScaleMode mode);
+int CudaZero(void* stream, void* dst, size_t bytes);
+int CudaAccumulate(void* stream, const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                   size_t elems);
+int CudaGradStats(void* stream, const void* grad, DType dtype, size_t elems, float grad_scale,
+                  void* stats_buffer);
+int CudaAdamStep(void* stream, const AdamKernelCoeffs& coeffs, const DeviceAdamState& state,
+                 const void* grad, DType grad_dtype, void* out, DType out_dtype);
+
+}  // namespace strata::kernels::internal
