@@ -161,7 +161,7 @@ std::string FormatPlan(const PlacementPlan& plan) {
                                 : "unlimited"));
   out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "nvme", plan.nvme_sub_groups,
                      FormatBytes(plan.nvme_state_bytes), "-", "-");
-  out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "device", 0, "-",
+  out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "device", "-", "-",
                      FormatBytes(plan.device_staging_bytes),
                      budget(plan.device_budget_bytes, "unlimited"));
   out += "  buffers:\n";
