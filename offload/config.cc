@@ -1,16 +1,16 @@
 #include "offload/config.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "runtime/log.h"
 #include "runtime/units.h"
@@ -24,39 +24,74 @@ using Json = nlohmann::json;
 // listed here is accepted with everything under it.
 constexpr std::string_view kIgnoredKeys[] = {
     // top level: training loop, logging, other features
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "steps_per_print", "wall_clock_breakdown", "dump_state", "scheduler",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "communication_data_type",
-    "seq_parallel_communication_data_type", "activation_checkpointing", "flops_profiler",
-    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "memory_breakdown",
-    "elasticity", "checkpoint", "data_types", "amp", "compression_training",
-    "data_efficiency", "autotuning", "pipeline", "timers",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "scheduler",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "activation_checkpointing",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "memory_breakdown",
+    "elasticity",
+    "checkpoint",
+    "data_types",
+    "amp",
+    "compression_training",
+    "data_efficiency",
+    "autotuning",
+    "pipeline",
+    "timers",
     // zero_optimization: communication buckets and stage-3 parameter partitioning
-    "zero_optimization.offload_param", "zero_optimization.overlap_comm",
-    "zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
-    "zero_optimization.allgather_bucket_size", "zero_optimization.reduce_scatter",
-    "zero_optimization.allgather_partitions", "zero_optimization.round_robin_gradients",
-    "zero_optimization.elastic_checkpoint", "zero_optimization.load_from_fp32_weights",
-    "zero_optimization.cpu_offload", "zero_optimization.ignore_unused_parameters",
+    "zero_optimization.offload_param",
+    "zero_optimization.overlap_comm",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.allgather_bucket_size",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.allgather_partitions",
+    "zero_optimization.round_robin_gradients",
+    "zero_optimization.elastic_checkpoint",
+    "zero_optimization.load_from_fp32_weights",
+    "zero_optimization.cpu_offload",
+    "zero_optimization.ignore_unused_parameters",
     "zero_optimization.stage3_prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold",
     "zero_optimization.stage3_max_live_parameters",
     "zero_optimization.stage3_max_reuse_distance",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save",
-    "zero_optimization.zero_hpz_partition_size", "zero_optimization.zero_quantized_weights",
-    "zero_optimization.zero_quantized_gradients", "zero_optimization.mics_shard_size",
-    "zero_optimization.memory_efficient_linear", "zero_optimization.use_multi_rank_bucket_allreduce",
+    "zero_optimization.zero_hpz_partition_size",
+    "zero_optimization.zero_quantized_weights",
+    "zero_optimization.zero_quantized_gradients",
+    "zero_optimization.mics_shard_size",
+    "zero_optimization.memory_efficient_linear",
+    "zero_optimization.use_multi_rank_bucket_allreduce",
     "zero_optimization.offload_optimizer.pipeline_read",
     "zero_optimization.offload_optimizer.pipeline_write",
     "zero_optimization.offload_optimizer.pipeline",
     // aio
     "aio.intra_op_parallelism",
     // optimizer
-    "optimizer.params.torch_adam", "optimizer.params.fused",
+    "optimizer.params.torch_adam",
+    "optimizer.params.fused",
     // fp16 / bf16
-    "fp16.auto_cast", "fp16.fp16_master_weights_and_grads", "bf16.immediate_grad_update",
+    "fp16.auto_cast",
+    "fp16.fp16_master_weights_and_grads",
+    "bf16.immediate_grad_update",
     "bf16.check_grad_overflow",
 };
 
@@ -193,20 +228,20 @@ enum class Bound : uint8_t { kClosed, kOpen };
 
 // A finite number in the range [lo, hi] (or (lo, hi] etc. per bound).
 Result<std::optional<double>> GetDouble(const Json& obj, std::string_view path,
-                                        std::string_view key, double lo, Bound lo_bound,
-                                        double hi, Bound hi_bound) {
+                                        std::string_view key, double lo, Bound lo_bound, double hi,
+                                        Bound hi_bound) {
   const Json* v = Find(obj, key);
   if (v == nullptr) return std::optional<double>();
   const std::string full = Join(path, key);
-  const std::string range =
-      fmt::format("a number in {}{}, {}{}", lo_bound == Bound::kClosed ? "[" : "(", lo,
-                  std::isinf(hi) ? "inf" : fmt::format("{}", hi),
-                  hi_bound == Bound::kClosed ? "]" : ")");
+  const std::string range = fmt::format(
+      "a number in {}{}, {}{}", lo_bound == Bound::kClosed ? "[" : "(", lo,
+      std::isinf(hi) ? "inf" : fmt::format("{}", hi), hi_bound == Bound::kClosed ? "]" : ")");
   if (!v->is_number()) return TypeError(full, *v, range);
   const double d = v->get<double>();
   const bool ok = std::isfinite(d) && (lo_bound == Bound::kClosed ? d >= lo : d > lo) &&
                   (hi_bound == Bound::kClosed ? d <= hi : d < hi);
-  if (!ok) return InvalidArgumentError(fmt::format("{} = {}: must be {}", full, Describe(*v), range));
+  if (!ok)
+    return InvalidArgumentError(fmt::format("{} = {}: must be {}", full, Describe(*v), range));
   return std::optional<double>(d);
 }
 
@@ -243,16 +278,20 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 Status ParseOffloadOptimizer(const Json& o, OffloadConfig& c) {
   const std::string p = "zero_optimization.offload_optimizer";
-  STRATA_RETURN_IF_ERROR(CheckKeys(
-      o, p, {"device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio"}));
+  STRATA_RETURN_IF_ERROR(
+      CheckKeys(o, p, {"device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio"}));
   STRATA_ASSIGN_OR_RETURN(auto device, GetString(o, p, "device"));
   if (device) {
     const std::string d = Lower(*device);
-    if (d == "cpu") c.device = OffloadDevice::kCpu;
-    else if (d == "nvme") c.device = OffloadDevice::kNvme;
-    else if (d == "none") c.device = OffloadDevice::kNone;
-    else return InvalidArgumentError(fmt::format(
-        "{}.device = \"{}\": must be \"cpu\", \"nvme\" or \"none\"", p, *device));
+    if (d == "cpu")
+      c.device = OffloadDevice::kCpu;
+    else if (d == "nvme")
+      c.device = OffloadDevice::kNvme;
+    else if (d == "none")
+      c.device = OffloadDevice::kNone;
+    else
+      return InvalidArgumentError(
+          fmt::format("{}.device = \"{}\": must be \"cpu\", \"nvme\" or \"none\"", p, *device));
   }
   if (const Json* v = Find(o, "nvme_path"); v != nullptr && !v->is_null()) {
     c.nvme_paths.clear();
@@ -290,8 +329,9 @@ Status ParseZero(const Json& z, OffloadConfig& c) {
 
 Status ParseAio(const Json& a, OffloadConfig& c) {
   const std::string p = "aio";
-  STRATA_RETURN_IF_ERROR(CheckKeys(a, p, {"block_size", "queue_depth", "thread_count",
-                                          "single_submit", "overlap_events", "use_gds"}));
+  STRATA_RETURN_IF_ERROR(CheckKeys(
+      a, p,
+      {"block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds"}));
   STRATA_CONFIG_SET(c.aio.block_bytes, GetBytes(a, p, "block_size", 4096, kGiB));
   STRATA_CONFIG_SET(c.aio.queue_depth, GetUint(a, p, "queue_depth", 1, 4096));
   STRATA_CONFIG_SET(c.aio.thread_count, GetUint(a, p, "thread_count", 1, 1024));
@@ -322,12 +362,17 @@ Status ParseOptimizer(const Json& o, OffloadConfig& c) {
   STRATA_ASSIGN_OR_RETURN(auto type, GetString(o, p, "type"));
   if (type) {
     const std::string t = Lower(*type);
-    if (t == "adam") c.optimizer = OptimizerType::kAdam;
-    else if (t == "adamw") c.optimizer = OptimizerType::kAdamW;
-    else if (t == "adagrad") c.optimizer = OptimizerType::kAdagrad;
-    else if (t == "lion") c.optimizer = OptimizerType::kLion;
-    else return InvalidArgumentError(fmt::format(
-        "optimizer.type = \"{}\": unsupported; use Adam, AdamW, Adagrad or Lion", *type));
+    if (t == "adam")
+      c.optimizer = OptimizerType::kAdam;
+    else if (t == "adamw")
+      c.optimizer = OptimizerType::kAdamW;
+    else if (t == "adagrad")
+      c.optimizer = OptimizerType::kAdagrad;
+    else if (t == "lion")
+      c.optimizer = OptimizerType::kLion;
+    else
+      return InvalidArgumentError(fmt::format(
+          "optimizer.type = \"{}\": unsupported; use Adam, AdamW, Adagrad or Lion", *type));
   }
   STRATA_ASSIGN_OR_RETURN(const Json* params, Section(o, p, "params"));
   const std::string pp = "optimizer.params";
@@ -340,14 +385,15 @@ Status ParseOptimizer(const Json& o, OffloadConfig& c) {
   switch (c.optimizer) {
     case OptimizerType::kAdam:
     case OptimizerType::kAdamW: {
-      STRATA_RETURN_IF_ERROR(CheckKeys(q, pp, {"lr", "betas", "eps", "weight_decay",
-                                               "adam_w_mode", "bias_correction", "amsgrad"}));
+      STRATA_RETURN_IF_ERROR(CheckKeys(
+          q, pp,
+          {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad"}));
       STRATA_CONFIG_SET(c.adam.lr, GetDouble(q, pp, "lr", 0, Bound::kClosed, kInf, Bound::kOpen));
       STRATA_ASSIGN_OR_RETURN(auto betas, GetBetas(q, pp));
       if (betas) c.adam.beta1 = betas->first, c.adam.beta2 = betas->second;
       STRATA_CONFIG_SET(c.adam.eps, GetDouble(q, pp, "eps", 0, Bound::kOpen, kInf, Bound::kOpen));
-      STRATA_CONFIG_SET(c.adam.weight_decay, GetDouble(q, pp, "weight_decay", 0, Bound::kClosed,
-                                                       kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adam.weight_decay,
+                        GetDouble(q, pp, "weight_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
       STRATA_ASSIGN_OR_RETURN(auto w_mode, GetSwitch(q, pp, "adam_w_mode"));
       if (w_mode) {
         if (c.optimizer == OptimizerType::kAdamW && *w_mode == Switch::kOff) {
@@ -359,30 +405,34 @@ Status ParseOptimizer(const Json& o, OffloadConfig& c) {
             *w_mode == Switch::kOn ? WeightDecayMode::kDecoupled : WeightDecayMode::kL2;
       }
       STRATA_ASSIGN_OR_RETURN(auto bias, GetSwitch(q, pp, "bias_correction"));
-      if (bias) c.adam.bias_correction = *bias == Switch::kOn ? BiasCorrection::kOn : BiasCorrection::kOff;
+      if (bias)
+        c.adam.bias_correction = *bias == Switch::kOn ? BiasCorrection::kOn : BiasCorrection::kOff;
       STRATA_ASSIGN_OR_RETURN(auto amsgrad, GetSwitch(q, pp, "amsgrad"));
       if (amsgrad && *amsgrad == Switch::kOn) {
-        return InvalidArgumentError("optimizer.params.amsgrad = true: AMSGrad is not supported; "
-                                    "set it to false");
+        return InvalidArgumentError(
+            "optimizer.params.amsgrad = true: AMSGrad is not supported; "
+            "set it to false");
       }
       break;
     }
     case OptimizerType::kAdagrad:
       STRATA_RETURN_IF_ERROR(CheckKeys(q, pp, {"lr", "eps", "weight_decay", "lr_decay"}));
-      STRATA_CONFIG_SET(c.adagrad.lr, GetDouble(q, pp, "lr", 0, Bound::kClosed, kInf, Bound::kOpen));
-      STRATA_CONFIG_SET(c.adagrad.eps, GetDouble(q, pp, "eps", 0, Bound::kOpen, kInf, Bound::kOpen));
-      STRATA_CONFIG_SET(c.adagrad.weight_decay, GetDouble(q, pp, "weight_decay", 0, Bound::kClosed,
-                                                          kInf, Bound::kOpen));
-      STRATA_CONFIG_SET(c.adagrad.lr_decay, GetDouble(q, pp, "lr_decay", 0, Bound::kClosed, kInf,
-                                                      Bound::kOpen));
+      STRATA_CONFIG_SET(c.adagrad.lr,
+                        GetDouble(q, pp, "lr", 0, Bound::kClosed, kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adagrad.eps,
+                        GetDouble(q, pp, "eps", 0, Bound::kOpen, kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adagrad.weight_decay,
+                        GetDouble(q, pp, "weight_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adagrad.lr_decay,
+                        GetDouble(q, pp, "lr_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
       break;
     case OptimizerType::kLion: {
       STRATA_RETURN_IF_ERROR(CheckKeys(q, pp, {"lr", "betas", "weight_decay"}));
       STRATA_CONFIG_SET(c.lion.lr, GetDouble(q, pp, "lr", 0, Bound::kClosed, kInf, Bound::kOpen));
       STRATA_ASSIGN_OR_RETURN(auto betas, GetBetas(q, pp));
       if (betas) c.lion.beta1 = betas->first, c.lion.beta2 = betas->second;
-      STRATA_CONFIG_SET(c.lion.weight_decay, GetDouble(q, pp, "weight_decay", 0, Bound::kClosed,
-                                                       kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.lion.weight_decay,
+                        GetDouble(q, pp, "weight_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
       break;
     }
   }
@@ -391,9 +441,10 @@ Status ParseOptimizer(const Json& o, OffloadConfig& c) {
 
 Status ParseFp16(const Json& f, OffloadConfig& c) {
   const std::string p = "fp16";
-  STRATA_RETURN_IF_ERROR(CheckKeys(f, p, {"enabled", "loss_scale", "initial_scale_power",
-                                          "loss_scale_window", "hysteresis",
-                                          "consecutive_hysteresis", "min_loss_scale"}));
+  STRATA_RETURN_IF_ERROR(
+      CheckKeys(f, p,
+                {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                 "consecutive_hysteresis", "min_loss_scale"}));
   STRATA_ASSIGN_OR_RETURN(auto enabled, GetSwitch(f, p, "enabled"));
   LossScalerOptions& s = c.loss_scaler;
   STRATA_ASSIGN_OR_RETURN(auto loss_scale,
@@ -438,8 +489,9 @@ Status ParseBf16(const Json& b, OffloadConfig& c) {
 
 Status ParseStrata(const Json& s, OffloadConfig& c) {
   const std::string p = "strata";
-  STRATA_RETURN_IF_ERROR(CheckKeys(s, p, {"host_budget", "device_budget", "threads",
-                                          "align_elems", "grad_dtype", "min_scale_overflow"}));
+  STRATA_RETURN_IF_ERROR(CheckKeys(s, p,
+                                   {"host_budget", "device_budget", "threads", "align_elems",
+                                    "grad_dtype", "min_scale_overflow"}));
   STRATA_CONFIG_SET(c.host_budget_bytes, GetBytes(s, p, "host_budget", 0, kMaxBytes));
   STRATA_CONFIG_SET(c.device_budget_bytes, GetBytes(s, p, "device_budget", 0, kMaxBytes));
   STRATA_CONFIG_SET(c.threads, GetUint(s, p, "threads", 0, 4096));
@@ -448,17 +500,20 @@ Status ParseStrata(const Json& s, OffloadConfig& c) {
   if (grad) {
     Result<DType> t = ParseDType(*grad);
     if (!t.ok() || (*t != DType::kF32 && *t != DType::kF16 && *t != DType::kBF16)) {
-      return InvalidArgumentError(fmt::format(
-          "strata.grad_dtype = \"{}\": must be \"fp32\", \"fp16\" or \"bf16\"", *grad));
+      return InvalidArgumentError(
+          fmt::format("strata.grad_dtype = \"{}\": must be \"fp32\", \"fp16\" or \"bf16\"", *grad));
     }
     c.grad_dtype = *t;
   }
   STRATA_ASSIGN_OR_RETURN(auto overflow, GetString(s, p, "min_scale_overflow"));
   if (overflow) {
-    if (*overflow == "error") c.loss_scaler.min_scale_overflow = MinScaleOverflow::kError;
-    else if (*overflow == "skip") c.loss_scaler.min_scale_overflow = MinScaleOverflow::kSkipStep;
-    else return InvalidArgumentError(fmt::format(
-        "strata.min_scale_overflow = \"{}\": must be \"error\" or \"skip\"", *overflow));
+    if (*overflow == "error")
+      c.loss_scaler.min_scale_overflow = MinScaleOverflow::kError;
+    else if (*overflow == "skip")
+      c.loss_scaler.min_scale_overflow = MinScaleOverflow::kSkipStep;
+    else
+      return InvalidArgumentError(fmt::format(
+          "strata.min_scale_overflow = \"{}\": must be \"error\" or \"skip\"", *overflow));
   }
   return OkStatus();
 }
@@ -467,19 +522,26 @@ Status ParseStrata(const Json& s, OffloadConfig& c) {
 
 std::string_view OffloadDeviceName(OffloadDevice device) {
   switch (device) {
-    case OffloadDevice::kNone: return "none";
-    case OffloadDevice::kCpu: return "cpu";
-    case OffloadDevice::kNvme: return "nvme";
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
   }
   return "?";
 }
 
 std::string_view OptimizerTypeName(OptimizerType type) {
   switch (type) {
-    case OptimizerType::kAdam: return "Adam";
-    case OptimizerType::kAdamW: return "AdamW";
-    case OptimizerType::kAdagrad: return "Adagrad";
-    case OptimizerType::kLion: return "Lion";
+    case OptimizerType::kAdam:
+      return "Adam";
+    case OptimizerType::kAdamW:
+      return "AdamW";
+    case OptimizerType::kAdagrad:
+      return "Adagrad";
+    case OptimizerType::kLion:
+      return "Lion";
   }
   return "?";
 }
@@ -487,9 +549,11 @@ std::string_view OptimizerTypeName(OptimizerType type) {
 uint32_t StateBytesPerElem(OptimizerType type) {
   switch (type) {
     case OptimizerType::kAdam:
-    case OptimizerType::kAdamW: return 12;
+    case OptimizerType::kAdamW:
+      return 12;
     case OptimizerType::kAdagrad:
-    case OptimizerType::kLion: return 8;
+    case OptimizerType::kLion:
+      return 8;
   }
   return 12;
 }
@@ -511,16 +575,17 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
   }
   if (!doc.is_object()) return TypeError("config", doc, "a JSON object");
   OffloadConfig c;
-  STRATA_RETURN_IF_ERROR(CheckKeys(doc, "", {"zero_optimization", "aio", "optimizer",
-                                             "gradient_clipping", "fp16", "bf16", "strata"}));
+  STRATA_RETURN_IF_ERROR(CheckKeys(
+      doc, "",
+      {"zero_optimization", "aio", "optimizer", "gradient_clipping", "fp16", "bf16", "strata"}));
   STRATA_ASSIGN_OR_RETURN(const Json* zero, Section(doc, "", "zero_optimization"));
   if (zero != nullptr) STRATA_RETURN_IF_ERROR(ParseZero(*zero, c));
   STRATA_ASSIGN_OR_RETURN(const Json* aio, Section(doc, "", "aio"));
   if (aio != nullptr) STRATA_RETURN_IF_ERROR(ParseAio(*aio, c));
   STRATA_ASSIGN_OR_RETURN(const Json* opt, Section(doc, "", "optimizer"));
   if (opt != nullptr) STRATA_RETURN_IF_ERROR(ParseOptimizer(*opt, c));
-  STRATA_CONFIG_SET(c.max_grad_norm, GetDouble(doc, "", "gradient_clipping", 0, Bound::kClosed,
-                                               kInf, Bound::kOpen));
+  STRATA_CONFIG_SET(c.max_grad_norm,
+                    GetDouble(doc, "", "gradient_clipping", 0, Bound::kClosed, kInf, Bound::kOpen));
   STRATA_ASSIGN_OR_RETURN(const Json* fp16, Section(doc, "", "fp16"));
   if (fp16 != nullptr) STRATA_RETURN_IF_ERROR(ParseFp16(*fp16, c));
   STRATA_ASSIGN_OR_RETURN(const Json* bf16, Section(doc, "", "bf16"));
@@ -534,17 +599,20 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
 Status ValidateConfig(const OffloadConfig& c) {
   const std::string off = "zero_optimization.offload_optimizer";
   if (c.zero_stage < 1 || c.zero_stage > 3) {
-    return InvalidArgumentError(fmt::format(
-        "zero_optimization.stage = {}: optimizer offload needs ZeRO stage 1, 2 or 3", c.zero_stage));
+    return InvalidArgumentError(
+        fmt::format("zero_optimization.stage = {}: optimizer offload needs ZeRO stage 1, 2 or 3",
+                    c.zero_stage));
   }
   if (c.device == OffloadDevice::kNone) {
-    return InvalidArgumentError(off + ".device = \"none\": Strata always offloads the "
-                                      "optimizer state; use \"cpu\" or \"nvme\"");
+    return InvalidArgumentError(off +
+                                ".device = \"none\": Strata always offloads the "
+                                "optimizer state; use \"cpu\" or \"nvme\"");
   }
   if (c.device == OffloadDevice::kNvme && c.nvme_paths.empty()) {
-    return InvalidArgumentError(off + ".device is \"nvme\" but nvme_path is not set; set "
-                                      "nvme_path to a directory on an NVMe drive, or use "
-                                      "device \"cpu\"");
+    return InvalidArgumentError(off +
+                                ".device is \"nvme\" but nvme_path is not set; set "
+                                "nvme_path to a directory on an NVMe drive, or use "
+                                "device \"cpu\"");
   }
   if (c.device == OffloadDevice::kCpu && !c.nvme_paths.empty()) {
     LogInfo(fmt::format("config: {}.nvme_path is unused with device \"cpu\"", off));
@@ -563,8 +631,9 @@ Status ValidateConfig(const OffloadConfig& c) {
   }
   if (c.aio.queue_depth < 1) return InvalidArgumentError("aio.queue_depth = 0: must be >= 1");
   if (c.aio.use_gds == Switch::kOn) {
-    WarnOnce("config-use-gds", "config: aio.use_gds is not supported; NVMe IO goes through "
-                               "pinned host buffers");
+    WarnOnce("config-use-gds",
+             "config: aio.use_gds is not supported; NVMe IO goes through "
+             "pinned host buffers");
   }
   if (!(c.max_grad_norm >= 0 && std::isfinite(c.max_grad_norm))) {
     return InvalidArgumentError(
@@ -572,13 +641,12 @@ Status ValidateConfig(const OffloadConfig& c) {
   }
   if (c.param_dtype != DType::kF32 && c.param_dtype != DType::kF16 &&
       c.param_dtype != DType::kBF16) {
-    return InvalidArgumentError(fmt::format("param dtype {}: must be fp32, fp16 or bf16",
-                                            DTypeName(c.param_dtype)));
+    return InvalidArgumentError(
+        fmt::format("param dtype {}: must be fp32, fp16 or bf16", DTypeName(c.param_dtype)));
   }
-  if (c.grad_dtype != DType::kF32 && c.grad_dtype != DType::kF16 &&
-      c.grad_dtype != DType::kBF16) {
-    return InvalidArgumentError(fmt::format("strata.grad_dtype = {}: must be fp32, fp16 or bf16",
-                                            DTypeName(c.grad_dtype)));
+  if (c.grad_dtype != DType::kF32 && c.grad_dtype != DType::kF16 && c.grad_dtype != DType::kBF16) {
+    return InvalidArgumentError(
+        fmt::format("strata.grad_dtype = {}: must be fp32, fp16 or bf16", DTypeName(c.grad_dtype)));
   }
   if (c.param_dtype == DType::kF16 && c.loss_scaler.mode == LossScaleMode::kNone) {
     return InvalidArgumentError(
@@ -625,35 +693,36 @@ std::string ConfigToJson(const OffloadConfig& c) {
       break;
   }
   const LossScalerOptions& s = c.loss_scaler;
-  Json doc = {
-      {"zero_optimization",
-       {{"stage", c.zero_stage}, {"sub_group_size", c.sub_group_elems}, {"offload_optimizer", off}}},
-      {"aio",
-       {{"block_size", c.aio.block_bytes},
-        {"queue_depth", c.aio.queue_depth},
-        {"thread_count", c.aio.thread_count},
-        {"single_submit", on(c.aio.single_submit)},
-        {"overlap_events", on(c.aio.overlap_events)},
-        {"use_gds", on(c.aio.use_gds)}}},
-      {"optimizer", {{"type", OptimizerTypeName(c.optimizer)}, {"params", params}}},
-      {"gradient_clipping", c.max_grad_norm},
-      {"fp16",
-       {{"enabled", c.param_dtype == DType::kF16},
-        {"loss_scale", s.mode == LossScaleMode::kStatic ? s.static_scale : 0.0},
-        {"initial_scale_power", s.initial_scale_power},
-        {"loss_scale_window", s.growth_interval},
-        {"hysteresis", s.hysteresis},
-        {"consecutive_hysteresis", s.consecutive_hysteresis == ConsecutiveHysteresis::kOn},
-        {"min_loss_scale", s.min_scale}}},
-      {"bf16", {{"enabled", c.param_dtype == DType::kBF16}}},
-      {"strata",
-       {{"host_budget", c.host_budget_bytes},
-        {"device_budget", c.device_budget_bytes},
-        {"threads", c.threads},
-        {"align_elems", c.align_elems},
-        {"grad_dtype", DTypeName(c.grad_dtype)},
-        {"min_scale_overflow",
-         s.min_scale_overflow == MinScaleOverflow::kError ? "error" : "skip"}}}};
+  Json doc = {{"zero_optimization",
+               {{"stage", c.zero_stage},
+                {"sub_group_size", c.sub_group_elems},
+                {"offload_optimizer", off}}},
+              {"aio",
+               {{"block_size", c.aio.block_bytes},
+                {"queue_depth", c.aio.queue_depth},
+                {"thread_count", c.aio.thread_count},
+                {"single_submit", on(c.aio.single_submit)},
+                {"overlap_events", on(c.aio.overlap_events)},
+                {"use_gds", on(c.aio.use_gds)}}},
+              {"optimizer", {{"type", OptimizerTypeName(c.optimizer)}, {"params", params}}},
+              {"gradient_clipping", c.max_grad_norm},
+              {"fp16",
+               {{"enabled", c.param_dtype == DType::kF16},
+                {"loss_scale", s.mode == LossScaleMode::kStatic ? s.static_scale : 0.0},
+                {"initial_scale_power", s.initial_scale_power},
+                {"loss_scale_window", s.growth_interval},
+                {"hysteresis", s.hysteresis},
+                {"consecutive_hysteresis", s.consecutive_hysteresis == ConsecutiveHysteresis::kOn},
+                {"min_loss_scale", s.min_scale}}},
+              {"bf16", {{"enabled", c.param_dtype == DType::kBF16}}},
+              {"strata",
+               {{"host_budget", c.host_budget_bytes},
+                {"device_budget", c.device_budget_bytes},
+                {"threads", c.threads},
+                {"align_elems", c.align_elems},
+                {"grad_dtype", DTypeName(c.grad_dtype)},
+                {"min_scale_overflow",
+                 s.min_scale_overflow == MinScaleOverflow::kError ? "error" : "skip"}}}};
   return doc.dump(2);
 }
 

@@ -78,7 +78,7 @@ struct OffloadConfig {
   Switch pin_memory = Switch::kOn;      // DeepSpeed's default is off; see docs/config.md
   uint32_t buffer_count = 4;            // pipeline depth: NVMe/param buffers in flight
   Switch fast_init = Switch::kOff;
-  double offload_ratio = 1.0;           // ratio: only 1.0 (everything offloaded) is supported
+  double offload_ratio = 1.0;  // ratio: only 1.0 (everything offloaded) is supported
   AioConfig aio;
   // optimizer: the type selects which hyperparameter struct is used.
   // AdamHyper::step and ::grad_scale (and the others') are per-step values
@@ -94,8 +94,8 @@ struct OffloadConfig {
   DType param_dtype = DType::kF32;
   LossScalerOptions loss_scaler{.mode = LossScaleMode::kNone};
   // strata
-  DType grad_dtype = DType::kF32;   // dtype of the gradients handed to the engine
-  uint64_t host_budget_bytes = 0;   // pinned DRAM; 0: unlimited (cpu) or staging only (nvme)
+  DType grad_dtype = DType::kF32;    // dtype of the gradients handed to the engine
+  uint64_t host_budget_bytes = 0;    // pinned DRAM; 0: unlimited (cpu) or staging only (nvme)
   uint64_t device_budget_bytes = 0;  // device staging; 0: not limited
   int threads = 0;                   // CPU optimizer threads; 0: every hardware thread
   uint64_t align_elems = 64;         // alignment of each tensor in the flat buffer

@@ -1,11 +1,11 @@
 #include "offload/layout.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <limits>
 #include <optional>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace strata {
 namespace {
@@ -42,9 +42,8 @@ Result<FlatLayout> PlanFlatLayout(std::span<const TensorSpec> tensors,
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::optional<uint64_t> offset = RoundUp(cursor, options.align_elems);
     if (!offset || tensors[i].elems > kMaxU64 - *offset) {
-      return InvalidArgumentError(
-          fmt::format("plan flat layout: tensor {} ({} elems) overflows 64-bit offsets", i,
-                      tensors[i].elems));
+      return InvalidArgumentError(fmt::format(
+          "plan flat layout: tensor {} ({} elems) overflows 64-bit offsets", i, tensors[i].elems));
     }
     layout.tensors.push_back({*offset, tensors[i].elems, tensors[i].dtype});
     cursor = *offset + tensors[i].elems;
@@ -66,8 +65,8 @@ Result<FlatLayout> PlanFlatLayout(std::span<const TensorSpec> tensors,
 
 Result<ElemRange> ShardRange(const FlatLayout& layout, uint32_t rank) {
   if (rank >= layout.world_size) {
-    return OutOfRangeError(fmt::format("shard of rank {}: world_size is {}; ranks are 0..{}",
-                                       rank, layout.world_size,
+    return OutOfRangeError(fmt::format("shard of rank {}: world_size is {}; ranks are 0..{}", rank,
+                                       layout.world_size,
                                        layout.world_size == 0 ? 0 : layout.world_size - 1));
   }
   const uint64_t begin = uint64_t{rank} * layout.shard_elems;

@@ -71,8 +71,8 @@ struct FlatLayout {
   std::vector<TensorSlot> tensors;  // in the order given, offsets increasing
   uint64_t align_elems = 0;
   uint32_t world_size = 0;
-  uint64_t total_elems = 0;  // padded: a multiple of world_size x align_elems
-  uint64_t shard_elems = 0;  // total_elems / world_size
+  uint64_t total_elems = 0;   // padded: a multiple of world_size x align_elems
+  uint64_t shard_elems = 0;   // total_elems / world_size
   uint64_t tensor_elems = 0;  // sum of the tensors' elems (total minus padding)
 };
 

@@ -1,9 +1,9 @@
 #include "offload/loss_scaler.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
-
-#include <fmt/format.h>
 
 namespace strata {
 namespace {
@@ -15,9 +15,12 @@ Status RangeError(std::string_view field, double value, std::string_view allowed
 
 double InitialScale(const LossScalerOptions& o) {
   switch (o.mode) {
-    case LossScaleMode::kNone: return 1.0;
-    case LossScaleMode::kStatic: return o.static_scale;
-    case LossScaleMode::kDynamic: return std::ldexp(1.0, o.initial_scale_power);
+    case LossScaleMode::kNone:
+      return 1.0;
+    case LossScaleMode::kStatic:
+      return o.static_scale;
+    case LossScaleMode::kDynamic:
+      return std::ldexp(1.0, o.initial_scale_power);
   }
   return 1.0;
 }
@@ -64,8 +67,8 @@ Result<LossScaler> LossScaler::Create(const LossScalerOptions& options) {
 
 Result<LossScaleDecision> LossScaler::Update(uint64_t nonfinite_elems) {
   const bool overflow = nonfinite_elems > 0;
-  LossScaleDecision d{.skip_step = overflow, .scale_used = state_.scale,
-                      .next_scale = state_.scale};
+  LossScaleDecision d{
+      .skip_step = overflow, .scale_used = state_.scale, .next_scale = state_.scale};
   if (options_.mode != LossScaleMode::kDynamic) {
     ++state_.iteration;
     if (overflow) state_.last_overflow_iteration = state_.iteration - 1;

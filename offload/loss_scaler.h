@@ -59,14 +59,14 @@ enum class MinScaleOverflow : uint8_t {
 
 struct LossScalerOptions {
   LossScaleMode mode = LossScaleMode::kDynamic;
-  double static_scale = 1.0;      // kStatic: the scale (> 0)
-  int initial_scale_power = 16;   // kDynamic: the first scale is 2^power (0..127)
+  double static_scale = 1.0;        // kStatic: the scale (> 0)
+  int initial_scale_power = 16;     // kDynamic: the first scale is 2^power (0..127)
   uint32_t growth_interval = 1000;  // good steps between growths (>= 1)
   uint32_t hysteresis = 2;          // overflows tolerated before backing off (>= 1)
   ConsecutiveHysteresis consecutive_hysteresis = ConsecutiveHysteresis::kOff;
-  double min_scale = 1.0;           // > 0
-  double growth_factor = 2.0;       // > 1
-  double backoff_factor = 0.5;      // in (0, 1)
+  double min_scale = 1.0;       // > 0
+  double growth_factor = 2.0;   // > 1
+  double backoff_factor = 0.5;  // in (0, 1)
   MinScaleOverflow min_scale_overflow = MinScaleOverflow::kError;
 };
 

@@ -1,9 +1,9 @@
 #include "offload/placement.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <limits>
-
-#include <fmt/format.h>
 
 #include "runtime/units.h"
 
@@ -19,9 +19,12 @@ uint64_t RoundUpPage(uint64_t bytes) { return (bytes + kPage - 1) / kPage * kPag
 
 std::string_view TierName(Tier tier) {
   switch (tier) {
-    case Tier::kHost: return "host";
-    case Tier::kNvme: return "nvme";
-    case Tier::kDevice: return "device";
+    case Tier::kHost:
+      return "host";
+    case Tier::kNvme:
+      return "nvme";
+    case Tier::kDevice:
+      return "device";
   }
   return "?";
 }
@@ -36,14 +39,13 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
     return InvalidArgumentError(fmt::format("{}: no sub-groups (the shard is empty)", kOp));
   }
   if (in.sub_group_elems.size() > std::numeric_limits<uint32_t>::max()) {
-    return InvalidArgumentError(fmt::format("{}: {} sub-groups; at most 2^32 - 1", kOp,
-                                            in.sub_group_elems.size()));
+    return InvalidArgumentError(
+        fmt::format("{}: {} sub-groups; at most 2^32 - 1", kOp, in.sub_group_elems.size()));
   }
-  if (in.state_bytes_per_elem == 0 || in.grad_bytes_per_elem == 0 ||
-      in.param_bytes_per_elem == 0) {
-    return InvalidArgumentError(fmt::format(
-        "{}: bytes per element (state {}, grad {}, param {}) must all be > 0", kOp,
-        in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
+  if (in.state_bytes_per_elem == 0 || in.grad_bytes_per_elem == 0 || in.param_bytes_per_elem == 0) {
+    return InvalidArgumentError(
+        fmt::format("{}: bytes per element (state {}, grad {}, param {}) must all be > 0", kOp,
+                    in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
   }
   if (in.buffer_count == 0) {
     return InvalidArgumentError(
@@ -61,9 +63,8 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
   uint64_t shard_elems = 0, max_elems = 0, all_state = 0;
   for (size_t i = 0; i < in.sub_group_elems.size(); ++i) {
     const uint64_t e = in.sub_group_elems[i];
-    if (e == 0 || e > kMaxElems || shard_elems + e > kMaxElems ||
-        in.state_bytes_per_elem > 64 || in.grad_bytes_per_elem > 64 ||
-        in.param_bytes_per_elem > 64) {
+    if (e == 0 || e > kMaxElems || shard_elems + e > kMaxElems || in.state_bytes_per_elem > 64 ||
+        in.grad_bytes_per_elem > 64 || in.param_bytes_per_elem > 64) {
       return InvalidArgumentError(fmt::format(
           "{}: sub-group {} has {} elems; each must be in [1, 2^50], the shard at most 2^50, "
           "bytes per element at most 64",
@@ -77,8 +78,8 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
   }
 
   plan.buffers.push_back({"grad", Tier::kHost, 1, shard_elems * in.grad_bytes_per_elem});
-  plan.buffers.push_back({"param", Tier::kHost, in.buffer_count,
-                          max_elems * in.param_bytes_per_elem});
+  plan.buffers.push_back(
+      {"param", Tier::kHost, in.buffer_count, max_elems * in.param_bytes_per_elem});
   plan.buffers.push_back({"device bucket", Tier::kDevice, in.buffer_count,
                           max_elems * std::max(in.grad_bytes_per_elem, in.param_bytes_per_elem)});
   plan.device_staging_bytes = plan.buffers.back().total_bytes();
@@ -102,13 +103,13 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
     return plan;
   }
   if (!nvme) {
-    return ResourceExhaustedError(fmt::format(
-        "{}: {} sub-groups need {} of pinned host memory ({} state + {} staging) but "
-        "strata.host_budget is {}; raise strata.host_budget to {}, or set "
-        "zero_optimization.offload_optimizer.device to \"nvme\" with an nvme_path",
-        kOp, plan.sub_groups.size(), FormatBytes(fixed_host + all_state), FormatBytes(all_state),
-        FormatBytes(fixed_host), FormatBytes(in.host_budget_bytes),
-        FormatBytes(fixed_host + all_state)));
+    return ResourceExhaustedError(
+        fmt::format("{}: {} sub-groups need {} of pinned host memory ({} state + {} staging) but "
+                    "strata.host_budget is {}; raise strata.host_budget to {}, or set "
+                    "zero_optimization.offload_optimizer.device to \"nvme\" with an nvme_path",
+                    kOp, plan.sub_groups.size(), FormatBytes(fixed_host + all_state),
+                    FormatBytes(all_state), FormatBytes(fixed_host),
+                    FormatBytes(in.host_budget_bytes), FormatBytes(fixed_host + all_state)));
   }
   plan.nvme_buffer_bytes = NvmeBufferBytes(max_elems * in.state_bytes_per_elem);
   plan.buffers.push_back({"nvme", Tier::kHost, in.buffer_count, plan.nvme_buffer_bytes});
@@ -156,9 +157,8 @@ std::string FormatPlan(const PlacementPlan& plan) {
   out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "host", plan.host_sub_groups,
                      FormatBytes(plan.host_state_bytes), FormatBytes(plan.host_staging_bytes),
                      budget(plan.host_budget_bytes,
-                            plan.nvme_sub_groups > 0 || plan.nvme_buffer_bytes > 0
-                                ? "staging only"
-                                : "unlimited"));
+                            plan.nvme_sub_groups > 0 || plan.nvme_buffer_bytes > 0 ? "staging only"
+                                                                                   : "unlimited"));
   out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "nvme", plan.nvme_sub_groups,
                      FormatBytes(plan.nvme_state_bytes), "-", "-");
   out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "device", "-", "-",
@@ -173,7 +173,8 @@ std::string FormatPlan(const PlacementPlan& plan) {
   // Runs of consecutive sub-groups on one tier: "0-11 nvme, 12-15 host".
   for (size_t i = 0; i < plan.sub_groups.size();) {
     size_t j = i;
-    while (j + 1 < plan.sub_groups.size() && plan.sub_groups[j + 1].tier == plan.sub_groups[i].tier) {
+    while (j + 1 < plan.sub_groups.size() &&
+           plan.sub_groups[j + 1].tier == plan.sub_groups[i].tier) {
       ++j;
     }
     out += fmt::format("{} {}{} {}", i == 0 ? "" : ",", i,

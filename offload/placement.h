@@ -63,7 +63,7 @@ struct PlacementInputs {
   uint64_t host_budget_bytes = 0;         // pinned DRAM for state + staging
   uint64_t device_budget_bytes = 0;       // device bytes for staging; 0: not limited
   NvmeTier nvme = NvmeTier::kUnavailable;
-  uint32_t buffer_count = 4;      // pipeline depth (DeepSpeed offload_optimizer.buffer_count)
+  uint32_t buffer_count = 4;       // pipeline depth (DeepSpeed offload_optimizer.buffer_count)
   uint64_t block_bytes = 1 << 20;  // NVMe IO size (aio.block_size); a multiple of 4096
 };
 
@@ -87,12 +87,12 @@ struct PlacementPlan {
   uint32_t host_sub_groups = 0;
   uint32_t nvme_sub_groups = 0;
   uint64_t host_state_bytes = 0;
-  uint64_t nvme_state_bytes = 0;      // payload; extents add 4 KiB rounding + header
+  uint64_t nvme_state_bytes = 0;  // payload; extents add 4 KiB rounding + header
   uint64_t host_staging_bytes = 0;
   uint64_t device_staging_bytes = 0;
-  uint64_t host_budget_bytes = 0;     // as given (0: see PlacementInputs)
+  uint64_t host_budget_bytes = 0;  // as given (0: see PlacementInputs)
   uint64_t device_budget_bytes = 0;
-  uint64_t nvme_buffer_bytes = 0;     // bytes of one NVMe buffer (0 when no NVMe)
+  uint64_t nvme_buffer_bytes = 0;  // bytes of one NVMe buffer (0 when no NVMe)
   uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }
 };
 

@@ -74,7 +74,8 @@ TEST(LayoutTest, Errors) {
   Result<FlatLayout> overflow = PlanFlatLayout(huge, {.align_elems = 64, .world_size = 1});
   EXPECT_EQ(overflow.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(overflow.status().message().find("overflows"), std::string_view::npos);
-  Result<FlatLayout> l = PlanFlatLayout(std::vector<TensorSpec>{{10, DType::kF32}}, {.world_size = 2});
+  Result<FlatLayout> l =
+      PlanFlatLayout(std::vector<TensorSpec>{{10, DType::kF32}}, {.world_size = 2});
   ASSERT_TRUE(l.ok());
   Result<ElemRange> bad_rank = ShardRange(*l, 2);
   EXPECT_EQ(bad_rank.status().code(), StatusCode::kOutOfRange);
@@ -109,7 +110,7 @@ TEST(LayoutTest, PropertiesOnRandomLayouts) {
     for (size_t t = 0; t < n; ++t) {
       const TensorSlot& s = l->tensors[t];
       ASSERT_EQ(s.offset_elems % align, 0u);
-      ASSERT_GE(s.offset_elems, prev_end);        // in order, no overlap
+      ASSERT_GE(s.offset_elems, prev_end);          // in order, no overlap
       ASSERT_LT(s.offset_elems - prev_end, align);  // padding is less than one alignment
       ASSERT_EQ(s.elems, specs[t].elems);
       for (uint64_t e = s.offset_elems; e < s.offset_elems + s.elems; ++e) {

@@ -34,8 +34,8 @@ TEST(LossScalerTest, GrowsAfterWindowOfGoodSteps) {
 
 TEST(LossScalerTest, HandComputedSequenceWithHysteresis) {
   // DeepSpeed: init 2^4, window 2, hysteresis 2, min 2.
-  LossScaler s = Make({.initial_scale_power = 4, .growth_interval = 2, .hysteresis = 2,
-                       .min_scale = 2.0});
+  LossScaler s =
+      Make({.initial_scale_power = 4, .growth_interval = 2, .hysteresis = 2, .min_scale = 2.0});
   struct Step {
     uint64_t nonfinite;
     bool skip;
@@ -52,8 +52,7 @@ TEST(LossScalerTest, HandComputedSequenceWithHysteresis) {
       {0, false, 32, 32},  // it7: (7-6)%2 != 0; consecutive off: hysteresis stays 1
       {1, true, 32, 16},   // it8: hysteresis 1 -> back off
       {1, true, 16, 8},    // it9: back off again
-      {1, true, 8, 4},
-      {1, true, 4, 2},
+      {1, true, 8, 4},    {1, true, 4, 2},
   };
   for (size_t i = 0; i < want.size(); ++i) {
     SCOPED_TRACE(i);
@@ -72,7 +71,9 @@ TEST(LossScalerTest, HandComputedSequenceWithHysteresis) {
 }
 
 TEST(LossScalerTest, ConsecutiveHysteresisResetsOnEveryGoodStep) {
-  LossScaler s = Make({.initial_scale_power = 3, .growth_interval = 100, .hysteresis = 2,
+  LossScaler s = Make({.initial_scale_power = 3,
+                       .growth_interval = 100,
+                       .hysteresis = 2,
                        .consecutive_hysteresis = ConsecutiveHysteresis::kOn});
   EXPECT_EQ(s.Update(1)->next_scale, 8.0);  // 2 -> 1
   EXPECT_EQ(s.Update(0)->next_scale, 8.0);  // reset to 2
@@ -81,7 +82,9 @@ TEST(LossScalerTest, ConsecutiveHysteresisResetsOnEveryGoodStep) {
 }
 
 TEST(LossScalerTest, SkipModeKeepsMinScale) {
-  LossScaler s = Make({.initial_scale_power = 1, .hysteresis = 1, .min_scale = 1.0,
+  LossScaler s = Make({.initial_scale_power = 1,
+                       .hysteresis = 1,
+                       .min_scale = 1.0,
                        .min_scale_overflow = MinScaleOverflow::kSkipStep});
   EXPECT_EQ(s.Update(1)->next_scale, 1.0);
   LossScaleDecision d = s.Update(1).value();
@@ -130,7 +133,9 @@ TEST(LossScalerTest, RestoreContinuesIdentically) {
   std::mt19937_64 rng(seed);
   std::vector<uint64_t> inputs(400);
   for (auto& x : inputs) x = rng() % 5 == 0 ? 1 : 0;
-  LossScaler a = Make({.initial_scale_power = 10, .growth_interval = 4, .hysteresis = 2,
+  LossScaler a = Make({.initial_scale_power = 10,
+                       .growth_interval = 4,
+                       .hysteresis = 2,
                        .min_scale_overflow = MinScaleOverflow::kSkipStep});
   LossScaler b = a;  // a second "rank" with the same inputs
   LossScaler c = Make(a.options());
