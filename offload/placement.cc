@@ -119,7 +119,8 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
     return ResourceExhaustedError(fmt::format(
         "{}: with all state on NVMe the pinned staging alone needs {} (grad {}, param {} x "
         "{}, nvme {} x {}) but strata.host_budget is {}; raise strata.host_budget to {}, or "
-        "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count",
+        "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or shard "
+        "over more ranks (the grad buffer holds the rank's whole shard)",
         kOp, FormatBytes(staging), FormatBytes(plan.buffers[0].bytes_each), in.buffer_count,
         FormatBytes(plan.buffers[1].bytes_each), in.buffer_count,
         FormatBytes(plan.nvme_buffer_bytes), FormatBytes(in.host_budget_bytes),
