@@ -558,6 +558,21 @@ uint32_t StateBytesPerElem(OptimizerType type) {
   return 12;
 }
 
+PlacementInputs PlacementInputsFor(const OffloadConfig& c,
+                                   std::span<const uint64_t> sub_group_elems) {
+  return {.sub_group_elems = {sub_group_elems.begin(), sub_group_elems.end()},
+          .state_bytes_per_elem = StateBytesPerElem(c.optimizer),
+          .grad_bytes_per_elem = static_cast<uint32_t>(DTypeSize(c.grad_dtype)),
+          .param_bytes_per_elem = static_cast<uint32_t>(DTypeSize(c.param_dtype)),
+          .host_budget_bytes = c.host_budget_bytes,
+          .device_budget_bytes = c.device_budget_bytes,
+          .nvme = c.device == OffloadDevice::kNvme && !c.nvme_paths.empty()
+                      ? NvmeTier::kAvailable
+                      : NvmeTier::kUnavailable,
+          .buffer_count = c.buffer_count,
+          .block_bytes = c.aio.block_bytes};
+}
+
 std::span<const std::string_view> IgnoredConfigKeys() { return kIgnoredKeys; }
 
 Result<OffloadConfig> ParseConfigJson(std::string_view text) {

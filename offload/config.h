@@ -41,6 +41,7 @@
 
 #include "cpu_adam/cpu_adam.h"
 #include "offload/loss_scaler.h"
+#include "offload/placement.h"
 #include "runtime/dtype.h"
 #include "runtime/status.h"
 
@@ -112,6 +113,13 @@ Status ValidateConfig(const OffloadConfig& config);
 // The effective config as a JSON document (pretty, 2-space indent) in the
 // same form ParseConfigJson reads: ParseConfigJson(ConfigToJson(c)) == c.
 std::string ConfigToJson(const OffloadConfig& config);
+
+// The planner's inputs for a rank whose shard is cut into `sub_group_elems`:
+// state bytes from the optimizer type, grad and param element sizes from the
+// dtypes, budgets, NVMe when device is "nvme" with a path, buffer_count and
+// aio.block_size.
+PlacementInputs PlacementInputsFor(const OffloadConfig& config,
+                                   std::span<const uint64_t> sub_group_elems);
 
 // Full key paths of the DeepSpeed keys that are accepted and ignored (a
 // section listed here is ignored with everything under it).

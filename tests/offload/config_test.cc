@@ -239,5 +239,28 @@ TEST(ConfigTest, ConfigToJsonRoundTrips) {
   }
 }
 
+TEST(ConfigTest, PlacementInputsFollowTheConfig) {
+  Result<OffloadConfig> c = ParseConfigJson(R"({
+    "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/n",
+                                                "buffer_count": 3}},
+    "aio": {"block_size": 8192}, "optimizer": {"type": "Lion"}, "bf16": {"enabled": true},
+    "strata": {"host_budget": "1GiB", "device_budget": "2GiB", "grad_dtype": "fp32"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const uint64_t groups[] = {10, 5};
+  const PlacementInputs in = PlacementInputsFor(*c, groups);
+  EXPECT_EQ(in.sub_group_elems, (std::vector<uint64_t>{10, 5}));
+  EXPECT_EQ(in.state_bytes_per_elem, 8u);
+  EXPECT_EQ(in.grad_bytes_per_elem, 4u);
+  EXPECT_EQ(in.param_bytes_per_elem, 2u);
+  EXPECT_EQ(in.host_budget_bytes, kGiB);
+  EXPECT_EQ(in.device_budget_bytes, 2 * kGiB);
+  EXPECT_EQ(in.nvme, NvmeTier::kAvailable);
+  EXPECT_EQ(in.buffer_count, 3u);
+  EXPECT_EQ(in.block_bytes, 8192u);
+  OffloadConfig cpu = *c;
+  cpu.device = OffloadDevice::kCpu;
+  EXPECT_EQ(PlacementInputsFor(cpu, groups).nvme, NvmeTier::kUnavailable);
+}
+
 }  // namespace
 }  // namespace strata
