@@ -272,7 +272,7 @@ std::string Lower(std::string s) {
     if (value_) field = *value_;                \
   } while (false)
 
-constexpr uint64_t kMaxElems = uint64_t{1} << 50;
+constexpr uint64_t kMaxElems = uint64_t{1} << 44;
 constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 

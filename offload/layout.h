@@ -9,7 +9,8 @@
 //                           PlanFlatLayout(specs, {.align_elems = 64, .world_size = 8}));
 //   STRATA_ASSIGN_OR_RETURN(ElemRange shard, ShardRange(layout, /*rank=*/3));
 //   STRATA_ASSIGN_OR_RETURN(auto groups, CutSubGroups(shard, 32'000'000));
-//   for (const TensorPiece& p : PiecesInRange(layout, groups[0]).value()) {
+//   STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> pieces, PiecesInRange(layout, groups[0]));
+//   for (const TensorPiece& p : pieces) {
 //     // copy tensor p.tensor elements [p.tensor_offset_elems, +p.elems)
 //     // to flat elements [p.flat_offset_elems, +p.elems)
 //   }

@@ -47,27 +47,30 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
         fmt::format("{}: bytes per element (state {}, grad {}, param {}) must all be > 0", kOp,
                     in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
   }
-  if (in.buffer_count == 0) {
-    return InvalidArgumentError(
-        fmt::format("{}: buffer_count is 0; the pipeline needs at least 1 buffer", kOp));
+  if (in.buffer_count == 0 || in.buffer_count > 1024) {
+    return InvalidArgumentError(fmt::format(
+        "{}: buffer_count is {}; the pipeline needs 1 to 1024 buffers", kOp, in.buffer_count));
   }
   if (in.block_bytes == 0 || in.block_bytes % kPage != 0) {
     return InvalidArgumentError(fmt::format(
         "{}: aio.block_size {} must be a positive multiple of 4096", kOp, in.block_bytes));
   }
-  // Bound every size so products below cannot overflow: 2^50 elements x 16 bytes.
-  constexpr uint64_t kMaxElems = uint64_t{1} << 50;
+  if (in.state_bytes_per_elem > 64 || in.grad_bytes_per_elem > 64 || in.param_bytes_per_elem > 64) {
+    return InvalidArgumentError(
+        fmt::format("{}: bytes per element (state {}, grad {}, param {}) must be at most 64", kOp,
+                    in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
+  }
+  // Bound every size so products below cannot overflow: 2^44 elements x 64 bytes x 1024 buffers.
+  constexpr uint64_t kMaxElems = uint64_t{1} << 44;
   PlacementPlan plan;
   plan.host_budget_bytes = in.host_budget_bytes;
   plan.device_budget_bytes = in.device_budget_bytes;
   uint64_t shard_elems = 0, max_elems = 0, all_state = 0;
   for (size_t i = 0; i < in.sub_group_elems.size(); ++i) {
     const uint64_t e = in.sub_group_elems[i];
-    if (e == 0 || e > kMaxElems || shard_elems + e > kMaxElems || in.state_bytes_per_elem > 64 ||
-        in.grad_bytes_per_elem > 64 || in.param_bytes_per_elem > 64) {
+    if (e == 0 || e > kMaxElems || shard_elems + e > kMaxElems) {
       return InvalidArgumentError(fmt::format(
-          "{}: sub-group {} has {} elems; each must be in [1, 2^50], the shard at most 2^50, "
-          "bytes per element at most 64",
+          "{}: sub-group {} has {} elems; each must be in [1, 2^44] and the shard at most 2^44",
           kOp, i, e));
     }
     shard_elems += e;

@@ -18,7 +18,8 @@
 //      coefficient needs the global norm before any sub-group is updated) and
 //      buffer_count param buffers of the largest sub-group (param dtype) for
 //      the H2D uploads. On the device: buffer_count flat buckets of the
-//      largest sub-group (grad dtype) for packing grads and staging params;
+//      largest sub-group (the larger of the grad and param element sizes)
+//      for packing grads and staging params;
 //      0 device budget means "not limited".
 //   2. If all state fits in what is left of the host budget, everything is
 //      host-resident. A host budget of 0 means "not limited" when NVMe is not

@@ -152,6 +152,16 @@ TEST(PlacementTest, MalformedInputs) {
   in = Small();
   in.block_bytes = 1000;
   EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  // Sizes whose byte counts could overflow 64 bits are refused, not wrapped.
+  in = Small();
+  in.buffer_count = 1025;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.sub_group_elems = {uint64_t{1} << 43, uint64_t{1} << 43, 1};
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.state_bytes_per_elem = 65;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
 }
 
 TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
