@@ -111,7 +111,9 @@ Result<OffloadConfig> ParseConfigJson(std::string_view json);
 Status ValidateConfig(const OffloadConfig& config);
 
 // The effective config as a JSON document (pretty, 2-space indent) in the
-// same form ParseConfigJson reads: ParseConfigJson(ConfigToJson(c)) == c.
+// same form ParseConfigJson reads. For a config that passes ValidateConfig,
+// ParseConfigJson(ConfigToJson(c)) gives back every field in use; the
+// hyperparameters of the optimizer types not selected are not written.
 std::string ConfigToJson(const OffloadConfig& config);
 
 // The planner's inputs for a rank whose shard is cut into `sub_group_elems`:

@@ -9,6 +9,8 @@
 #include <random>
 #include <vector>
 
+#include "tests/offload/test_seed.h"
+
 namespace strata {
 namespace {
 
@@ -88,8 +90,7 @@ TEST(LayoutTest, Errors) {
 
 // Property test against a per-element owner map built the simple way.
 TEST(LayoutTest, PropertiesOnRandomLayouts) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::TestSeed();
   std::mt19937_64 rng(seed);
   for (int iter = 0; iter < 300; ++iter) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed << " iter " << iter);

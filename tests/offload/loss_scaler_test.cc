@@ -10,6 +10,8 @@
 #include <random>
 #include <vector>
 
+#include "tests/offload/test_seed.h"
+
 namespace strata {
 namespace {
 
@@ -128,8 +130,7 @@ TEST(LossScalerTest, BadOptionsNameTheField) {
 }
 
 TEST(LossScalerTest, RestoreContinuesIdentically) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::TestSeed();
   std::mt19937_64 rng(seed);
   std::vector<uint64_t> inputs(400);
   for (auto& x : inputs) x = rng() % 5 == 0 ? 1 : 0;

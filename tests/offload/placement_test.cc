@@ -9,6 +9,7 @@
 #include <random>
 
 #include "runtime/units.h"
+#include "tests/offload/test_seed.h"
 
 namespace strata {
 namespace {
@@ -165,8 +166,7 @@ TEST(PlacementTest, MalformedInputs) {
 }
 
 TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
-  const uint64_t seed = std::random_device{}();
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const uint64_t seed = testing::TestSeed();
   std::mt19937_64 rng(seed);
   for (int iter = 0; iter < 500; ++iter) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed << " iter " << iter);
