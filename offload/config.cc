@@ -147,9 +147,17 @@ Status CheckKeys(const Json& obj, std::string_view path,
     }
     std::string_view best;
     size_t best_dist = std::numeric_limits<size_t>::max();
-    for (std::string_view k : known) {
+    auto consider = [&](std::string_view k) {
       const size_t d = EditDistance(key, k);
       if (d < best_dist) best_dist = d, best = k;
+    };
+    for (std::string_view k : known) consider(k);
+    // A typo of an ignored DeepSpeed key at this level gets the same hint.
+    const std::string prefix = path.empty() ? std::string() : std::string(path) + ".";
+    for (std::string_view ignored : kIgnoredKeys) {
+      if (!ignored.starts_with(prefix)) continue;
+      const std::string_view rest = ignored.substr(prefix.size());
+      if (rest.find('.') == std::string_view::npos) consider(rest);
     }
     std::string hint;
     if (!best.empty() && best_dist <= std::max<size_t>(2, key.size() / 3)) {

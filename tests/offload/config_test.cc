@@ -127,6 +127,8 @@ TEST(ConfigTest, UnknownKeysNameThePathAndSuggest) {
   s = ParseError(R"({"aio": {"queue_dpth": 4}})");
   EXPECT_TRUE(Contains(s.message(), "aio.queue_dpth: unknown key (did you mean queue_depth?)"))
       << s;
+  s = ParseError(R"({"zero_optimization": {"overlap_com": true}})");
+  EXPECT_TRUE(Contains(s.message(), "overlap_com: unknown key (did you mean overlap_comm?)")) << s;
   s = ParseError(R"({"zzz": 1})");
   EXPECT_TRUE(Contains(s.message(), "zzz: unknown key (known keys here:")) << s;
   // Keys valid for one optimizer are unknown for another.
