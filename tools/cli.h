@@ -28,5 +28,6 @@ void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& b
 void AddInfoCommand(Cli& cli);
 void AddBenchNvmeCommand(Cli& cli);
 void AddBenchAdamCommand(Cli& cli);
+void AddPlanCommand(Cli& cli);
 
 }  // namespace strata::cli

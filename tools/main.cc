@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   strata::cli::AddInfoCommand(cli);
   strata::cli::AddBenchNvmeCommand(cli);
   strata::cli::AddBenchAdamCommand(cli);
+  strata::cli::AddPlanCommand(cli);
 
   try {
     cli.app.parse(argc, argv);

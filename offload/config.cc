@@ -1,0 +1,752 @@
+#include "offload/config.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "runtime/log.h"
+#include "runtime/units.h"
+
+namespace strata {
+namespace {
+
+using Json = nlohmann::json;
+
+// DeepSpeed keys that do not apply to an optimizer-offload engine. A section
+// listed here is accepted with everything under it.
+constexpr std::string_view kIgnoredKeys[] = {
+    // top level: training loop, logging, other features
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "scheduler",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "activation_checkpointing",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "memory_breakdown",
+    "elasticity",
+    "checkpoint",
+    "data_types",
+    "amp",
+    "compression_training",
+    "data_efficiency",
+    "autotuning",
+    "pipeline",
+    "timers",
+    // zero_optimization: communication buckets and stage-3 parameter partitioning
+    "zero_optimization.offload_param",
+    "zero_optimization.overlap_comm",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.allgather_bucket_size",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.allgather_partitions",
+    "zero_optimization.round_robin_gradients",
+    "zero_optimization.elastic_checkpoint",
+    "zero_optimization.load_from_fp32_weights",
+    "zero_optimization.cpu_offload",
+    "zero_optimization.ignore_unused_parameters",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+    "zero_optimization.zero_hpz_partition_size",
+    "zero_optimization.zero_quantized_weights",
+    "zero_optimization.zero_quantized_gradients",
+    "zero_optimization.mics_shard_size",
+    "zero_optimization.memory_efficient_linear",
+    "zero_optimization.use_multi_rank_bucket_allreduce",
+    "zero_optimization.offload_optimizer.pipeline_read",
+    "zero_optimization.offload_optimizer.pipeline_write",
+    "zero_optimization.offload_optimizer.pipeline",
+    // aio
+    "aio.intra_op_parallelism",
+    // optimizer
+    "optimizer.params.torch_adam",
+    "optimizer.params.fused",
+    // fp16 / bf16
+    "fp16.auto_cast",
+    "fp16.fp16_master_weights_and_grads",
+    "bf16.immediate_grad_update",
+    "bf16.check_grad_overflow",
+};
+
+bool IsIgnored(std::string_view path) {
+  return std::find(std::begin(kIgnoredKeys), std::end(kIgnoredKeys), path) !=
+         std::end(kIgnoredKeys);
+}
+
+void LogIgnoredOnce(const std::string& path) {
+  static std::mutex mu;
+  static std::set<std::string> seen;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!seen.insert(path).second) return;
+  }
+  LogInfo(fmt::format("config: {} is a DeepSpeed key that Strata ignores", path));
+}
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string Join(std::string_view path, std::string_view key) {
+  return path.empty() ? std::string(key) : fmt::format("{}.{}", path, key);
+}
+
+std::string Describe(const Json& v) {
+  std::string s = v.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+// Every key of `obj` must be in `known` or in the ignored table.
+Status CheckKeys(const Json& obj, std::string_view path,
+                 std::initializer_list<std::string_view> known) {
+  for (const auto& [key, value] : obj.items()) {
+    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+    const std::string full = Join(path, key);
+    if (IsIgnored(full)) {
+      LogIgnoredOnce(full);
+      continue;
+    }
+    std::string_view best;
+    size_t best_dist = std::numeric_limits<size_t>::max();
+    auto consider = [&](std::string_view k) {
+      const size_t d = EditDistance(key, k);
+      if (d < best_dist) best_dist = d, best = k;
+    };
+    for (std::string_view k : known) consider(k);
+    // A typo of an ignored DeepSpeed key at this level gets the same hint.
+    const std::string prefix = path.empty() ? std::string() : std::string(path) + ".";
+    for (std::string_view ignored : kIgnoredKeys) {
+      if (!ignored.starts_with(prefix)) continue;
+      const std::string_view rest = ignored.substr(prefix.size());
+      if (rest.find('.') == std::string_view::npos) consider(rest);
+    }
+    std::string hint;
+    if (!best.empty() && best_dist <= std::max<size_t>(2, key.size() / 3)) {
+      hint = fmt::format(" (did you mean {}?)", best);
+    } else {
+      hint = fmt::format(" (known keys here: {})", fmt::join(known, ", "));
+    }
+    return InvalidArgumentError(fmt::format("{}: unknown key{}", full, hint));
+  }
+  return OkStatus();
+}
+
+Status TypeError(const std::string& path, const Json& v, std::string_view expected) {
+  std::string hint;
+  if (v.is_string() && v.get<std::string>() == "auto") {
+    hint = "; \"auto\" is filled in by the Hugging Face integration, give a value";
+  }
+  return InvalidArgumentError(
+      fmt::format("{} = {}: expected {}{}", path, Describe(v), expected, hint));
+}
+
+const Json* Find(const Json& obj, std::string_view key) {
+  auto it = obj.find(key);
+  return it == obj.end() ? nullptr : &*it;
+}
+
+Result<const Json*> Section(const Json& obj, std::string_view path, std::string_view key) {
+  const Json* v = Find(obj, key);
+  if (v == nullptr) return static_cast<const Json*>(nullptr);
+  if (!v->is_object()) return TypeError(Join(path, key), *v, "an object");
+  return v;
+}
+
+// An integer in [lo, hi]; a float with an integral value (1e8) is accepted.
+Result<std::optional<uint64_t>> GetUint(const Json& obj, std::string_view path,
+                                        std::string_view key, uint64_t lo, uint64_t hi) {
+  const Json* v = Find(obj, key);
+  if (v == nullptr) return std::optional<uint64_t>();
+  const std::string full = Join(path, key);
+  const std::string range = fmt::format("an integer in [{}, {}]", lo, hi);
+  std::optional<uint64_t> value;
+  if (v->is_number_unsigned()) {
+    value = v->get<uint64_t>();
+  } else if (v->is_number_integer()) {
+    if (v->get<int64_t>() >= 0) value = static_cast<uint64_t>(v->get<int64_t>());
+  } else if (v->is_number_float()) {
+    const double d = v->get<double>();
+    if (d >= 0 && d < 1.8e19 && std::floor(d) == d) value = static_cast<uint64_t>(d);
+  } else {
+    return TypeError(full, *v, range);
+  }
+  if (!value || *value < lo || *value > hi) {
+    return InvalidArgumentError(fmt::format("{} = {}: must be {}", full, Describe(*v), range));
+  }
+  return value;
+}
+
+// A byte count: an integer, or a string with units ("64GiB").
+Result<std::optional<uint64_t>> GetBytes(const Json& obj, std::string_view path,
+                                         std::string_view key, uint64_t lo, uint64_t hi) {
+  const Json* v = Find(obj, key);
+  if (v == nullptr || !v->is_string()) return GetUint(obj, path, key, lo, hi);
+  const std::string full = Join(path, key);
+  Result<uint64_t> bytes = ParseBytes(v->get<std::string>());
+  if (!bytes.ok()) {
+    return TypeError(full, *v, "a byte count (an integer or a size such as \"64GiB\")");
+  }
+  if (*bytes < lo || *bytes > hi) {
+    return InvalidArgumentError(fmt::format("{} = {}: must be in [{}, {}] bytes", full,
+                                            Describe(*v), FormatBytes(lo), FormatBytes(hi)));
+  }
+  return std::optional<uint64_t>(*bytes);
+}
+
+enum class Bound : uint8_t { kClosed, kOpen };
+
+// A finite number in the range [lo, hi] (or (lo, hi] etc. per bound).
+Result<std::optional<double>> GetDouble(const Json& obj, std::string_view path,
+                                        std::string_view key, double lo, Bound lo_bound, double hi,
+                                        Bound hi_bound) {
+  const Json* v = Find(obj, key);
+  if (v == nullptr) return std::optional<double>();
+  const std::string full = Join(path, key);
+  const std::string range = fmt::format(
+      "a number in {}{}, {}{}", lo_bound == Bound::kClosed ? "[" : "(", lo,
+      std::isinf(hi) ? "inf" : fmt::format("{}", hi), hi_bound == Bound::kClosed ? "]" : ")");
+  if (!v->is_number()) return TypeError(full, *v, range);
+  const double d = v->get<double>();
+  const bool ok = std::isfinite(d) && (lo_bound == Bound::kClosed ? d >= lo : d > lo) &&
+                  (hi_bound == Bound::kClosed ? d <= hi : d < hi);
+  if (!ok)
+    return InvalidArgumentError(fmt::format("{} = {}: must be {}", full, Describe(*v), range));
+  return std::optional<double>(d);
+}
+
+Result<std::optional<Switch>> GetSwitch(const Json& obj, std::string_view path,
+                                        std::string_view key) {
+  const Json* v = Find(obj, key);
+  if (v == nullptr) return std::optional<Switch>();
+  if (!v->is_boolean()) return TypeError(Join(path, key), *v, "true or false");
+  return std::optional<Switch>(v->get<bool>() ? Switch::kOn : Switch::kOff);
+}
+
+Result<std::optional<std::string>> GetString(const Json& obj, std::string_view path,
+                                             std::string_view key) {
+  const Json* v = Find(obj, key);
+  if (v == nullptr) return std::optional<std::string>();
+  if (!v->is_string()) return TypeError(Join(path, key), *v, "a string");
+  return std::optional<std::string>(v->get<std::string>());
+}
+
+std::string Lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+#define STRATA_CONFIG_SET(field, expr)          \
+  do {                                          \
+    STRATA_ASSIGN_OR_RETURN(auto value_, expr); \
+    if (value_) field = *value_;                \
+  } while (false)
+
+constexpr uint64_t kMaxElems = uint64_t{1} << 44;
+constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+Status ParseOffloadOptimizer(const Json& o, OffloadConfig& c) {
+  const std::string p = "zero_optimization.offload_optimizer";
+  STRATA_RETURN_IF_ERROR(
+      CheckKeys(o, p, {"device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio"}));
+  STRATA_ASSIGN_OR_RETURN(auto device, GetString(o, p, "device"));
+  if (device) {
+    const std::string d = Lower(*device);
+    if (d == "cpu")
+      c.device = OffloadDevice::kCpu;
+    else if (d == "nvme")
+      c.device = OffloadDevice::kNvme;
+    else if (d == "none")
+      c.device = OffloadDevice::kNone;
+    else
+      return InvalidArgumentError(
+          fmt::format("{}.device = \"{}\": must be \"cpu\", \"nvme\" or \"none\"", p, *device));
+  }
+  if (const Json* v = Find(o, "nvme_path"); v != nullptr && !v->is_null()) {
+    c.nvme_paths.clear();
+    if (v->is_string()) {
+      c.nvme_paths.push_back(v->get<std::string>());
+    } else if (v->is_array()) {
+      for (const Json& e : *v) {
+        if (!e.is_string()) return TypeError(p + ".nvme_path", *v, "a string or a list of strings");
+        c.nvme_paths.push_back(e.get<std::string>());
+      }
+    } else {
+      return TypeError(p + ".nvme_path", *v, "a string or a list of strings");
+    }
+    for (const std::string& path : c.nvme_paths) {
+      if (path.empty()) return InvalidArgumentError(p + ".nvme_path: an empty path");
+    }
+  }
+  STRATA_CONFIG_SET(c.pin_memory, GetSwitch(o, p, "pin_memory"));
+  STRATA_CONFIG_SET(c.buffer_count, GetUint(o, p, "buffer_count", 1, 64));
+  STRATA_CONFIG_SET(c.fast_init, GetSwitch(o, p, "fast_init"));
+  STRATA_CONFIG_SET(c.offload_ratio,
+                    GetDouble(o, p, "ratio", 0, Bound::kClosed, 1, Bound::kClosed));
+  return OkStatus();
+}
+
+Status ParseZero(const Json& z, OffloadConfig& c) {
+  const std::string p = "zero_optimization";
+  STRATA_RETURN_IF_ERROR(CheckKeys(z, p, {"stage", "sub_group_size", "offload_optimizer"}));
+  STRATA_CONFIG_SET(c.zero_stage, GetUint(z, p, "stage", 0, 3));
+  STRATA_CONFIG_SET(c.sub_group_elems, GetUint(z, p, "sub_group_size", 1, kMaxElems));
+  STRATA_ASSIGN_OR_RETURN(const Json* off, Section(z, p, "offload_optimizer"));
+  if (off != nullptr) STRATA_RETURN_IF_ERROR(ParseOffloadOptimizer(*off, c));
+  return OkStatus();
+}
+
+Status ParseAio(const Json& a, OffloadConfig& c) {
+  const std::string p = "aio";
+  STRATA_RETURN_IF_ERROR(CheckKeys(
+      a, p,
+      {"block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_gds"}));
+  STRATA_CONFIG_SET(c.aio.block_bytes, GetBytes(a, p, "block_size", 4096, kGiB));
+  STRATA_CONFIG_SET(c.aio.queue_depth, GetUint(a, p, "queue_depth", 1, 4096));
+  STRATA_CONFIG_SET(c.aio.thread_count, GetUint(a, p, "thread_count", 1, 1024));
+  STRATA_CONFIG_SET(c.aio.single_submit, GetSwitch(a, p, "single_submit"));
+  STRATA_CONFIG_SET(c.aio.overlap_events, GetSwitch(a, p, "overlap_events"));
+  STRATA_CONFIG_SET(c.aio.use_gds, GetSwitch(a, p, "use_gds"));
+  return OkStatus();
+}
+
+Result<std::optional<std::pair<double, double>>> GetBetas(const Json& o, std::string_view path) {
+  const Json* v = Find(o, "betas");
+  if (v == nullptr) return std::optional<std::pair<double, double>>();
+  const std::string full = Join(path, "betas");
+  if (!v->is_array() || v->size() != 2 || !(*v)[0].is_number() || !(*v)[1].is_number()) {
+    return TypeError(full, *v, "two numbers [beta1, beta2], each in [0, 1)");
+  }
+  const double b1 = (*v)[0].get<double>(), b2 = (*v)[1].get<double>();
+  if (!(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1)) {
+    return InvalidArgumentError(
+        fmt::format("{} = {}: each beta must be in [0, 1)", full, Describe(*v)));
+  }
+  return std::optional<std::pair<double, double>>({b1, b2});
+}
+
+Status ParseOptimizer(const Json& o, OffloadConfig& c) {
+  const std::string p = "optimizer";
+  STRATA_RETURN_IF_ERROR(CheckKeys(o, p, {"type", "params"}));
+  STRATA_ASSIGN_OR_RETURN(auto type, GetString(o, p, "type"));
+  if (type) {
+    const std::string t = Lower(*type);
+    if (t == "adam")
+      c.optimizer = OptimizerType::kAdam;
+    else if (t == "adamw")
+      c.optimizer = OptimizerType::kAdamW;
+    else if (t == "adagrad")
+      c.optimizer = OptimizerType::kAdagrad;
+    else if (t == "lion")
+      c.optimizer = OptimizerType::kLion;
+    else
+      return InvalidArgumentError(fmt::format(
+          "optimizer.type = \"{}\": unsupported; use Adam, AdamW, Adagrad or Lion", *type));
+  }
+  STRATA_ASSIGN_OR_RETURN(const Json* params, Section(o, p, "params"));
+  const std::string pp = "optimizer.params";
+  // DeepSpeed's Adam is AdamW unless adam_w_mode is false.
+  if (c.optimizer == OptimizerType::kAdam || c.optimizer == OptimizerType::kAdamW) {
+    c.adam.weight_decay_mode = WeightDecayMode::kDecoupled;
+  }
+  if (params == nullptr) return OkStatus();
+  const Json& q = *params;
+  switch (c.optimizer) {
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW: {
+      STRATA_RETURN_IF_ERROR(CheckKeys(
+          q, pp,
+          {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad"}));
+      STRATA_CONFIG_SET(c.adam.lr, GetDouble(q, pp, "lr", 0, Bound::kClosed, kInf, Bound::kOpen));
+      STRATA_ASSIGN_OR_RETURN(auto betas, GetBetas(q, pp));
+      if (betas) c.adam.beta1 = betas->first, c.adam.beta2 = betas->second;
+      STRATA_CONFIG_SET(c.adam.eps, GetDouble(q, pp, "eps", 0, Bound::kOpen, kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adam.weight_decay,
+                        GetDouble(q, pp, "weight_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
+      STRATA_ASSIGN_OR_RETURN(auto w_mode, GetSwitch(q, pp, "adam_w_mode"));
+      if (w_mode) {
+        if (c.optimizer == OptimizerType::kAdamW && *w_mode == Switch::kOff) {
+          return InvalidArgumentError(
+              "optimizer.params.adam_w_mode = false contradicts optimizer.type AdamW; use "
+              "type Adam for L2 weight decay");
+        }
+        c.adam.weight_decay_mode =
+            *w_mode == Switch::kOn ? WeightDecayMode::kDecoupled : WeightDecayMode::kL2;
+      }
+      STRATA_ASSIGN_OR_RETURN(auto bias, GetSwitch(q, pp, "bias_correction"));
+      if (bias)
+        c.adam.bias_correction = *bias == Switch::kOn ? BiasCorrection::kOn : BiasCorrection::kOff;
+      STRATA_ASSIGN_OR_RETURN(auto amsgrad, GetSwitch(q, pp, "amsgrad"));
+      if (amsgrad && *amsgrad == Switch::kOn) {
+        return InvalidArgumentError(
+            "optimizer.params.amsgrad = true: AMSGrad is not supported; "
+            "set it to false");
+      }
+      break;
+    }
+    case OptimizerType::kAdagrad:
+      STRATA_RETURN_IF_ERROR(CheckKeys(q, pp, {"lr", "eps", "weight_decay", "lr_decay"}));
+      STRATA_CONFIG_SET(c.adagrad.lr,
+                        GetDouble(q, pp, "lr", 0, Bound::kClosed, kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adagrad.eps,
+                        GetDouble(q, pp, "eps", 0, Bound::kOpen, kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adagrad.weight_decay,
+                        GetDouble(q, pp, "weight_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
+      STRATA_CONFIG_SET(c.adagrad.lr_decay,
+                        GetDouble(q, pp, "lr_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
+      break;
+    case OptimizerType::kLion: {
+      STRATA_RETURN_IF_ERROR(CheckKeys(q, pp, {"lr", "betas", "weight_decay"}));
+      STRATA_CONFIG_SET(c.lion.lr, GetDouble(q, pp, "lr", 0, Bound::kClosed, kInf, Bound::kOpen));
+      STRATA_ASSIGN_OR_RETURN(auto betas, GetBetas(q, pp));
+      if (betas) c.lion.beta1 = betas->first, c.lion.beta2 = betas->second;
+      STRATA_CONFIG_SET(c.lion.weight_decay,
+                        GetDouble(q, pp, "weight_decay", 0, Bound::kClosed, kInf, Bound::kOpen));
+      break;
+    }
+  }
+  return OkStatus();
+}
+
+Status ParseFp16(const Json& f, OffloadConfig& c) {
+  const std::string p = "fp16";
+  STRATA_RETURN_IF_ERROR(
+      CheckKeys(f, p,
+                {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                 "consecutive_hysteresis", "min_loss_scale"}));
+  STRATA_ASSIGN_OR_RETURN(auto enabled, GetSwitch(f, p, "enabled"));
+  LossScalerOptions& s = c.loss_scaler;
+  STRATA_ASSIGN_OR_RETURN(auto loss_scale,
+                          GetDouble(f, p, "loss_scale", 0, Bound::kClosed, kInf, Bound::kOpen));
+  STRATA_CONFIG_SET(s.initial_scale_power, GetUint(f, p, "initial_scale_power", 0, 127));
+  STRATA_CONFIG_SET(s.growth_interval, GetUint(f, p, "loss_scale_window", 1, 1u << 30));
+  STRATA_CONFIG_SET(s.hysteresis, GetUint(f, p, "hysteresis", 1, 1u << 30));
+  STRATA_ASSIGN_OR_RETURN(auto consecutive, GetSwitch(f, p, "consecutive_hysteresis"));
+  if (consecutive) {
+    s.consecutive_hysteresis =
+        *consecutive == Switch::kOn ? ConsecutiveHysteresis::kOn : ConsecutiveHysteresis::kOff;
+  }
+  STRATA_CONFIG_SET(s.min_scale,
+                    GetDouble(f, p, "min_loss_scale", 0, Bound::kOpen, kInf, Bound::kOpen));
+  if (enabled && *enabled == Switch::kOn) {
+    c.param_dtype = DType::kF16;
+    c.grad_dtype = DType::kF16;
+    if (loss_scale && *loss_scale > 0) {
+      s.mode = LossScaleMode::kStatic;
+      s.static_scale = *loss_scale;
+    } else {
+      s.mode = LossScaleMode::kDynamic;
+    }
+  }
+  return OkStatus();
+}
+
+Status ParseBf16(const Json& b, OffloadConfig& c) {
+  STRATA_RETURN_IF_ERROR(CheckKeys(b, "bf16", {"enabled"}));
+  STRATA_ASSIGN_OR_RETURN(auto enabled, GetSwitch(b, "bf16", "enabled"));
+  if (enabled && *enabled == Switch::kOn) {
+    if (c.param_dtype == DType::kF16) {
+      return InvalidArgumentError(
+          "fp16.enabled and bf16.enabled are both true; enable at most one");
+    }
+    c.param_dtype = DType::kBF16;
+    c.grad_dtype = DType::kBF16;
+    c.loss_scaler.mode = LossScaleMode::kNone;
+  }
+  return OkStatus();
+}
+
+Status ParseStrata(const Json& s, OffloadConfig& c) {
+  const std::string p = "strata";
+  STRATA_RETURN_IF_ERROR(CheckKeys(s, p,
+                                   {"host_budget", "device_budget", "threads", "align_elems",
+                                    "grad_dtype", "min_scale_overflow"}));
+  STRATA_CONFIG_SET(c.host_budget_bytes, GetBytes(s, p, "host_budget", 0, kMaxBytes));
+  STRATA_CONFIG_SET(c.device_budget_bytes, GetBytes(s, p, "device_budget", 0, kMaxBytes));
+  STRATA_CONFIG_SET(c.threads, GetUint(s, p, "threads", 0, 4096));
+  STRATA_CONFIG_SET(c.align_elems, GetUint(s, p, "align_elems", 1, 1u << 20));
+  STRATA_ASSIGN_OR_RETURN(auto grad, GetString(s, p, "grad_dtype"));
+  if (grad) {
+    Result<DType> t = ParseDType(*grad);
+    if (!t.ok() || (*t != DType::kF32 && *t != DType::kF16 && *t != DType::kBF16)) {
+      return InvalidArgumentError(
+          fmt::format("strata.grad_dtype = \"{}\": must be \"fp32\", \"fp16\" or \"bf16\"", *grad));
+    }
+    c.grad_dtype = *t;
+  }
+  STRATA_ASSIGN_OR_RETURN(auto overflow, GetString(s, p, "min_scale_overflow"));
+  if (overflow) {
+    if (*overflow == "error")
+      c.loss_scaler.min_scale_overflow = MinScaleOverflow::kError;
+    else if (*overflow == "skip")
+      c.loss_scaler.min_scale_overflow = MinScaleOverflow::kSkipStep;
+    else
+      return InvalidArgumentError(fmt::format(
+          "strata.min_scale_overflow = \"{}\": must be \"error\" or \"skip\"", *overflow));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+std::string_view OffloadDeviceName(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+std::string_view OptimizerTypeName(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::kAdam:
+      return "Adam";
+    case OptimizerType::kAdamW:
+      return "AdamW";
+    case OptimizerType::kAdagrad:
+      return "Adagrad";
+    case OptimizerType::kLion:
+      return "Lion";
+  }
+  return "?";
+}
+
+uint32_t StateBytesPerElem(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      return 12;
+    case OptimizerType::kAdagrad:
+    case OptimizerType::kLion:
+      return 8;
+  }
+  return 12;
+}
+
+PlacementInputs PlacementInputsFor(const OffloadConfig& c,
+                                   std::span<const uint64_t> sub_group_elems) {
+  return {.sub_group_elems = {sub_group_elems.begin(), sub_group_elems.end()},
+          .state_bytes_per_elem = StateBytesPerElem(c.optimizer),
+          .grad_bytes_per_elem = static_cast<uint32_t>(DTypeSize(c.grad_dtype)),
+          .param_bytes_per_elem = static_cast<uint32_t>(DTypeSize(c.param_dtype)),
+          .host_budget_bytes = c.host_budget_bytes,
+          .device_budget_bytes = c.device_budget_bytes,
+          .nvme = c.device == OffloadDevice::kNvme && !c.nvme_paths.empty()
+                      ? NvmeTier::kAvailable
+                      : NvmeTier::kUnavailable,
+          .buffer_count = c.buffer_count,
+          .block_bytes = c.aio.block_bytes};
+}
+
+std::span<const std::string_view> IgnoredConfigKeys() { return kIgnoredKeys; }
+
+Result<OffloadConfig> ParseConfigJson(std::string_view text) {
+  Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) {
+    // Parse again with exceptions to get the parser's position; the exception
+    // stays inside this function.
+    try {
+      const Json again = Json::parse(text.begin(), text.end());
+      (void)again;
+    } catch (const Json::parse_error& e) {
+      return InvalidArgumentError(fmt::format("parse config JSON: {}", e.what()));
+    }
+    return InvalidArgumentError("parse config JSON: malformed document");
+  }
+  if (!doc.is_object()) return TypeError("config", doc, "a JSON object");
+  OffloadConfig c;
+  STRATA_RETURN_IF_ERROR(CheckKeys(
+      doc, "",
+      {"zero_optimization", "aio", "optimizer", "gradient_clipping", "fp16", "bf16", "strata"}));
+  STRATA_ASSIGN_OR_RETURN(const Json* zero, Section(doc, "", "zero_optimization"));
+  if (zero != nullptr) STRATA_RETURN_IF_ERROR(ParseZero(*zero, c));
+  STRATA_ASSIGN_OR_RETURN(const Json* aio, Section(doc, "", "aio"));
+  if (aio != nullptr) STRATA_RETURN_IF_ERROR(ParseAio(*aio, c));
+  STRATA_ASSIGN_OR_RETURN(const Json* opt, Section(doc, "", "optimizer"));
+  if (opt != nullptr) STRATA_RETURN_IF_ERROR(ParseOptimizer(*opt, c));
+  STRATA_CONFIG_SET(c.max_grad_norm,
+                    GetDouble(doc, "", "gradient_clipping", 0, Bound::kClosed, kInf, Bound::kOpen));
+  STRATA_ASSIGN_OR_RETURN(const Json* fp16, Section(doc, "", "fp16"));
+  if (fp16 != nullptr) STRATA_RETURN_IF_ERROR(ParseFp16(*fp16, c));
+  STRATA_ASSIGN_OR_RETURN(const Json* bf16, Section(doc, "", "bf16"));
+  if (bf16 != nullptr) STRATA_RETURN_IF_ERROR(ParseBf16(*bf16, c));
+  // After fp16/bf16, so an explicit strata.grad_dtype wins.
+  STRATA_ASSIGN_OR_RETURN(const Json* strata, Section(doc, "", "strata"));
+  if (strata != nullptr) STRATA_RETURN_IF_ERROR(ParseStrata(*strata, c));
+  return c;
+}
+
+Status ValidateConfig(const OffloadConfig& c) {
+  const std::string off = "zero_optimization.offload_optimizer";
+  if (c.zero_stage < 1 || c.zero_stage > 3) {
+    return InvalidArgumentError(
+        fmt::format("zero_optimization.stage = {}: optimizer offload needs ZeRO stage 1, 2 or 3",
+                    c.zero_stage));
+  }
+  if (c.device == OffloadDevice::kNone) {
+    return InvalidArgumentError(off +
+                                ".device = \"none\": Strata always offloads the "
+                                "optimizer state; use \"cpu\" or \"nvme\"");
+  }
+  if (c.device == OffloadDevice::kNvme && c.nvme_paths.empty()) {
+    return InvalidArgumentError(off +
+                                ".device is \"nvme\" but nvme_path is not set; set "
+                                "nvme_path to a directory on an NVMe drive, or use "
+                                "device \"cpu\"");
+  }
+  if (c.device == OffloadDevice::kCpu && !c.nvme_paths.empty()) {
+    LogInfo(fmt::format("config: {}.nvme_path is unused with device \"cpu\"", off));
+  }
+  if (c.offload_ratio != 1.0) {
+    return InvalidArgumentError(fmt::format(
+        "{}.ratio = {}: partial offload is not supported; use 1.0", off, c.offload_ratio));
+  }
+  if (c.buffer_count < 1) return InvalidArgumentError(off + ".buffer_count = 0: must be >= 1");
+  if (c.sub_group_elems < 1) {
+    return InvalidArgumentError("zero_optimization.sub_group_size = 0: must be >= 1");
+  }
+  if (c.aio.block_bytes < 4096 || c.aio.block_bytes % 4096 != 0) {
+    return InvalidArgumentError(fmt::format(
+        "aio.block_size = {}: must be a positive multiple of 4096 (O_DIRECT)", c.aio.block_bytes));
+  }
+  if (c.aio.queue_depth < 1) return InvalidArgumentError("aio.queue_depth = 0: must be >= 1");
+  if (c.aio.use_gds == Switch::kOn) {
+    WarnOnce("config-use-gds",
+             "config: aio.use_gds is not supported; NVMe IO goes through "
+             "pinned host buffers");
+  }
+  if (!(c.max_grad_norm >= 0 && std::isfinite(c.max_grad_norm))) {
+    return InvalidArgumentError(
+        fmt::format("gradient_clipping = {}: must be finite and >= 0", c.max_grad_norm));
+  }
+  if (c.param_dtype != DType::kF32 && c.param_dtype != DType::kF16 &&
+      c.param_dtype != DType::kBF16) {
+    return InvalidArgumentError(
+        fmt::format("param dtype {}: must be fp32, fp16 or bf16", DTypeName(c.param_dtype)));
+  }
+  if (c.grad_dtype != DType::kF32 && c.grad_dtype != DType::kF16 && c.grad_dtype != DType::kBF16) {
+    return InvalidArgumentError(
+        fmt::format("strata.grad_dtype = {}: must be fp32, fp16 or bf16", DTypeName(c.grad_dtype)));
+  }
+  if (c.param_dtype == DType::kF16 && c.loss_scaler.mode == LossScaleMode::kNone) {
+    return InvalidArgumentError(
+        "fp16 params without a loss scaler: set fp16.loss_scale (0 for dynamic)");
+  }
+  if (c.align_elems < 1) return InvalidArgumentError("strata.align_elems = 0: must be >= 1");
+  if (c.threads < 0) {
+    return InvalidArgumentError(fmt::format("strata.threads = {}: must be >= 0", c.threads));
+  }
+  STRATA_RETURN_IF_ERROR(ValidateLossScalerOptions(c.loss_scaler).WithContext("fp16"));
+  return OkStatus();
+}
+
+std::string ConfigToJson(const OffloadConfig& c) {
+  auto on = [](Switch s) { return s == Switch::kOn; };
+  Json off = {{"device", OffloadDeviceName(c.device)},
+              {"pin_memory", on(c.pin_memory)},
+              {"buffer_count", c.buffer_count},
+              {"fast_init", on(c.fast_init)},
+              {"ratio", c.offload_ratio}};
+  if (c.nvme_paths.size() == 1) off["nvme_path"] = c.nvme_paths[0];
+  if (c.nvme_paths.size() > 1) off["nvme_path"] = c.nvme_paths;
+  Json params;
+  switch (c.optimizer) {
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      params = {{"lr", c.adam.lr},
+                {"betas", {c.adam.beta1, c.adam.beta2}},
+                {"eps", c.adam.eps},
+                {"weight_decay", c.adam.weight_decay},
+                {"adam_w_mode", c.adam.weight_decay_mode == WeightDecayMode::kDecoupled},
+                {"bias_correction", c.adam.bias_correction == BiasCorrection::kOn}};
+      break;
+    case OptimizerType::kAdagrad:
+      params = {{"lr", c.adagrad.lr},
+                {"eps", c.adagrad.eps},
+                {"weight_decay", c.adagrad.weight_decay},
+                {"lr_decay", c.adagrad.lr_decay}};
+      break;
+    case OptimizerType::kLion:
+      params = {{"lr", c.lion.lr},
+                {"betas", {c.lion.beta1, c.lion.beta2}},
+                {"weight_decay", c.lion.weight_decay}};
+      break;
+  }
+  const LossScalerOptions& s = c.loss_scaler;
+  Json doc = {{"zero_optimization",
+               {{"stage", c.zero_stage},
+                {"sub_group_size", c.sub_group_elems},
+                {"offload_optimizer", off}}},
+              {"aio",
+               {{"block_size", c.aio.block_bytes},
+                {"queue_depth", c.aio.queue_depth},
+                {"thread_count", c.aio.thread_count},
+                {"single_submit", on(c.aio.single_submit)},
+                {"overlap_events", on(c.aio.overlap_events)},
+                {"use_gds", on(c.aio.use_gds)}}},
+              {"optimizer", {{"type", OptimizerTypeName(c.optimizer)}, {"params", params}}},
+              {"gradient_clipping", c.max_grad_norm},
+              {"fp16",
+               {{"enabled", c.param_dtype == DType::kF16},
+                {"loss_scale", s.mode == LossScaleMode::kStatic ? s.static_scale : 0.0},
+                {"initial_scale_power", s.initial_scale_power},
+                {"loss_scale_window", s.growth_interval},
+                {"hysteresis", s.hysteresis},
+                {"consecutive_hysteresis", s.consecutive_hysteresis == ConsecutiveHysteresis::kOn},
+                {"min_loss_scale", s.min_scale}}},
+              {"bf16", {{"enabled", c.param_dtype == DType::kBF16}}},
+              {"strata",
+               {{"host_budget", c.host_budget_bytes},
+                {"device_budget", c.device_budget_bytes},
+                {"threads", c.threads},
+                {"align_elems", c.align_elems},
+                {"grad_dtype", DTypeName(c.grad_dtype)},
+                {"min_scale_overflow",
+                 s.min_scale_overflow == MinScaleOverflow::kError ? "error" : "skip"}}}};
+  return doc.dump(2);
+}
+
+}  // namespace strata

@@ -1,0 +1,130 @@
+// OffloadConfig: every knob of the offload engine, as a struct with defaults
+// and as JSON whose keys follow DeepSpeed's config (zero_optimization,
+// offload_optimizer, aio, optimizer, gradient_clipping, fp16, bf16), so an
+// existing DeepSpeed config works as is; Strata's own knobs live in a
+// "strata" section. docs/config.md is the reference of every key.
+//
+//   STRATA_ASSIGN_OR_RETURN(OffloadConfig config, ParseConfigJson(R"({
+//     "zero_optimization": {"stage": 2, "sub_group_size": 1e8,
+//       "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}},
+//     "aio": {"block_size": 1048576, "queue_depth": 8},
+//     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+//     "gradient_clipping": 1.0,
+//     "bf16": {"enabled": true},
+//     "strata": {"host_budget": "64GiB"}})"));
+//   STRATA_RETURN_IF_ERROR(ValidateConfig(config));
+//   LogInfo(ConfigToJson(config));   // the effective config
+//
+// Parsing rules:
+//   - Unknown keys are InvalidArgument naming the full key path, with a
+//     did-you-mean when a known key is close:
+//     "zero_optimization.offload_optimizer.nvme_pth: unknown key (did you mean nvme_path?)".
+//   - A wrong type or an out-of-range value names the key, the value and the
+//     allowed range. Integers may be written as 1e8 when the value is integral.
+//     Sizes in the strata section (and aio.block_size) may be strings with
+//     units ("64GiB", "1MiB").
+//   - DeepSpeed keys that do not apply to this engine (batch sizes, schedulers,
+//     stage-3 parameter partitioning, ...) are listed in one table
+//     (IgnoredConfigKeys()) and accepted with a one-time info log.
+//   - Keys absent from the document keep the struct's defaults.
+// ParseConfigJson checks each value on its own; ValidateConfig checks the
+// combinations (nvme device without nvme_path, fp16 and bf16 both enabled, ...).
+//
+// Everything here is pure and thread-safe (the one-time log is synchronized).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cpu_adam/cpu_adam.h"
+#include "offload/loss_scaler.h"
+#include "offload/placement.h"
+#include "runtime/dtype.h"
+#include "runtime/status.h"
+
+namespace strata {
+
+enum class OffloadDevice : uint8_t { kNone = 0, kCpu = 1, kNvme = 2 };
+std::string_view OffloadDeviceName(OffloadDevice device);  // "none", "cpu", "nvme"
+
+enum class OptimizerType : uint8_t { kAdam = 0, kAdamW = 1, kAdagrad = 2, kLion = 3 };
+std::string_view OptimizerTypeName(OptimizerType type);  // "Adam", "AdamW", "Adagrad", "Lion"
+
+// Bytes of fp32 state per parameter: master + moments (Adam 12, Adagrad 8, Lion 8).
+uint32_t StateBytesPerElem(OptimizerType type);
+
+// An on/off setting (DeepSpeed's booleans), so no struct holds a bare bool.
+enum class Switch : uint8_t { kOff = 0, kOn = 1 };
+
+// DeepSpeed's "aio" section: how the NVMe tier is driven.
+struct AioConfig {
+  uint64_t block_bytes = 1 << 20;  // block_size: bytes per IO request, a multiple of 4096
+  uint32_t queue_depth = 8;        // requests in flight per file
+  uint32_t thread_count = 1;       // IO submission threads
+  Switch single_submit = Switch::kOff;
+  Switch overlap_events = Switch::kOn;
+  Switch use_gds = Switch::kOff;  // GPUDirect Storage: not supported, ignored with a warning
+};
+
+struct OffloadConfig {
+  // zero_optimization
+  int zero_stage = 2;                        // stage: 1, 2 or 3 (0 has no sharded state)
+  uint64_t sub_group_elems = 1'000'000'000;  // sub_group_size
+  // zero_optimization.offload_optimizer
+  OffloadDevice device = OffloadDevice::kCpu;
+  std::vector<std::string> nvme_paths;  // nvme_path: one directory or a list (striped)
+  Switch pin_memory = Switch::kOn;      // DeepSpeed's default is off; see docs/config.md
+  uint32_t buffer_count = 4;            // pipeline depth: NVMe/param buffers in flight
+  Switch fast_init = Switch::kOff;
+  double offload_ratio = 1.0;  // ratio: only 1.0 (everything offloaded) is supported
+  AioConfig aio;
+  // optimizer: the type selects which hyperparameter struct is used.
+  // AdamHyper::step and ::grad_scale (and the others') are per-step values
+  // that the engine fills in; the config keeps their defaults.
+  OptimizerType optimizer = OptimizerType::kAdamW;
+  AdamHyper adam{.weight_decay = 0.0};  // Adam and AdamW; DeepSpeed's default decay is 0
+  AdagradHyper adagrad;
+  LionHyper lion;
+  // gradient_clipping: clip by global norm; 0 disables.
+  double max_grad_norm = 1.0;
+  // fp16 / bf16: param_dtype is kF16, kBF16 or kF32; the loss scaler is
+  // dynamic or static for fp16 and kNone otherwise.
+  DType param_dtype = DType::kF32;
+  LossScalerOptions loss_scaler{.mode = LossScaleMode::kNone};
+  // strata
+  DType grad_dtype = DType::kF32;    // dtype of the gradients handed to the engine
+  uint64_t host_budget_bytes = 0;    // pinned DRAM; 0: unlimited (cpu) or staging only (nvme)
+  uint64_t device_budget_bytes = 0;  // device staging; 0: not limited
+  int threads = 0;                   // CPU optimizer threads; 0: every hardware thread
+  uint64_t align_elems = 64;         // alignment of each tensor in the flat buffer
+};
+
+// Parses a DeepSpeed-style JSON document (see above). InvalidArgument for
+// malformed JSON (with the parser's position), unknown keys, wrong types and
+// out-of-range values.
+Result<OffloadConfig> ParseConfigJson(std::string_view json);
+
+// Cross-field checks; InvalidArgument naming the keys involved and the fix.
+Status ValidateConfig(const OffloadConfig& config);
+
+// The effective config as a JSON document (pretty, 2-space indent) in the
+// same form ParseConfigJson reads. For a config that passes ValidateConfig,
+// ParseConfigJson(ConfigToJson(c)) gives back every field in use; the
+// hyperparameters of the optimizer types not selected are not written.
+std::string ConfigToJson(const OffloadConfig& config);
+
+// The planner's inputs for a rank whose shard is cut into `sub_group_elems`:
+// state bytes from the optimizer type, grad and param element sizes from the
+// dtypes, budgets, NVMe when device is "nvme" with a path, buffer_count and
+// aio.block_size.
+PlacementInputs PlacementInputsFor(const OffloadConfig& config,
+                                   std::span<const uint64_t> sub_group_elems);
+
+// Full key paths of the DeepSpeed keys that are accepted and ignored (a
+// section listed here is ignored with everything under it).
+std::span<const std::string_view> IgnoredConfigKeys();
+
+}  // namespace strata

@@ -1,0 +1,109 @@
+// The placement planner: given a rank's sub-groups, the bytes of optimizer
+// state per element, the pinned-host and device budgets and whether NVMe is
+// available, decides where each sub-group's state (fp32 master weights and the
+// optimizer moments) lives — pinned DRAM or NVMe — and sizes the staging
+// buffers the pipeline needs. The engine prints FormatPlan() at start-up.
+//
+//   PlacementInputs in{.sub_group_elems = {32'000'000, 32'000'000, 7'000'000},
+//                      .state_bytes_per_elem = 12,           // Adam: master, m, v
+//                      .host_budget_bytes = 64 * kGiB,
+//                      .nvme = NvmeTier::kAvailable,
+//                      .buffer_count = 4};
+//   STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(in));
+//   LogInfo(FormatPlan(plan));
+//
+// How it decides (docs/offload.md has the whole story):
+//   1. Staging that is always needed, in pinned host memory: the gradient
+//      buffer of the whole shard (grad_bytes_per_elem x shard elems; the clip
+//      coefficient needs the global norm before any sub-group is updated) and
+//      buffer_count param buffers of the largest sub-group (param dtype) for
+//      the H2D uploads. On the device: buffer_count flat buckets of the
+//      largest sub-group (the larger of the grad and param element sizes)
+//      for packing grads and staging params;
+//      0 device budget means "not limited".
+//   2. If all state fits in what is left of the host budget, everything is
+//      host-resident. A host budget of 0 means "not limited" when NVMe is not
+//      available, and "staging only" when it is (DeepSpeed's device: nvme).
+//   3. Otherwise buffer_count NVMe buffers are added (one extent each: the
+//      largest sub-group's state rounded up to 4 KiB plus the store's 4 KiB
+//      header), and the *last* k sub-groups, with k as large as fits, stay in
+//      DRAM; the first n - k go to NVMe. Sub-groups are updated in index
+//      order, so the NVMe reads of the first ones can start before the
+//      gradients are ready (state reads do not depend on them), and the write-
+//      behind of the last NVMe sub-groups overlaps the updates of the
+//      host-resident ones at the end instead of trailing the step.
+//   4. Impossible plans are ResourceExhausted with what is needed, what is
+//      available and which knob to turn (strata.host_budget,
+//      zero_optimization.offload_optimizer.nvme_path, sub_group_size,
+//      buffer_count, strata.device_budget).
+//
+// Pure, deterministic (same inputs, same plan), thread-safe. InvalidArgument
+// for malformed inputs (no sub-groups, a 0-elem sub-group, 0 bytes per
+// element, buffer_count 0, a block size that is not a multiple of 4096).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+enum class NvmeTier : uint8_t { kUnavailable = 0, kAvailable = 1 };
+
+enum class Tier : uint8_t { kHost = 0, kNvme = 1, kDevice = 2 };
+std::string_view TierName(Tier tier);  // "host", "nvme", "device"
+
+struct PlacementInputs {
+  std::vector<uint64_t> sub_group_elems;  // the rank's sub-groups, in update order
+  uint32_t state_bytes_per_elem = 12;     // Adam/AdamW 12, Adagrad 8, Lion 8
+  uint32_t grad_bytes_per_elem = 4;       // pinned grad buffer element (fp32 after reduce)
+  uint32_t param_bytes_per_elem = 2;      // fp16/bf16 params uploaded H2D
+  uint64_t host_budget_bytes = 0;         // pinned DRAM for state + staging
+  uint64_t device_budget_bytes = 0;       // device bytes for staging; 0: not limited
+  NvmeTier nvme = NvmeTier::kUnavailable;
+  uint32_t buffer_count = 4;       // pipeline depth (DeepSpeed offload_optimizer.buffer_count)
+  uint64_t block_bytes = 1 << 20;  // NVMe IO size (aio.block_size); a multiple of 4096
+};
+
+struct SubGroupPlacement {
+  uint64_t elems = 0;
+  uint64_t state_bytes = 0;  // elems x state_bytes_per_elem
+  Tier tier = Tier::kHost;
+};
+
+struct StagingBuffer {
+  std::string name;  // "grad", "param", "nvme", "device bucket"
+  Tier tier = Tier::kHost;
+  uint32_t count = 0;
+  uint64_t bytes_each = 0;
+  uint64_t total_bytes() const { return uint64_t{count} * bytes_each; }
+};
+
+struct PlacementPlan {
+  std::vector<SubGroupPlacement> sub_groups;  // one per input sub-group, same order
+  std::vector<StagingBuffer> buffers;
+  uint32_t host_sub_groups = 0;
+  uint32_t nvme_sub_groups = 0;
+  uint64_t host_state_bytes = 0;
+  uint64_t nvme_state_bytes = 0;  // payload; extents add 4 KiB rounding + header
+  uint64_t host_staging_bytes = 0;
+  uint64_t device_staging_bytes = 0;
+  uint64_t host_budget_bytes = 0;  // as given (0: see PlacementInputs)
+  uint64_t device_budget_bytes = 0;
+  uint64_t nvme_buffer_bytes = 0;  // bytes of one NVMe buffer (0 when no NVMe)
+  uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }
+};
+
+Result<PlacementPlan> PlanPlacement(const PlacementInputs& inputs);
+
+// The start-up table: bytes and sub-groups per tier, the buffers, the budgets.
+std::string FormatPlan(const PlacementPlan& plan);
+
+// The bytes one NVMe buffer needs for a sub-group state of `state_bytes`:
+// rounded up to 4 KiB, plus the state store's 4 KiB extent header.
+uint64_t NvmeBufferBytes(uint64_t state_bytes);
+
+}  // namespace strata

@@ -1,0 +1,268 @@
+// Config: a full DeepSpeed document, defaults, DeepSpeed semantics (Adam is
+// AdamW unless adam_w_mode is false, loss_scale 0 is dynamic), every kind of
+// error naming its key, ignored keys, cross-field validation, and the
+// ConfigToJson round trip.
+#include "offload/config.h"
+
+#include <gtest/gtest.h>
+
+#include "runtime/units.h"
+
+namespace strata {
+namespace {
+
+bool Contains(std::string_view haystack, std::string_view needle) {
+  return haystack.find(needle) != std::string_view::npos;
+}
+
+Status ParseError(std::string_view json) {
+  Result<OffloadConfig> c = ParseConfigJson(json);
+  EXPECT_FALSE(c.ok()) << json;
+  return c.ok() ? OkStatus() : c.status();
+}
+
+TEST(ConfigTest, FullDeepSpeedDocument) {
+  Result<OffloadConfig> c = ParseConfigJson(R"({
+    "train_batch_size": 64,
+    "zero_optimization": {
+      "stage": 3, "sub_group_size": 1e8, "overlap_comm": true,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                            "buffer_count": 5, "fast_init": false, "ratio": 1.0}},
+    "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 2,
+            "single_submit": true, "overlap_events": false, "use_gds": false},
+    "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
+                                             "weight_decay": 0.1, "adam_w_mode": false}},
+    "gradient_clipping": 0.5,
+    "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12,
+             "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 4},
+    "strata": {"host_budget": "64GiB", "device_budget": 1073741824, "threads": 8}
+  })");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->zero_stage, 3);
+  EXPECT_EQ(c->sub_group_elems, 100'000'000u);
+  EXPECT_EQ(c->device, OffloadDevice::kNvme);
+  EXPECT_EQ(c->nvme_paths, std::vector<std::string>{"/local_nvme"});
+  EXPECT_EQ(c->buffer_count, 5u);
+  EXPECT_EQ(c->aio.block_bytes, 262144u);
+  EXPECT_EQ(c->aio.queue_depth, 32u);
+  EXPECT_EQ(c->aio.thread_count, 2u);
+  EXPECT_EQ(c->aio.single_submit, Switch::kOn);
+  EXPECT_EQ(c->aio.overlap_events, Switch::kOff);
+  EXPECT_EQ(c->optimizer, OptimizerType::kAdam);
+  EXPECT_EQ(c->adam.lr, 3e-4);
+  EXPECT_EQ(c->adam.beta1, 0.8);
+  EXPECT_EQ(c->adam.beta2, 0.95);
+  EXPECT_EQ(c->adam.eps, 1e-6);
+  EXPECT_EQ(c->adam.weight_decay, 0.1);
+  EXPECT_EQ(c->adam.weight_decay_mode, WeightDecayMode::kL2);
+  EXPECT_EQ(c->max_grad_norm, 0.5);
+  EXPECT_EQ(c->param_dtype, DType::kF16);
+  EXPECT_EQ(c->grad_dtype, DType::kF16);
+  EXPECT_EQ(c->loss_scaler.mode, LossScaleMode::kDynamic);
+  EXPECT_EQ(c->loss_scaler.initial_scale_power, 12);
+  EXPECT_EQ(c->loss_scaler.growth_interval, 500u);
+  EXPECT_EQ(c->loss_scaler.hysteresis, 3u);
+  EXPECT_EQ(c->loss_scaler.min_scale, 4.0);
+  EXPECT_EQ(c->host_budget_bytes, 64 * kGiB);
+  EXPECT_EQ(c->device_budget_bytes, kGiB);
+  EXPECT_EQ(c->threads, 8);
+  EXPECT_TRUE(ValidateConfig(*c).ok()) << ValidateConfig(*c);
+}
+
+TEST(ConfigTest, EmptyDocumentGivesDefaults) {
+  Result<OffloadConfig> c = ParseConfigJson("{}");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->device, OffloadDevice::kCpu);
+  EXPECT_EQ(c->buffer_count, 4u);
+  EXPECT_EQ(c->aio.block_bytes, kMiB);
+  EXPECT_EQ(c->aio.queue_depth, 8u);
+  EXPECT_EQ(c->sub_group_elems, 1'000'000'000u);
+  EXPECT_EQ(c->max_grad_norm, 1.0);
+  EXPECT_EQ(c->optimizer, OptimizerType::kAdamW);
+  EXPECT_EQ(c->loss_scaler.mode, LossScaleMode::kNone);
+  EXPECT_EQ(c->param_dtype, DType::kF32);
+  EXPECT_TRUE(ValidateConfig(*c).ok());
+}
+
+TEST(ConfigTest, DeepSpeedSemantics) {
+  // Adam defaults to decoupled decay (adam_w_mode true).
+  Result<OffloadConfig> adam = ParseConfigJson(R"({"optimizer": {"type": "adam"}})");
+  ASSERT_TRUE(adam.ok());
+  EXPECT_EQ(adam->adam.weight_decay_mode, WeightDecayMode::kDecoupled);
+  // loss_scale > 0 is static.
+  Result<OffloadConfig> st = ParseConfigJson(R"({"fp16": {"enabled": true, "loss_scale": 128}})");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->loss_scaler.mode, LossScaleMode::kStatic);
+  EXPECT_EQ(st->loss_scaler.static_scale, 128.0);
+  // bf16: no loss scaling.
+  Result<OffloadConfig> bf = ParseConfigJson(R"({"bf16": {"enabled": true}})");
+  ASSERT_TRUE(bf.ok());
+  EXPECT_EQ(bf->param_dtype, DType::kBF16);
+  EXPECT_EQ(bf->loss_scaler.mode, LossScaleMode::kNone);
+  // Several NVMe paths are striped; the strata section overrides the grad dtype.
+  Result<OffloadConfig> multi = ParseConfigJson(R"({
+    "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": ["/a", "/b"]}},
+    "bf16": {"enabled": true}, "strata": {"grad_dtype": "fp32"}})");
+  ASSERT_TRUE(multi.ok()) << multi.status();
+  EXPECT_EQ(multi->nvme_paths, (std::vector<std::string>{"/a", "/b"}));
+  EXPECT_EQ(multi->grad_dtype, DType::kF32);
+  // Adagrad and Lion parameters.
+  Result<OffloadConfig> lion = ParseConfigJson(
+      R"({"optimizer": {"type": "Lion", "params": {"lr": 1e-5, "betas": [0.9, 0.98]}}})");
+  ASSERT_TRUE(lion.ok());
+  EXPECT_EQ(lion->lion.lr, 1e-5);
+  EXPECT_EQ(lion->lion.beta2, 0.98);
+  EXPECT_EQ(StateBytesPerElem(lion->optimizer), 8u);
+  Result<OffloadConfig> ada = ParseConfigJson(
+      R"({"optimizer": {"type": "Adagrad", "params": {"lr": 0.1, "lr_decay": 0.01}}})");
+  ASSERT_TRUE(ada.ok());
+  EXPECT_EQ(ada->adagrad.lr_decay, 0.01);
+}
+
+TEST(ConfigTest, UnknownKeysNameThePathAndSuggest) {
+  Status s = ParseError(R"({"zero_optimization": {"offload_optimizer": {"nvme_pth": "/x"}}})");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(),
+            "zero_optimization.offload_optimizer.nvme_pth: unknown key (did you mean nvme_path?)");
+  s = ParseError(R"({"aio": {"queue_dpth": 4}})");
+  EXPECT_TRUE(Contains(s.message(), "aio.queue_dpth: unknown key (did you mean queue_depth?)"))
+      << s;
+  s = ParseError(R"({"zero_optimization": {"overlap_com": true}})");
+  EXPECT_TRUE(Contains(s.message(), "overlap_com: unknown key (did you mean overlap_comm?)")) << s;
+  s = ParseError(R"({"zzz": 1})");
+  EXPECT_TRUE(Contains(s.message(), "zzz: unknown key (known keys here:")) << s;
+  // Keys valid for one optimizer are unknown for another.
+  s = ParseError(R"({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})");
+  EXPECT_TRUE(Contains(s.message(), "optimizer.params.eps: unknown key")) << s;
+}
+
+TEST(ConfigTest, IgnoredDeepSpeedKeysAreAccepted) {
+  Result<OffloadConfig> c = ParseConfigJson(R"({
+    "train_micro_batch_size_per_gpu": 4, "scheduler": {"type": "WarmupLR", "params": {}},
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                          "stage3_max_live_parameters": 1e9, "contiguous_gradients": true},
+    "optimizer": {"type": "AdamW", "params": {"torch_adam": true}},
+    "fp16": {"enabled": false, "auto_cast": false}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(IgnoredConfigKeys().empty());
+}
+
+TEST(ConfigTest, WrongTypesAndRangesNameKeyValueAndRange) {
+  struct Case {
+    std::string_view json;
+    std::string_view want;
+  };
+  const Case cases[] = {
+      {R"({"aio": {"queue_depth": 0}})", "aio.queue_depth = 0: must be an integer in [1, 4096]"},
+      {R"({"aio": {"queue_depth": "8"}})", "aio.queue_depth = \"8\": expected an integer"},
+      {R"({"aio": {"queue_depth": 2.5}})", "aio.queue_depth = 2.5: must be an integer"},
+      {R"({"aio": {"block_size": "lots"}})", "aio.block_size = \"lots\": expected a byte count"},
+      {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage = 4: must be"},
+      {R"({"zero_optimization": {"sub_group_size": "auto"}})", "filled in by the Hugging Face"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
+       "device = \"gpu\": must be \"cpu\", \"nvme\" or \"none\""},
+      {R"({"zero_optimization": {"offload_optimizer": {"pin_memory": 1}}})",
+       "pin_memory = 1: expected true or false"},
+      {R"({"zero_optimization": []})", "zero_optimization = []: expected an object"},
+      {R"({"optimizer": {"type": "Lamb"}})", "optimizer.type = \"Lamb\": unsupported"},
+      {R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", "each beta must be in [0, 1)"},
+      {R"({"optimizer": {"params": {"betas": [0.9]}}})", "two numbers"},
+      {R"({"optimizer": {"params": {"eps": 0}}})",
+       "optimizer.params.eps = 0: must be a number in (0"},
+      {R"({"optimizer": {"params": {"amsgrad": true}}})", "AMSGrad is not supported"},
+      {R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})", "contradicts"},
+      {R"({"gradient_clipping": -1})", "gradient_clipping = -1: must be a number in [0"},
+      {R"({"fp16": {"initial_scale_power": 300}})", "fp16.initial_scale_power = 300"},
+      {R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", "both true"},
+      {R"({"strata": {"grad_dtype": "int8"}})", "strata.grad_dtype = \"int8\""},
+      {R"({"strata": {"host_budget": -1}})", "strata.host_budget = -1"},
+      {R"([1, 2])", "expected a JSON object"},
+      {R"({"aio": )", "parse config JSON"},
+  };
+  for (const Case& c : cases) {
+    Status s = ParseError(c.json);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.json;
+    EXPECT_TRUE(Contains(s.message(), c.want)) << c.json << " -> " << s;
+  }
+}
+
+TEST(ConfigTest, ValidateCrossFieldChecks) {
+  struct Case {
+    std::string_view json;
+    std::string_view want;
+  };
+  const Case cases[] = {
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})",
+       "nvme_path is not set"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "none"}}})", "always offloads"},
+      {R"({"zero_optimization": {"stage": 0}})", "ZeRO stage 1, 2 or 3"},
+      {R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.5}}})", "partial offload"},
+      {R"({"aio": {"block_size": 5000}})", "multiple of 4096"},
+      {R"({"fp16": {"enabled": true, "initial_scale_power": 1, "min_loss_scale": 4}})",
+       "fp16: loss scaler: initial scale"},
+  };
+  for (const Case& c : cases) {
+    Result<OffloadConfig> cfg = ParseConfigJson(c.json);
+    ASSERT_TRUE(cfg.ok()) << c.json << " " << cfg.status();
+    Status s = ValidateConfig(*cfg);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.json;
+    EXPECT_TRUE(Contains(s.message(), c.want)) << c.json << " -> " << s;
+  }
+}
+
+TEST(ConfigTest, ConfigToJsonRoundTrips) {
+  const std::string_view docs[] = {
+      "{}",
+      R"({"zero_optimization": {"stage": 3, "sub_group_size": 12345,
+            "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", "/b"], "buffer_count": 7}},
+          "aio": {"block_size": "2MiB", "use_gds": true},
+          "optimizer": {"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": false,
+                                                   "bias_correction": false}},
+          "fp16": {"enabled": true, "loss_scale": 64, "consecutive_hysteresis": true},
+          "strata": {"host_budget": "3GiB", "align_elems": 128, "min_scale_overflow": "skip"}})",
+      R"({"optimizer": {"type": "Lion", "params": {"lr": 0.001, "weight_decay": 0.3}},
+          "bf16": {"enabled": true}, "gradient_clipping": 0})",
+      R"({"optimizer": {"type": "Adagrad", "params": {"eps": 1e-7}}})",
+  };
+  for (std::string_view doc : docs) {
+    Result<OffloadConfig> a = ParseConfigJson(doc);
+    ASSERT_TRUE(a.ok()) << a.status();
+    const std::string json = ConfigToJson(*a);
+    Result<OffloadConfig> b = ParseConfigJson(json);
+    ASSERT_TRUE(b.ok()) << b.status() << "\n" << json;
+    EXPECT_EQ(ConfigToJson(*b), json);
+    EXPECT_EQ(b->optimizer, a->optimizer);
+    EXPECT_EQ(b->nvme_paths, a->nvme_paths);
+    EXPECT_EQ(b->loss_scaler.mode, a->loss_scaler.mode);
+    EXPECT_EQ(b->adam.weight_decay_mode, a->adam.weight_decay_mode);
+    EXPECT_EQ(b->adam.bias_correction, a->adam.bias_correction);
+    EXPECT_EQ(b->host_budget_bytes, a->host_budget_bytes);
+    EXPECT_EQ(b->aio.block_bytes, a->aio.block_bytes);
+  }
+}
+
+TEST(ConfigTest, PlacementInputsFollowTheConfig) {
+  Result<OffloadConfig> c = ParseConfigJson(R"({
+    "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/n",
+                                                "buffer_count": 3}},
+    "aio": {"block_size": 8192}, "optimizer": {"type": "Lion"}, "bf16": {"enabled": true},
+    "strata": {"host_budget": "1GiB", "device_budget": "2GiB", "grad_dtype": "fp32"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const uint64_t groups[] = {10, 5};
+  const PlacementInputs in = PlacementInputsFor(*c, groups);
+  EXPECT_EQ(in.sub_group_elems, (std::vector<uint64_t>{10, 5}));
+  EXPECT_EQ(in.state_bytes_per_elem, 8u);
+  EXPECT_EQ(in.grad_bytes_per_elem, 4u);
+  EXPECT_EQ(in.param_bytes_per_elem, 2u);
+  EXPECT_EQ(in.host_budget_bytes, kGiB);
+  EXPECT_EQ(in.device_budget_bytes, 2 * kGiB);
+  EXPECT_EQ(in.nvme, NvmeTier::kAvailable);
+  EXPECT_EQ(in.buffer_count, 3u);
+  EXPECT_EQ(in.block_bytes, 8192u);
+  OffloadConfig cpu = *c;
+  cpu.device = OffloadDevice::kCpu;
+  EXPECT_EQ(PlacementInputsFor(cpu, groups).nvme, NvmeTier::kUnavailable);
+}
+
+}  // namespace
+}  // namespace strata

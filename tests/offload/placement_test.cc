@@ -1,0 +1,229 @@
+// Placement planner: hand-computed plans, every refusal and its advice,
+// determinism, and a seeded property test against a brute-force reference
+// (the host-resident set is the longest suffix of sub-groups that fits).
+#include "offload/placement.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "runtime/units.h"
+#include "tests/offload/test_seed.h"
+
+namespace strata {
+namespace {
+
+bool Contains(std::string_view haystack, std::string_view needle) {
+  return haystack.find(needle) != std::string_view::npos;
+}
+
+PlacementInputs Small() {
+  return {.sub_group_elems = {100, 100, 100, 50},
+          .state_bytes_per_elem = 12,
+          .grad_bytes_per_elem = 4,
+          .param_bytes_per_elem = 2,
+          .buffer_count = 4,
+          .block_bytes = 4096};
+}
+
+// grad 350 x 4 + param 4 x 100 x 2 = 2200.
+constexpr uint64_t kFixed = 1400 + 800;
+constexpr uint64_t kAllState = 350 * 12;
+
+// Ten sub-groups of 2048 elems and one of 1024, two buffers, with NVMe:
+// grad 21504 x 4 = 86016, param 2 x 2048 x 2 = 8192, nvme 2 x (24576 + 4096).
+PlacementInputs Large() {
+  PlacementInputs in{.sub_group_elems = {},
+                     .state_bytes_per_elem = 12,
+                     .grad_bytes_per_elem = 4,
+                     .param_bytes_per_elem = 2,
+                     .nvme = NvmeTier::kAvailable,
+                     .buffer_count = 2,
+                     .block_bytes = 4096};
+  in.sub_group_elems.assign(10, 2048);
+  in.sub_group_elems.push_back(1024);
+  return in;
+}
+constexpr uint64_t kLargeStaging = 86016 + 8192 + 2 * 28672;
+
+TEST(PlacementTest, EverythingFitsInHost) {
+  PlacementInputs in = Small();
+  in.host_budget_bytes = kFixed + kAllState;  // exactly enough
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->host_sub_groups, 4u);
+  EXPECT_EQ(p->nvme_sub_groups, 0u);
+  EXPECT_EQ(p->host_state_bytes, kAllState);
+  EXPECT_EQ(p->host_staging_bytes, kFixed);
+  EXPECT_EQ(p->host_total_bytes(), in.host_budget_bytes);
+  EXPECT_EQ(p->nvme_buffer_bytes, 0u);
+  ASSERT_EQ(p->buffers.size(), 3u);  // grad, param, device bucket: no nvme buffers
+  EXPECT_EQ(p->buffers[0].total_bytes(), 1400u);
+  EXPECT_EQ(p->buffers[1].count, 4u);
+  EXPECT_EQ(p->buffers[1].bytes_each, 200u);
+  EXPECT_EQ(p->device_staging_bytes, 4u * 100 * 4);
+}
+
+TEST(PlacementTest, ZeroHostBudgetWithoutNvmeIsUnlimited) {
+  Result<PlacementPlan> p = PlanPlacement(Small());
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->host_sub_groups, 4u);
+  EXPECT_TRUE(Contains(FormatPlan(*p), "unlimited"));
+}
+
+TEST(PlacementTest, RefusesWithoutNvmeAndSaysWhatToRaise) {
+  PlacementInputs in = Small();
+  in.host_budget_bytes = kFixed + kAllState - 1;
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  const std::string_view m = p.status().message();
+  EXPECT_TRUE(Contains(m, "need " + FormatBytes(kFixed + kAllState))) << m;
+  EXPECT_TRUE(Contains(m, "strata.host_budget is " + FormatBytes(kFixed + kAllState - 1))) << m;
+  EXPECT_TRUE(Contains(m, "raise strata.host_budget to " + FormatBytes(kFixed + kAllState))) << m;
+  EXPECT_TRUE(Contains(m, "nvme_path")) << m;
+}
+
+TEST(PlacementTest, LastSubGroupsStayInHostTheRestGoToNvme) {
+  PlacementInputs in = Large();
+  // Room for the last two (12288 + 24576) but not a third.
+  in.host_budget_bytes = kLargeStaging + 12288 + 24576 + 24575;
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  for (size_t i = 0; i < 9; ++i) EXPECT_EQ(p->sub_groups[i].tier, Tier::kNvme) << i;
+  EXPECT_EQ(p->sub_groups[9].tier, Tier::kHost);
+  EXPECT_EQ(p->sub_groups[10].tier, Tier::kHost);
+  EXPECT_EQ(p->host_sub_groups, 2u);
+  EXPECT_EQ(p->nvme_sub_groups, 9u);
+  EXPECT_EQ(p->host_state_bytes, 36864u);
+  EXPECT_EQ(p->nvme_state_bytes, 9u * 24576);
+  EXPECT_EQ(p->nvme_buffer_bytes, 28672u);
+  EXPECT_EQ(p->host_staging_bytes, kLargeStaging);
+  EXPECT_LE(p->host_total_bytes(), in.host_budget_bytes);
+  const std::string text = FormatPlan(*p);
+  EXPECT_TRUE(Contains(text, "sub-groups: 0-8 nvme, 9-10 host")) << text;
+  EXPECT_TRUE(Contains(text, "nvme")) << text;
+}
+
+TEST(PlacementTest, ZeroHostBudgetWithNvmeMeansStagingOnly) {
+  PlacementInputs in = Small();
+  in.nvme = NvmeTier::kAvailable;
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->nvme_sub_groups, 4u);
+  EXPECT_EQ(p->host_state_bytes, 0u);
+  EXPECT_TRUE(Contains(FormatPlan(*p), "sub-groups: 0-3 nvme"));
+}
+
+TEST(PlacementTest, RefusesWhenStagingAloneDoesNotFit) {
+  PlacementInputs in = Large();
+  in.host_budget_bytes = kLargeStaging - 1;
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  const std::string_view m = p.status().message();
+  EXPECT_TRUE(Contains(m, "staging alone needs " + FormatBytes(kLargeStaging))) << m;
+  EXPECT_TRUE(Contains(m, "sub_group_size")) << m;
+  EXPECT_TRUE(Contains(m, "buffer_count")) << m;
+}
+
+TEST(PlacementTest, RefusesWhenDeviceStagingExceedsDeviceBudget) {
+  PlacementInputs in = Small();
+  in.device_budget_bytes = 1599;  // needs 4 x 100 x 4 = 1600
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(p.status().message(), "strata.device_budget")) << p.status();
+  in.device_budget_bytes = 1600;
+  EXPECT_TRUE(PlanPlacement(in).ok());
+}
+
+TEST(PlacementTest, MalformedInputs) {
+  auto code = [](PlacementInputs in) { return PlanPlacement(in).status().code(); };
+  PlacementInputs in = Small();
+  in.sub_group_elems = {};
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.sub_group_elems[1] = 0;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.state_bytes_per_elem = 0;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.buffer_count = 0;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.block_bytes = 1000;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  // Sizes whose byte counts could overflow 64 bits are refused, not wrapped.
+  in = Small();
+  in.buffer_count = 1025;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.sub_group_elems = {uint64_t{1} << 43, uint64_t{1} << 43, 1};
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+  in = Small();
+  in.state_bytes_per_elem = 65;
+  EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
+}
+
+TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
+  const uint64_t seed = testing::TestSeed();
+  std::mt19937_64 rng(seed);
+  for (int iter = 0; iter < 500; ++iter) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed << " iter " << iter);
+    PlacementInputs in;
+    const uint64_t sub = 1 + rng() % 5000;
+    const size_t n = 1 + rng() % 20;
+    for (size_t i = 0; i < n; ++i) in.sub_group_elems.push_back(sub);
+    in.sub_group_elems.back() = 1 + rng() % sub;
+    const uint32_t state_choices[] = {8, 12};
+    in.state_bytes_per_elem = state_choices[rng() % 2];
+    in.buffer_count = 1 + static_cast<uint32_t>(rng() % 6);
+    in.nvme = rng() % 2 ? NvmeTier::kAvailable : NvmeTier::kUnavailable;
+    in.host_budget_bytes = rng() % 4 == 0 ? 0 : rng() % (n * sub * 20 + 200000);
+
+    Result<PlacementPlan> p = PlanPlacement(in);
+    Result<PlacementPlan> again = PlanPlacement(in);
+    ASSERT_EQ(p.ok(), again.ok());
+    if (!p.ok()) {
+      ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted) << p.status();
+      ASSERT_EQ(p.status(), again.status());
+      continue;
+    }
+    ASSERT_EQ(FormatPlan(*p), FormatPlan(*again));
+    // Reference: the fixed staging, then the longest suffix that fits.
+    uint64_t shard = 0, max_elems = 0;
+    for (uint64_t e : in.sub_group_elems) shard += e, max_elems = std::max(max_elems, e);
+    const uint64_t fixed =
+        shard * in.grad_bytes_per_elem + uint64_t{in.buffer_count} * max_elems * 2;
+    uint64_t all_state = shard * in.state_bytes_per_elem;
+    const bool unlimited = in.host_budget_bytes == 0 && in.nvme == NvmeTier::kUnavailable;
+    size_t want_host = 0;
+    if (unlimited || fixed + all_state <= in.host_budget_bytes) {
+      want_host = n;
+    } else {
+      ASSERT_EQ(in.nvme, NvmeTier::kAvailable);
+      const uint64_t nvme_buf = ((max_elems * in.state_bytes_per_elem + 4095) / 4096 + 1) * 4096;
+      const uint64_t staging = fixed + in.buffer_count * nvme_buf;
+      uint64_t room = in.host_budget_bytes == 0 ? 0 : in.host_budget_bytes - staging;
+      for (size_t k = n; k > 0; --k) {
+        const uint64_t b = in.sub_group_elems[k - 1] * in.state_bytes_per_elem;
+        if (b > room) break;
+        room -= b;
+        ++want_host;
+      }
+      ASSERT_EQ(p->host_staging_bytes, staging);
+      if (in.host_budget_bytes > 0) {
+        ASSERT_LE(p->host_total_bytes(), in.host_budget_bytes);
+      }
+    }
+    ASSERT_EQ(p->host_sub_groups, want_host);
+    ASSERT_EQ(p->nvme_sub_groups, n - want_host);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(p->sub_groups[i].tier, i + want_host >= n ? Tier::kHost : Tier::kNvme) << i;
+    }
+    ASSERT_EQ(p->host_state_bytes + p->nvme_state_bytes, all_state);
+  }
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,111 @@
+// `strata plan`: reads a DeepSpeed-style config, prints the effective config
+// and the placement plan of one rank for a model of --params parameters, or
+// the refusal with the knob to turn. Needs no GPU and touches no file but the
+// config, so a config can be checked before a job is launched.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "offload/config.h"
+#include "offload/layout.h"
+#include "offload/placement.h"
+#include "runtime/units.h"
+#include "tools/cli.h"
+
+namespace strata::cli {
+namespace {
+
+struct PlanArgs {
+  std::string config_path;
+  std::string params;
+  uint32_t world_size = 1;
+  uint32_t rank = 0;
+  bool json = false;
+};
+
+Result<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFoundError(fmt::format("read config {}: cannot open it", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+Status RunPlan(const PlanArgs& args) {
+  if (args.rank >= args.world_size) {
+    return InvalidArgumentError(
+        fmt::format("--rank {} must be below --world-size {}", args.rank, args.world_size));
+  }
+  OffloadConfig config;
+  if (!args.config_path.empty()) {
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadFile(args.config_path));
+    Result<OffloadConfig> parsed = ParseConfigJson(text);
+    if (!parsed.ok()) return parsed.status().WithContext(args.config_path);
+    config = *std::move(parsed);
+  }
+  STRATA_RETURN_IF_ERROR(ValidateConfig(config).WithContext(
+      args.config_path.empty() ? std::string("default config") : args.config_path));
+  STRATA_ASSIGN_OR_RETURN(uint64_t params, ParseCount(args.params));
+  const TensorSpec model[] = {{.elems = params, .dtype = config.param_dtype}};
+  STRATA_ASSIGN_OR_RETURN(
+      FlatLayout layout,
+      PlanFlatLayout(model, {.align_elems = config.align_elems, .world_size = args.world_size}));
+  STRATA_ASSIGN_OR_RETURN(ElemRange shard, ShardRange(layout, args.rank));
+  STRATA_ASSIGN_OR_RETURN(std::vector<ElemRange> groups,
+                          CutSubGroups(shard, config.sub_group_elems));
+  std::vector<uint64_t> sizes;
+  for (const ElemRange& g : groups) sizes.push_back(g.elems());
+  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(PlacementInputsFor(config, sizes)));
+  if (args.json) {
+    nlohmann::json tiers = nlohmann::json::array();
+    for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));
+    nlohmann::json buffers = nlohmann::json::array();
+    for (const StagingBuffer& b : plan.buffers) {
+      buffers.push_back({{"name", b.name},
+                         {"tier", TierName(b.tier)},
+                         {"count", b.count},
+                         {"bytes_each", b.bytes_each}});
+    }
+    nlohmann::json out = {{"config", nlohmann::json::parse(ConfigToJson(config))},
+                          {"rank", args.rank},
+                          {"world_size", args.world_size},
+                          {"shard_elems", shard.elems()},
+                          {"plan",
+                           {{"sub_group_tiers", tiers},
+                            {"buffers", buffers},
+                            {"host_state_bytes", plan.host_state_bytes},
+                            {"nvme_state_bytes", plan.nvme_state_bytes},
+                            {"host_staging_bytes", plan.host_staging_bytes},
+                            {"device_staging_bytes", plan.device_staging_bytes}}}};
+    std::printf("%s\n", out.dump(2).c_str());
+    return OkStatus();
+  }
+  std::printf("effective config:\n%s\n", ConfigToJson(config).c_str());
+  std::printf("rank %u of %u: %s elements in %zu sub-groups\n", args.rank, args.world_size,
+              FormatCount(shard.elems()).c_str(), groups.size());
+  std::fputs(FormatPlan(plan).c_str(), stdout);
+  return OkStatus();
+}
+
+}  // namespace
+
+void AddPlanCommand(Cli& cli) {
+  auto args = std::make_shared<PlanArgs>();
+  CLI::App* cmd = cli.app.add_subcommand(
+      "plan", "Check a config and print where one rank's optimizer state would live");
+  cmd->add_option("--config", args->config_path, "DeepSpeed-style JSON config (default: defaults)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--params", args->params, "model parameters, e.g. 7B or 350M")->required();
+  cmd->add_option("--world-size", args->world_size, "data-parallel ranks")
+      ->check(CLI::Range(1u, 1u << 20));
+  cmd->add_option("--rank", args->rank, "the rank to plan for");
+  cmd->add_flag("--json", args->json, "print one JSON object");
+  cmd->callback([&cli, args] { RunAction(cli, "plan", [args] { return RunPlan(*args); }); });
+}
+
+}  // namespace strata::cli
