@@ -20,7 +20,9 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/device.h"
 #include "runtime/log.h"
+#include "runtime/pinned.h"
 #include "runtime/storage.h"
 #include "runtime/units.h"
 #include "tools/cli.h"
@@ -75,6 +77,29 @@ class TestFiles {
   std::vector<std::string> paths_;
 };
 
+// IO buffers from the engine's own allocator: a PinnedPool on the host device
+// (one slab, page-locked where permitted, huge-page backed where the kernel
+// allows), as the state store's staging buffers are.
+struct PinnedBuffers {
+  static Result<std::unique_ptr<PinnedBuffers>> Create(Device& device, size_t count, size_t bytes) {
+    constexpr uint64_t kHuge = 2 << 20;
+    const uint64_t total = (count * bytes + kHuge - 1) / kHuge * kHuge;
+    STRATA_ASSIGN_OR_RETURN(
+        PinnedPool pool, PinnedPool::Create(device, {.budget_bytes = total, .slab_bytes = total}));
+    auto out = std::make_unique<PinnedBuffers>(std::move(pool));
+    for (size_t i = 0; i < count; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, out->pool.Allocate(bytes));
+      out->spans.push_back(b.bytes().first(bytes));
+      out->buffers.push_back(std::move(b));
+    }
+    return out;
+  }
+  explicit PinnedBuffers(PinnedPool p) : pool(std::move(p)) {}
+  PinnedPool pool;
+  std::vector<PinnedBuffer> buffers;
+  std::vector<std::span<std::byte>> spans;
+};
+
 // IO buffers in one mapping backed by transparent huge pages where the kernel
 // allows: a 1 MiB buffer of scattered 4 KiB pages is 256 DMA segments, more
 // than many devices take in one request (virtio-blk: 254), so the block layer
@@ -82,6 +107,8 @@ class TestFiles {
 enum class HugePages : uint8_t { kOff, kTransparent };
 
 struct AlignedBuffers {
+  explicit AlignedBuffers(std::unique_ptr<PinnedBuffers> from_pool)
+      : map(nullptr), map_bytes(0), spans(from_pool->spans), pinned(std::move(from_pool)) {}
   AlignedBuffers(size_t count, size_t bytes, HugePages huge) {
     constexpr size_t kHuge = 2 << 20;
     map_bytes = (count * bytes + kHuge - 1) / kHuge * kHuge + kHuge;
@@ -113,7 +140,25 @@ struct AlignedBuffers {
   std::byte* map;
   size_t map_bytes;
   std::vector<std::span<std::byte>> spans;
+  std::unique_ptr<PinnedBuffers> pinned;
 };
+
+// `kind`: thp, plain (mmap) or pinned (the engine's PinnedPool on `device`).
+Result<std::unique_ptr<AlignedBuffers>> MakeIoBuffers(const std::string& kind, Device& device,
+                                                      size_t count, size_t bytes) {
+  if (kind == "pinned") {
+    STRATA_ASSIGN_OR_RETURN(auto pinned, PinnedBuffers::Create(device, count, bytes));
+    return std::make_unique<AlignedBuffers>(std::move(pinned));
+  }
+  auto b = std::make_unique<AlignedBuffers>(
+      count, bytes, kind == "thp" ? HugePages::kTransparent : HugePages::kOff);
+  if (b->map == nullptr) {
+    return ResourceExhaustedError(fmt::format("map {} x {} of IO buffers: {}", count,
+                                              FormatBytes(bytes),
+                                              ErrnoError(errno, "mmap").message()));
+  }
+  return b;
+}
 
 // Mean number of physically contiguous runs per buffer: the scatter-gather
 // segments a request on that buffer needs once the block layer has merged
@@ -296,6 +341,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
                                                                    : StorageBackend::kUring}));
   ::signal(SIGINT, OnSignal);
   ::signal(SIGTERM, OnSignal);
+  // Only for --buffers pinned; holds no memory otherwise.
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, CreateHostDevice());
   TestFiles test_files;
   std::vector<std::unique_ptr<File>> files;
   std::vector<std::unique_ptr<AlignedBuffers>> bufs;
@@ -305,9 +352,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
     STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
                                                          .direct = DirectIo::kAuto,
                                                          .queue_depth = a.qd}));
-    bufs.push_back(std::make_unique<AlignedBuffers>(
-        a.qd, block_bytes, a.buffers == "thp" ? HugePages::kTransparent : HugePages::kOff));
-    if (bufs.back()->map == nullptr) return ErrnoError(errno, "mmap IO buffers");
+    STRATA_ASSIGN_OR_RETURN(auto b, MakeIoBuffers(a.buffers, *host, a.qd, block_bytes));
+    bufs.push_back(std::move(b));
     STRATA_RETURN_IF_ERROR(f->RegisterBuffers(bufs.back()->spans));
     bufs.back()->Fill();
     files.push_back(std::move(f));
@@ -333,7 +379,6 @@ Status RunBenchNvme(const NvmeArgs& a) {
   for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
 
   const std::string fio_cmd = FioCommand(a, test_files.paths(), per_file_bytes, block_bytes);
-  const HugePages huge = a.buffers == "thp" ? HugePages::kTransparent : HugePages::kOff;
   // fio allocates its buffers anew in every run (a new process); with 4 KiB
   // pages their physical layout, and so the segments per request, is drawn
   // anew each time. --fresh-buffers does the same for the engine's side.
@@ -342,8 +387,7 @@ Status RunBenchNvme(const NvmeArgs& a) {
       // The new buffers are taken before the old ones are freed: pages freed
       // just before would come straight back, in reverse order (the
       // allocator's per-CPU lists are LIFO), i.e. one segment per page.
-      auto fresh = std::make_unique<AlignedBuffers>(a.qd, block_bytes, huge);
-      if (fresh->map == nullptr) return ErrnoError(errno, "mmap IO buffers");
+      STRATA_ASSIGN_OR_RETURN(auto fresh, MakeIoBuffers(a.buffers, *host, a.qd, block_bytes));
       STRATA_RETURN_IF_ERROR(files[f]->RegisterBuffers(fresh->spans));
       fresh->Fill();
       bufs[f] = std::move(fresh);
@@ -450,10 +494,11 @@ void AddBenchNvmeCommand(Cli& cli) {
       ->capture_default_str()
       ->check(CLI::IsMember({"uring", "posix"}));
   cmd->add_option("--buffers", args->buffers,
-                  "IO buffer memory: thp (transparent huge pages, fewer DMA segments) or plain (4 "
-                  "KiB pages, as fio uses)")
+                  "IO buffer memory: thp (transparent huge pages, fewer DMA segments), plain (4 "
+                  "KiB pages, as fio uses) or pinned (the engine's PinnedPool: page-locked, "
+                  "2 MiB-aligned slabs advised MADV_HUGEPAGE)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"thp", "plain"}));
+      ->check(CLI::IsMember({"thp", "plain", "pinned"}));
   cmd->add_option("--repeat", args->repeat, "Runs of each (best is reported)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
