@@ -31,6 +31,11 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kDeviceAlignment = 256;
 constexpr size_t kHostAlignment = 4096;
+// Host allocations start on a 2 MiB boundary so that the kernel can back them
+// with transparent huge pages: a 1 MiB IO buffer of scattered 4 KiB pages is
+// up to 256 DMA segments (more than many devices take in one request), one
+// or two on a huge page.
+constexpr size_t kHostHugePageBytes = 2 << 20;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -38,6 +43,23 @@ size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 // a no-op that always succeeds, which would hide the refused-lock fallback
 // from the TSan/ASan test runs.
 int Mlock(void* p, size_t bytes) { return static_cast<int>(::syscall(SYS_mlock, p, bytes)); }
+
+// An anonymous private mapping of `bytes` (a multiple of 4096) starting on a
+// kHostHugePageBytes boundary: maps that much more and trims both ends.
+Result<void*> MapHugePageAligned(size_t bytes) {
+  const size_t map_bytes = bytes + kHostHugePageBytes;
+  void* m = ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) {
+    return ResourceExhaustedError(fmt::format("allocate {} of host memory: {}", FormatBytes(bytes),
+                                              ErrnoError(errno, "mmap").message()));
+  }
+  const auto base = reinterpret_cast<uintptr_t>(m);
+  const uintptr_t aligned = RoundUp(base, kHostHugePageBytes);
+  if (aligned > base) ::munmap(m, aligned - base);
+  const uintptr_t end = aligned + bytes;
+  if (base + map_bytes > end) ::munmap(reinterpret_cast<void*>(end), base + map_bytes - end);
+  return reinterpret_cast<void*>(aligned);
+}
 
 // One direction of the modeled PCIe link. Copies reserve link time in the
 // order they start, so concurrent copies share the bandwidth; completion is
@@ -242,11 +264,11 @@ class HostDevice final : public Device {
   Result<HostAllocation> AllocateHost(size_t bytes) override {
     if (bytes == 0) return HostAllocation();
     const size_t rounded = RoundUp(bytes, kHostAlignment);
-    void* p = std::aligned_alloc(kHostAlignment, rounded);
-    if (p == nullptr) {
-      return ResourceExhaustedError(
-          fmt::format("allocate {} of host memory: out of memory", FormatBytes(rounded)));
-    }
+    STRATA_ASSIGN_OR_RETURN(void* p, MapHugePageAligned(rounded));
+    // Before mlock, which faults every page in: THP (in "madvise" mode, the
+    // common default) applies only to ranges advised before the fault. Where
+    // the kernel has no THP the advice fails harmlessly and 4 KiB pages stay.
+    ::madvise(p, rounded, MADV_HUGEPAGE);
     if (Mlock(p, rounded) == 0) return HostAllocation(this, p, rounded, HostMemoryLock::kLocked);
     const int err = errno;
     if (err == EPERM || err == ENOMEM || err == EAGAIN) {
@@ -257,7 +279,7 @@ class HostDevice final : public Device {
                    ErrnoError(err, fmt::format("mlock {}", FormatBytes(rounded))).message()));
       return HostAllocation(this, p, rounded, HostMemoryLock::kUnlocked);
     }
-    std::free(p);
+    ::munmap(p, rounded);
     return ErrnoError(err, fmt::format("mlock {} of host memory", FormatBytes(rounded)));
   }
 
@@ -405,7 +427,7 @@ class HostDevice final : public Device {
 
   void FreeHost(void* data, size_t bytes, HostMemoryLock lock) override {
     if (lock == HostMemoryLock::kLocked) ::syscall(SYS_munlock, data, bytes);
-    std::free(data);
+    ::munmap(data, bytes);
   }
 
   std::unique_ptr<HostStream> MakeStream(std::string label) {

@@ -1,12 +1,14 @@
 // `strata bench nvme`: sequential read or write throughput of the storage
 // engine on one or more drives, optionally against fio on the same files with
 // the same engine, block size and queue depth, interleaved, best of several.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -18,7 +20,9 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/device.h"
 #include "runtime/log.h"
+#include "runtime/pinned.h"
 #include "runtime/storage.h"
 #include "runtime/units.h"
 #include "tools/cli.h"
@@ -36,6 +40,8 @@ struct NvmeArgs {
   std::string backend = "uring";
   std::string buffers = "thp";
   int repeat = 3;
+  std::string order = "alternate";
+  bool fresh_buffers = false;
   bool vs_fio = false;
   bool json = false;
 };
@@ -71,6 +77,29 @@ class TestFiles {
   std::vector<std::string> paths_;
 };
 
+// IO buffers from the engine's own allocator: a PinnedPool on the host device
+// (one slab, page-locked where permitted, huge-page backed where the kernel
+// allows), as the state store's staging buffers are.
+struct PinnedBuffers {
+  static Result<std::unique_ptr<PinnedBuffers>> Create(Device& device, size_t count, size_t bytes) {
+    constexpr uint64_t kHuge = 2 << 20;
+    const uint64_t total = (count * bytes + kHuge - 1) / kHuge * kHuge;
+    STRATA_ASSIGN_OR_RETURN(
+        PinnedPool pool, PinnedPool::Create(device, {.budget_bytes = total, .slab_bytes = total}));
+    auto out = std::make_unique<PinnedBuffers>(std::move(pool));
+    for (size_t i = 0; i < count; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, out->pool.Allocate(bytes));
+      out->spans.push_back(b.bytes().first(bytes));
+      out->buffers.push_back(std::move(b));
+    }
+    return out;
+  }
+  explicit PinnedBuffers(PinnedPool p) : pool(std::move(p)) {}
+  PinnedPool pool;
+  std::vector<PinnedBuffer> buffers;
+  std::vector<std::span<std::byte>> spans;
+};
+
 // IO buffers in one mapping backed by transparent huge pages where the kernel
 // allows: a 1 MiB buffer of scattered 4 KiB pages is 256 DMA segments, more
 // than many devices take in one request (virtio-blk: 254), so the block layer
@@ -78,6 +107,8 @@ class TestFiles {
 enum class HugePages : uint8_t { kOff, kTransparent };
 
 struct AlignedBuffers {
+  explicit AlignedBuffers(std::unique_ptr<PinnedBuffers> from_pool)
+      : map(nullptr), map_bytes(0), spans(from_pool->spans), pinned(std::move(from_pool)) {}
   AlignedBuffers(size_t count, size_t bytes, HugePages huge) {
     constexpr size_t kHuge = 2 << 20;
     map_bytes = (count * bytes + kHuge - 1) / kHuge * kHuge + kHuge;
@@ -109,7 +140,57 @@ struct AlignedBuffers {
   std::byte* map;
   size_t map_bytes;
   std::vector<std::span<std::byte>> spans;
+  std::unique_ptr<PinnedBuffers> pinned;
 };
+
+// `kind`: thp, plain (mmap) or pinned (the engine's PinnedPool on `device`).
+Result<std::unique_ptr<AlignedBuffers>> MakeIoBuffers(const std::string& kind, Device& device,
+                                                      size_t count, size_t bytes) {
+  if (kind == "pinned") {
+    STRATA_ASSIGN_OR_RETURN(auto pinned, PinnedBuffers::Create(device, count, bytes));
+    return std::make_unique<AlignedBuffers>(std::move(pinned));
+  }
+  auto b = std::make_unique<AlignedBuffers>(
+      count, bytes, kind == "thp" ? HugePages::kTransparent : HugePages::kOff);
+  if (b->map == nullptr) {
+    return ResourceExhaustedError(fmt::format("map {} x {} of IO buffers: {}", count,
+                                              FormatBytes(bytes),
+                                              ErrnoError(errno, "mmap").message()));
+  }
+  return b;
+}
+
+// Mean number of physically contiguous runs per buffer: the scatter-gather
+// segments a request on that buffer needs once the block layer has merged
+// adjacent pages. Read from /proc/self/pagemap, whose frame numbers only
+// root (CAP_SYS_ADMIN) sees; returns 0 where they are hidden.
+double MeanPhysicalSegments(std::span<const std::span<std::byte>> buffers) {
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  uint64_t runs = 0;
+  for (std::span<std::byte> b : buffers) {
+    const size_t pages = (b.size() + page - 1) / page;
+    std::vector<uint64_t> entries(pages);
+    const off_t off = static_cast<off_t>(reinterpret_cast<uintptr_t>(b.data()) / page * 8);
+    if (::pread(fd, entries.data(), pages * 8, off) != static_cast<ssize_t>(pages * 8)) {
+      ::close(fd);
+      return 0;
+    }
+    constexpr uint64_t kPfnMask = (1ull << 55) - 1;
+    constexpr uint64_t kPresent = 1ull << 63;
+    for (size_t i = 0; i < pages; ++i) {
+      const uint64_t pfn = entries[i] & kPfnMask;
+      if ((entries[i] & kPresent) == 0 || pfn == 0) {
+        ::close(fd);
+        return 0;
+      }
+      if (i == 0 || pfn != (entries[i - 1] & kPfnMask) + 1) ++runs;
+    }
+  }
+  ::close(fd);
+  return buffers.empty() ? 0 : static_cast<double>(runs) / buffers.size();
+}
 
 // Sequential IO over [0, size_bytes) of one file with `qd` requests in flight.
 Status RunFile(File& file, IoOp op, uint64_t size_bytes, uint64_t block_bytes, uint32_t qd,
@@ -149,6 +230,13 @@ Status RunFile(File& file, IoOp op, uint64_t size_bytes, uint64_t block_bytes, u
 }
 
 enum class Progress : uint8_t { kQuiet, kShow };
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
 
 // One pass over every file, one thread per file (as fio runs one job per
 // file). Returns bytes per second over all files.
@@ -230,8 +318,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
   for (const std::string& d : dirs) {
     struct stat st;
     if (::stat(d.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-      return InvalidArgumentError(fmt::format(
-          "--dir {}: not an existing directory; create it on the drive to measure", d));
+      return InvalidArgumentError(
+          fmt::format("--dir {}: not an existing directory; create it on the drive to measure", d));
     }
   }
   STRATA_ASSIGN_OR_RETURN(uint64_t size_bytes, ParseBytes(a.size));
@@ -253,6 +341,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
                                                                    : StorageBackend::kUring}));
   ::signal(SIGINT, OnSignal);
   ::signal(SIGTERM, OnSignal);
+  // Only for --buffers pinned; holds no memory otherwise.
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, CreateHostDevice());
   TestFiles test_files;
   std::vector<std::unique_ptr<File>> files;
   std::vector<std::unique_ptr<AlignedBuffers>> bufs;
@@ -262,8 +352,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
     STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
                                                          .direct = DirectIo::kAuto,
                                                          .queue_depth = a.qd}));
-    bufs.push_back(std::make_unique<AlignedBuffers>(
-        a.qd, block_bytes, a.buffers == "thp" ? HugePages::kTransparent : HugePages::kOff));
+    STRATA_ASSIGN_OR_RETURN(auto b, MakeIoBuffers(a.buffers, *host, a.qd, block_bytes));
+    bufs.push_back(std::move(b));
     STRATA_RETURN_IF_ERROR(f->RegisterBuffers(bufs.back()->spans));
     bufs.back()->Fill();
     files.push_back(std::move(f));
@@ -277,6 +367,11 @@ Status RunBenchNvme(const NvmeArgs& a) {
       std::string(storage->name()).c_str(),
       info.fixed_buffers ? "fixed buffers" : "unregistered buffers",
       info.fixed_file ? ", registered file" : "");
+  const double segments = MeanPhysicalSegments(bufs[0]->spans);
+  if (segments > 0) {
+    std::fprintf(stderr, "IO buffers: %.1f physically contiguous runs per %s buffer\n", segments,
+                 FormatBytes(block_bytes).c_str());
+  }
   // Lay the files out (also what the write test overwrites, as fio does).
   STRATA_RETURN_IF_ERROR(
       RunPass(files, IoOp::kWrite, per_file_bytes, block_bytes, a.qd, bufs, Progress::kShow)
@@ -284,12 +379,30 @@ Status RunBenchNvme(const NvmeArgs& a) {
   for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
 
   const std::string fio_cmd = FioCommand(a, test_files.paths(), per_file_bytes, block_bytes);
-  std::vector<double> ours, fio;
+  // fio allocates its buffers anew in every run (a new process); with 4 KiB
+  // pages their physical layout, and so the segments per request, is drawn
+  // anew each time. --fresh-buffers does the same for the engine's side.
+  const auto reallocate = [&]() -> Status {
+    for (size_t f = 0; f < files.size(); ++f) {
+      // The new buffers are taken before the old ones are freed: pages freed
+      // just before would come straight back, in reverse order (the
+      // allocator's per-CPU lists are LIFO), i.e. one segment per page.
+      STRATA_ASSIGN_OR_RETURN(auto fresh, MakeIoBuffers(a.buffers, *host, a.qd, block_bytes));
+      STRATA_RETURN_IF_ERROR(files[f]->RegisterBuffers(fresh->spans));
+      fresh->Fill();
+      bufs[f] = std::move(fresh);
+    }
+    return OkStatus();
+  };
+  std::vector<double> ours, fio, ours_segments;
   // Interleaved, and the order alternates so neither side always runs on a
   // drive (or host cache) the other just warmed.
   for (int i = 0; i < a.repeat; ++i) {
     double f = 0;
-    const bool fio_first = a.vs_fio && i % 2 == 1;
+    const bool fio_first =
+        a.vs_fio && (a.order == "fio-first" || (a.order == "alternate" && i % 2 == 1));
+    if (a.fresh_buffers) STRATA_RETURN_IF_ERROR(reallocate());
+    ours_segments.push_back(MeanPhysicalSegments(bufs[0]->spans));
     if (fio_first) {
       STRATA_ASSIGN_OR_RETURN(f, RunFio(fio_cmd, a.op));
     }
@@ -300,6 +413,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
       STRATA_ASSIGN_OR_RETURN(f, RunFio(fio_cmd, a.op));
     }
     std::fprintf(stderr, "  run %d: strata %s", i + 1, FormatRate(bw).c_str());
+    if (ours_segments.back() > 0)
+      std::fprintf(stderr, " (%.0f segments/block)", ours_segments.back());
     if (a.vs_fio) {
       fio.push_back(f);
       std::fprintf(stderr, ", fio %s", FormatRate(f).c_str());
@@ -308,6 +423,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
   }
   const double best = *std::max_element(ours.begin(), ours.end());
   const double fio_best = fio.empty() ? 0 : *std::max_element(fio.begin(), fio.end());
+  const double median = Median(ours);
+  const double fio_median = Median(fio);
   if (a.json) {
     nlohmann::json j = {{"op", a.op},
                         {"paths", dirs},
@@ -318,13 +435,20 @@ Status RunBenchNvme(const NvmeArgs& a) {
                         {"io_mode", info.io_mode == IoMode::kDirect ? "direct" : "buffered"},
                         {"fixed_buffers", info.fixed_buffers},
                         {"buffers", a.buffers},
+                        {"buffer_segments_per_block", segments},
                         {"repeat", a.repeat},
+                        {"order", a.vs_fio ? a.order : "none"},
+                        {"fresh_buffers", a.fresh_buffers},
+                        {"runs_segments_per_block", ours_segments},
+                        {"median_bytes_per_sec", median},
                         {"bytes_per_sec", best},
                         {"runs_bytes_per_sec", ours}};
     if (a.vs_fio) {
       j["fio_bytes_per_sec"] = fio_best;
       j["fio_runs_bytes_per_sec"] = fio;
       j["ratio_to_fio"] = fio_best > 0 ? best / fio_best : 0.0;
+      j["fio_median_bytes_per_sec"] = fio_median;
+      j["ratio_to_fio_median"] = fio_median > 0 ? median / fio_median : 0.0;
       j["fio_command"] = fio_cmd;
     }
     std::printf("%s\n", j.dump().c_str());
@@ -333,8 +457,10 @@ Status RunBenchNvme(const NvmeArgs& a) {
                 FormatBytes(block_bytes).c_str(), a.qd, files.size(), FormatRate(best).c_str(),
                 a.repeat);
     if (a.vs_fio) {
-      std::printf("  fio %s  ratio %.3f", FormatRate(fio_best).c_str(),
-                  fio_best > 0 ? best / fio_best : 0.0);
+      std::printf("  fio %s  ratio %.3f (medians: %s vs %s, ratio %.3f)",
+                  FormatRate(fio_best).c_str(), fio_best > 0 ? best / fio_best : 0.0,
+                  FormatRate(median).c_str(), FormatRate(fio_median).c_str(),
+                  fio_median > 0 ? median / fio_median : 0.0);
     }
     std::printf("\n");
   }
@@ -368,13 +494,21 @@ void AddBenchNvmeCommand(Cli& cli) {
       ->capture_default_str()
       ->check(CLI::IsMember({"uring", "posix"}));
   cmd->add_option("--buffers", args->buffers,
-                  "IO buffer memory: thp (transparent huge pages, fewer DMA segments) or plain (4 "
-                  "KiB pages, as fio uses)")
+                  "IO buffer memory: thp (transparent huge pages, fewer DMA segments), plain (4 "
+                  "KiB pages, as fio uses) or pinned (the engine's PinnedPool: page-locked, "
+                  "2 MiB-aligned slabs advised MADV_HUGEPAGE)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"thp", "plain"}));
+      ->check(CLI::IsMember({"thp", "plain", "pinned"}));
   cmd->add_option("--repeat", args->repeat, "Runs of each (best is reported)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
+  cmd->add_option("--order", args->order,
+                  "With --vs-fio: alternate (strata first in odd runs, fio first in even runs), "
+                  "strata-first or fio-first")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"alternate", "strata-first", "fio-first"}));
+  cmd->add_flag("--fresh-buffers", args->fresh_buffers,
+                "Allocate and register new IO buffers before every run (as each fio run does)");
   cmd->add_flag("--vs-fio", args->vs_fio,
                 "Also run fio with the same engine, file, size, block and depth");
   cmd->add_flag("--json", args->json, "Print one JSON object on stdout");

@@ -7,9 +7,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -45,6 +47,78 @@ TEST(PinnedPool, BuffersAreAlignedAndRounded) {
     EXPECT_EQ(b->bytes().size(), b->size_bytes());
     std::memset(b->data(), 0x7f, b->size_bytes());
   }
+}
+
+// The first buffer of an empty pool starts its first slab.
+TEST(PinnedPool, SlabsStartOnA2MiBBoundary) {
+  auto dev = MakeHost();
+  for (uint64_t slab : {uint64_t{1} * kMiB, uint64_t{2} * kMiB, uint64_t{6} * kMiB + 4096}) {
+    PinnedPool pool = MakePool(*dev, 64 * kMiB, slab);
+    auto a = pool.Allocate(4096);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a->data()) % (2 * kMiB), 0u) << "slab " << slab;
+    // A request larger than a slab gets a slab of its own, aligned too.
+    auto big = pool.Allocate(slab + 4096);
+    ASSERT_TRUE(big.ok()) << big.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(big->data()) % (2 * kMiB), 0u) << "slab " << slab;
+    std::memset(a->data(), 1, a->size_bytes());
+    std::memset(big->data(), 2, big->size_bytes());
+  }
+}
+
+// "[madvise]" from /sys/kernel/mm/transparent_hugepage/<name>, or "".
+std::string ThpSetting(const char* name) {
+  std::FILE* f =
+      std::fopen((std::string("/sys/kernel/mm/transparent_hugepage/") + name).c_str(), "r");
+  if (f == nullptr) return "";
+  char line[256] = {};
+  const bool ok = std::fgets(line, sizeof(line), f) != nullptr;
+  std::fclose(f);
+  if (!ok) return "";
+  const std::string s(line);
+  const size_t b = s.find('['), e = s.find(']');
+  return b == std::string::npos || e == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+// AnonHugePages (bytes) of the mapping of /proc/self/smaps that contains p.
+uint64_t AnonHugePagesBytes(const void* p) {
+  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (f == nullptr) return 0;
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  char line[512];
+  bool inside = false;
+  uint64_t kb = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {  // a mapping's first line
+      inside = addr >= lo && addr < hi;
+    } else if (inside && std::sscanf(line, "AnonHugePages: %lu kB", &kb) == 1) {
+      break;
+    }
+  }
+  std::fclose(f);
+  return kb * 1024;
+}
+
+// Where THP is on for advised ranges and the kernel compacts memory for
+// them at fault time, a slab of whole 2 MiB pages is backed by huge pages.
+TEST(PinnedPool, SlabsAreBackedByHugePagesWhereTheKernelAllowsIt) {
+  const std::string enabled = ThpSetting("enabled");
+  const std::string defrag = ThpSetting("defrag");
+  if (enabled != "[always]" && enabled != "[madvise]") {
+    GTEST_SKIP() << "transparent huge pages are " << (enabled.empty() ? "absent" : enabled);
+  }
+  if (defrag != "[always]" && defrag != "[madvise]" && defrag != "[defer+madvise]") {
+    GTEST_SKIP() << "THP defrag is " << defrag << ": huge pages at fault time are not guaranteed";
+  }
+  auto dev = MakeHost();
+  PinnedPool pool = MakePool(*dev, 16 * kMiB, 8 * kMiB);
+  auto b = pool.Allocate(8 * kMiB);
+  ASSERT_TRUE(b.ok()) << b.status();
+  if (!pool.stats().locked) GTEST_SKIP() << "mlock refused: pages are faulted lazily";
+  EXPECT_GT(AnonHugePagesBytes(b->data()), 0u)
+      << "an 8 MiB locked slab advised MADV_HUGEPAGE has no huge page (THP enabled " << enabled
+      << ", defrag " << defrag << ")";
 }
 
 TEST(PinnedPool, AccountsCapacityInUseAndPeak) {
