@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/elem_access.h"
 #include "kernels/kernels_internal.h"
 #include "runtime/dtype.h"
 
@@ -17,31 +18,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535u * 8u;
-
-__device__ __forceinline__ float Load(const void* p, DType dtype, size_t i) {
-  switch (dtype) {
-    case DType::kF16:
-      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBF16:
-      return BF16ToF32(static_cast<const uint16_t*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void Store(void* p, DType dtype, size_t i, float v) {
-  switch (dtype) {
-    case DType::kF16:
-      static_cast<uint16_t*>(p)[i] = F32ToF16(v);
-      break;
-    case DType::kBF16:
-      static_cast<uint16_t*>(p)[i] = F32ToBF16(v);
-      break;
-    default:
-      static_cast<float*>(p)[i] = v;
-      break;
-  }
-}
 
 unsigned GridFor(size_t elems) {
   const size_t blocks = (elems + kThreads - 1) / kThreads;
@@ -53,9 +29,9 @@ __global__ void ConvertKernel(const void* src, DType src_dtype, void* dst, DType
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems;
        i += stride) {
-    float v = Load(src, src_dtype, i);
+    float v = LoadElem(src, src_dtype, i);
     if (mode == ScaleMode::kMultiply) v = __fmul_rn(v, scale);
-    Store(dst, dst_dtype, i, v);
+    StoreElem(dst, dst_dtype, i, v);
   }
 }
 
@@ -64,7 +40,7 @@ __global__ void AccumulateKernel(const void* src, DType src_dtype, void* dst, DT
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems;
        i += stride) {
-    Store(dst, dst_dtype, i, __fadd_rn(Load(dst, dst_dtype, i), Load(src, src_dtype, i)));
+    StoreElem(dst, dst_dtype, i, __fadd_rn(LoadElem(dst, dst_dtype, i), LoadElem(src, src_dtype, i)));
   }
 }
 
@@ -80,7 +56,7 @@ __global__ void GradStatsBlockKernel(const void* grad, DType dtype, size_t elems
   double acc = 0.0;
   unsigned long long nonfinite = 0;
   for (size_t i = begin + threadIdx.x; i < end; i += kGradStatsThreads) {
-    const float g = Load(grad, dtype, i);
+    const float g = LoadElem(grad, dtype, i);
     if (!isfinite(g)) ++nonfinite;
     const double d = static_cast<double>(g);
     acc = __dadd_rn(acc, __dmul_rn(d, d));
@@ -118,7 +94,7 @@ __global__ void AdamKernel(AdamKernelCoeffs c, float* params, float* exp_avg, fl
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems;
        i += stride) {
-    float g = __fmul_rn(Load(grad, grad_dtype, i), c.grad_scale);
+    float g = __fmul_rn(LoadElem(grad, grad_dtype, i), c.grad_scale);
     float p = params[i];
     if (c.decay == 1) g = __fadd_rn(g, __fmul_rn(c.l2_decay, p));
     if (c.decay == 2) p = __fmul_rn(p, c.decay_factor);
@@ -130,7 +106,7 @@ __global__ void AdamKernel(AdamKernelCoeffs c, float* params, float* exp_avg, fl
     params[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
-    if (out != nullptr) Store(out, out_dtype, i, p);
+    if (out != nullptr) StoreElem(out, out_dtype, i, p);
   }
 }
 

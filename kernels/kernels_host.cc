@@ -9,45 +9,21 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kernels/elem_access.h"
 #include "kernels/kernels_internal.h"
 #include "runtime/dtype.h"
 
 namespace strata::kernels::internal {
 namespace {
 
-float Load(const void* p, DType dtype, size_t i) {
-  switch (dtype) {
-    case DType::kF16:
-      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBF16:
-      return BF16ToF32(static_cast<const uint16_t*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-void Store(void* p, DType dtype, size_t i, float v) {
-  switch (dtype) {
-    case DType::kF16:
-      static_cast<uint16_t*>(p)[i] = F32ToF16(v);
-      break;
-    case DType::kBF16:
-      static_cast<uint16_t*>(p)[i] = F32ToBF16(v);
-      break;
-    default:
-      static_cast<float*>(p)[i] = v;
-      break;
-  }
-}
-
 }  // namespace
 
 void ConvertHost(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t elems,
                  float scale, ScaleMode mode) {
   for (size_t i = 0; i < elems; ++i) {
-    float v = Load(src, src_dtype, i);
+    float v = LoadElem(src, src_dtype, i);
     if (mode == ScaleMode::kMultiply) v = v * scale;
-    Store(dst, dst_dtype, i, v);
+    StoreElem(dst, dst_dtype, i, v);
   }
 }
 
@@ -91,7 +67,7 @@ void UnpackParamsHost(ConstDeviceTensor bucket, std::span<const UnpackEntry> ent
 
 void AccumulateHost(ConstDeviceTensor src, DeviceTensor dst) {
   for (size_t i = 0; i < dst.elems; ++i) {
-    Store(dst.data, dst.dtype, i, Load(dst.data, dst.dtype, i) + Load(src.data, src.dtype, i));
+    StoreElem(dst.data, dst.dtype, i, LoadElem(dst.data, dst.dtype, i) + LoadElem(src.data, src.dtype, i));
   }
 }
 
@@ -108,7 +84,7 @@ void GradStatsHost(ConstDeviceTensor grad, float grad_scale, void* stats_buffer)
     for (size_t t = 0; t < kGradStatsThreads; ++t) {
       double acc = 0.0;
       for (size_t i = begin + t; i < end; i += kGradStatsThreads) {
-        const float g = Load(grad.data, grad.dtype, i);
+        const float g = LoadElem(grad.data, grad.dtype, i);
         if (!std::isfinite(g)) ++nonfinite;
         const double d = static_cast<double>(g);
         acc = acc + d * d;
