@@ -25,6 +25,17 @@ inline void ResetResult(IoRequest& r) {
   r.retries = 0;
 }
 
+// Applies InterpretCompletion() to `r`: records its progress, and its status
+// once it is finished (done or failed). kResubmit: the caller issues the
+// remainder again.
+inline CompletionAction ApplyCompletion(IoRequest& r, std::string_view path, int64_t raw_result) {
+  CompletionDecision d = InterpretCompletion(r, path, raw_result);
+  r.transferred_bytes = d.transferred_bytes;
+  r.retries = d.retries;
+  if (d.action != CompletionAction::kResubmit) r.status = std::move(d.status);
+  return d.action;
+}
+
 // Moves up to completed.size() requests from the front of `ready` into
 // `completed`, in order; returns how many.
 inline size_t PopCompleted(std::deque<IoRequest*>& ready, std::span<IoRequest*> completed) {

@@ -84,11 +84,7 @@ class MemFile final : public File {
         std::memcpy(bytes.data() + off, p, len);
         raw = static_cast<int64_t>(len);
       }
-      CompletionDecision d = InterpretCompletion(r, info_.path, raw);
-      r.transferred_bytes = d.transferred_bytes;
-      r.retries = d.retries;
-      if (d.action == CompletionAction::kResubmit) continue;
-      r.status = std::move(d.status);
+      if (internal::ApplyCompletion(r, info_.path, raw) == CompletionAction::kResubmit) continue;
       return;
     }
   }

@@ -100,11 +100,7 @@ class PosixFile final : public File {
       ssize_t n =
           r.op == IoOp::kRead ? ::pread(fd_.get(), p, len, off) : ::pwrite(fd_.get(), p, len, off);
       const int64_t raw = n < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(n);
-      CompletionDecision d = InterpretCompletion(r, info_.path, raw);
-      r.transferred_bytes = d.transferred_bytes;
-      r.retries = d.retries;
-      if (d.action == CompletionAction::kResubmit) continue;
-      r.status = std::move(d.status);
+      if (internal::ApplyCompletion(r, info_.path, raw) == CompletionAction::kResubmit) continue;
       return;
     }
   }

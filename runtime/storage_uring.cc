@@ -207,13 +207,10 @@ class UringFile final : public File {
       if (n == 0) return OkStatus();
       for (unsigned i = 0; i < n; ++i) {
         auto* r = static_cast<IoRequest*>(io_uring_cqe_get_data(cqes[i]));
-        CompletionDecision d = InterpretCompletion(*r, info_.path, cqes[i]->res);
-        r->transferred_bytes = d.transferred_bytes;
-        r->retries = d.retries;
-        if (d.action == CompletionAction::kResubmit) {
+        if (internal::ApplyCompletion(*r, info_.path, cqes[i]->res) ==
+            CompletionAction::kResubmit) {
           pending_.push_front(r);
         } else {
-          r->status = std::move(d.status);
           ready_.push_back(r);
         }
       }

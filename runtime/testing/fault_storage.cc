@@ -88,11 +88,9 @@ class FaultFile final : public File {
  private:
   // Applies a raw result to the caller's request: finished, or go again.
   Status Apply(IoRequest* r, int64_t raw) {
-    CompletionDecision d = InterpretCompletion(*r, info_.path, raw);
-    r->transferred_bytes = d.transferred_bytes;
-    r->retries = d.retries;
-    if (d.action == CompletionAction::kResubmit) return Dispatch(r);
-    r->status = std::move(d.status);
+    if (internal::ApplyCompletion(*r, info_.path, raw) == CompletionAction::kResubmit) {
+      return Dispatch(r);
+    }
     ready_.push_back(r);
     return OkStatus();
   }
