@@ -189,40 +189,41 @@ Status UnpackParams(Device& device, StreamRef stream, ConstDeviceTensor bucket,
   });
 }
 
+namespace {
+
+// Cast and Scale are one element-wise convert: dst = convert(src) (x scale).
+Status LaunchConvert(std::string_view op, Device& device, StreamRef stream, const void* src,
+                     DType src_dtype, void* dst, DType dst_dtype, size_t elems, float scale,
+                     internal::ScaleMode mode) {
+  if (RunsOnHost(device)) {
+    return EnqueueHost(device, stream, [=] {
+      internal::ConvertHost(src, src_dtype, dst, dst_dtype, elems, scale, mode);
+    });
+  }
+  return LaunchCuda(op, device, stream, [&](void* s) {
+    if (elems == 0) return 0;
+    return internal::CudaConvert(s, src, src_dtype, dst, dst_dtype, elems, scale, mode);
+  });
+}
+
+}  // namespace
+
 Status Cast(Device& device, StreamRef stream, ConstDeviceTensor src, DeviceTensor dst) {
   constexpr std::string_view kOp = "cast";
   STRATA_RETURN_IF_ERROR(CheckStream(kOp, device, stream));
   STRATA_RETURN_IF_ERROR(CheckTensor(kOp, "src", src.data, src.elems, src.dtype));
   STRATA_RETURN_IF_ERROR(CheckTensor(kOp, "dst", dst.data, dst.elems, dst.dtype));
   STRATA_RETURN_IF_ERROR(CheckSameLength(kOp, "src", src.elems, "dst", dst.elems));
-  if (RunsOnHost(device)) {
-    return EnqueueHost(device, stream, [src, dst] {
-      internal::ConvertHost(src.data, src.dtype, dst.data, dst.dtype, dst.elems, 1.0f,
-                            internal::ScaleMode::kNone);
-    });
-  }
-  return LaunchCuda(kOp, device, stream, [&](void* s) {
-    if (dst.elems == 0) return 0;
-    return internal::CudaConvert(s, src.data, src.dtype, dst.data, dst.dtype, dst.elems, 1.0f,
-                                 internal::ScaleMode::kNone);
-  });
+  return LaunchConvert(kOp, device, stream, src.data, src.dtype, dst.data, dst.dtype, dst.elems,
+                       1.0f, internal::ScaleMode::kNone);
 }
 
 Status Scale(Device& device, StreamRef stream, DeviceTensor x, float scale) {
   constexpr std::string_view kOp = "scale";
   STRATA_RETURN_IF_ERROR(CheckStream(kOp, device, stream));
   STRATA_RETURN_IF_ERROR(CheckTensor(kOp, "x", x.data, x.elems, x.dtype));
-  if (RunsOnHost(device)) {
-    return EnqueueHost(device, stream, [x, scale] {
-      internal::ConvertHost(x.data, x.dtype, x.data, x.dtype, x.elems, scale,
-                            internal::ScaleMode::kMultiply);
-    });
-  }
-  return LaunchCuda(kOp, device, stream, [&](void* s) {
-    if (x.elems == 0) return 0;
-    return internal::CudaConvert(s, x.data, x.dtype, x.data, x.dtype, x.elems, scale,
-                                 internal::ScaleMode::kMultiply);
-  });
+  return LaunchConvert(kOp, device, stream, x.data, x.dtype, x.data, x.dtype, x.elems, scale,
+                       internal::ScaleMode::kMultiply);
 }
 
 Status Accumulate(Device& device, StreamRef stream, ConstDeviceTensor src, DeviceTensor dst) {
