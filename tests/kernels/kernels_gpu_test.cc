@@ -23,6 +23,7 @@ namespace {
 using testing::FiniteTensor;
 using testing::FirstBitDifference;
 using testing::kFloatTypes;
+using testing::RandomAdamState;
 using testing::RandomTensor;
 using testing::StoreRef;
 
@@ -234,13 +235,7 @@ TEST_F(KernelsGpuTest, AdamStepMatchesCpuAdamReference) {
       for (int out_k = 0; out_k < 4; ++out_k) {  // none, fp32, fp16, bf16
         SCOPED_TRACE("grad " + std::string(DTypeName(grad_t)) + " out " + std::to_string(out_k));
         const DType out_t = out_k == 0 ? DType::kF32 : kFloatTypes[out_k - 1];
-        std::vector<float> p(n), m(n), v(n);
-        std::normal_distribution<float> nd(0.0f, 1.0f);
-        for (size_t i = 0; i < n; ++i) {
-          p[i] = nd(rng);
-          m[i] = 0.1f * nd(rng);
-          v[i] = std::abs(0.01f * nd(rng));
-        }
+        auto [p, m, v] = RandomAdamState(n, rng);
         const auto g = FiniteTensor(grad_t, n, 0.5f, rng);
         DeviceBuffer d_p = Upload(p.data(), n * 4), d_m = Upload(m.data(), n * 4),
                      d_v = Upload(v.data(), n * 4), d_g = Upload(g);

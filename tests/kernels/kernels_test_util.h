@@ -99,6 +99,23 @@ inline std::vector<std::byte> FiniteTensor(DType dtype, size_t elems, float stdd
 }
 
 // Empty when equal; else the first differing element, described.
+// Random fp32 Adam state of `elems` elements: params ~ N(0, 1), m ~ N(0, 0.1),
+// v = |N(0, 0.01)|.
+struct AdamStateVectors {
+  std::vector<float> p, m, v;
+};
+inline AdamStateVectors RandomAdamState(size_t elems, std::mt19937_64& rng) {
+  AdamStateVectors s{std::vector<float>(elems), std::vector<float>(elems),
+                     std::vector<float>(elems)};
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (size_t i = 0; i < elems; ++i) {
+    s.p[i] = nd(rng);
+    s.m[i] = 0.1f * nd(rng);
+    s.v[i] = std::abs(0.01f * nd(rng));
+  }
+  return s;
+}
+
 inline std::string FirstBitDifference(const void* a, const void* b, DType dtype, size_t elems) {
   const size_t size = DTypeSize(dtype);
   for (size_t i = 0; i < elems; ++i) {
