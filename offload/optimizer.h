@@ -1,0 +1,213 @@
+// OffloadOptimizer: the optimizer a trainer calls. It owns the fp32 master
+// weights and the optimizer moments of this rank's ZeRO shard, keeps them in
+// pinned DRAM and on NVMe as the placement plan says, and runs one overlapped
+// step: grads down (pack, reduce-scatter, D2H), global decisions (norm,
+// non-finite, loss scaler, clipping), the sub-group pipeline (NVMe read-ahead,
+// CPU Adam, write-behind, H2D) and params up (all-gather, unpack into the
+// trainer's tensors).
+//
+//   STRATA_ASSIGN_OR_RETURN(OffloadConfig config, ParseConfigJson(json));
+//   std::vector<ParamGroup> groups(1);
+//   for (Tensor& t : model) {
+//     groups[0].params.push_back({.name = t.name, .data = t.data, .grad = t.grad,
+//                                 .elems = t.elems});
+//   }
+//   groups[0].hyper = {.lr = 3e-4, .weight_decay = 0.1};
+//   STRATA_ASSIGN_OR_RETURN(auto opt, OffloadOptimizer::Create(
+//       {.device = &device, .comm = comm, .stream = compute_stream}, config, groups));
+//   for (;;) {
+//     forward(); backward(loss * opt->loss_scale());   // writes the grads
+//     STRATA_RETURN_IF_ERROR(opt->Step());            // params updated in place
+//     STRATA_RETURN_IF_ERROR(opt->ZeroGrad());
+//     LogInfo(FormatStepStats(opt->last_step()));
+//   }
+//
+// Tensors: `data` and `grad` are device memory of `context.device` (any
+// host memory for the host device), `config.param_dtype` and
+// `config.grad_dtype` elements, alive and not moved for the optimizer's
+// lifetime. The tensors of all groups are packed in order into one flat
+// buffer (offload/layout.h); every rank must register the same tensors in the
+// same order with the same sizes. The fp32 master weights start as the
+// registered params (read once, in Create).
+//
+// Gradients and accumulation. Step() consumes the gradients that were handed
+// over since the last Step(): ReduceGradients() hands over the grads of one
+// micro-step (pack, reduce-scatter with the average over ranks, D2H, and
+// add into the pinned fp32 gradient of the shard); the trainer may then reuse
+// the grad tensors for the next micro-step. When ReduceGradients() was not
+// called since the last Step(), Step() calls it once. GradReady(i) lets the
+// engine start reducing a bucket as soon as all its tensors' grads are
+// written, so the reduction overlaps the rest of backward; it is optional,
+// and ReduceGradients() reduces whatever is not reduced yet.
+//
+// Streams: work that reads the trainer's tensors is ordered after the work
+// enqueued on `context.stream` before the call (an event, no host sync);
+// Step() makes `context.stream` wait for the param updates before it returns,
+// so the next forward enqueued there sees the new params. Step() itself blocks
+// the calling thread until the CPU update of every sub-group is done.
+//
+// Errors: Create returns InvalidArgument for bad groups (null pointers, no
+// tensors, groups that differ across ranks), and the planner's
+// ResourceExhausted when the state does not fit. Step returns the IO error of
+// the NVMe tier (with file, offset and size), FailedPrecondition when the
+// loss scaler gives up at min_scale. A failed Step leaves the state as it was
+// before the step: calling Step() again (the gradients are kept) gives the
+// result of a clean run.
+//
+// Thread-safety: one thread drives an optimizer. Different ranks' optimizers
+// (one per thread with the local communicator) run concurrently.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "offload/config.h"
+#include "offload/layout.h"
+#include "offload/loss_scaler.h"
+#include "offload/placement.h"
+#include "runtime/comm.h"
+#include "runtime/device.h"
+#include "runtime/status.h"
+#include "runtime/storage.h"
+
+namespace strata {
+
+// What the engine runs on; the caller owns these and keeps them alive for
+// the optimizer's lifetime.
+struct EngineContext {
+  Device* device = nullptr;      // required
+  Communicator* comm = nullptr;  // nullptr: one rank (world size 1)
+  Storage* storage = nullptr;    // NVMe IO; nullptr: the engine opens io_uring (POSIX fallback)
+  StreamRef stream;              // the trainer's compute stream; {}: the device's default stream
+};
+
+// One trainer tensor.
+struct Param {
+  std::string name;      // optional; checkpoints and exports use it
+  void* data = nullptr;  // device memory, config.param_dtype
+  void* grad = nullptr;  // device memory, config.grad_dtype
+  uint64_t elems = 0;
+};
+
+// The hyperparameters of a param group. The config's optimizer section gives
+// the defaults; SetGroupHyper changes them between steps (LR schedulers).
+struct GroupHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+struct ParamGroup {
+  std::vector<Param> params;
+  GroupHyper hyper;
+};
+
+// The config's optimizer hyperparameters as a group's defaults.
+GroupHyper DefaultGroupHyper(const OffloadConfig& config);
+
+// Seconds each stage of the last step kept its resource busy, and the step's
+// wall time. Stages overlap, so they add up to more than `step`.
+struct StageTimes {
+  double d2h = 0;    // gradient copies device -> pinned host
+  double comm = 0;   // reduce-scatter, all-reduce of the statistics, all-gather
+  double read = 0;   // NVMe reads of optimizer state
+  double adam = 0;   // CPU optimizer (and gradient statistics)
+  double write = 0;  // NVMe writes of optimizer state
+  double h2d = 0;    // param copies pinned host -> device
+  double step = 0;   // wall time of Step(), including the reduction it waited for
+};
+
+struct StepStats {
+  int64_t step = 0;           // optimizer steps taken so far (skipped ones not counted)
+  bool skipped = false;       // non-finite gradients: no update, the loss scale went down
+  double loss_scale = 1.0;    // the scale this step's gradients carried
+  double grad_norm = 0.0;     // global L2 norm of the unscaled gradients, before clipping
+  float clip_coef = 1.0f;     // ClipCoefficient; 1 when not clipped
+  uint32_t micro_steps = 0;   // gradients accumulated into this step
+  StageTimes times;
+  uint64_t read_bytes = 0;    // NVMe
+  uint64_t write_bytes = 0;   // NVMe
+  uint64_t d2h_bytes = 0;
+  uint64_t h2d_bytes = 0;
+};
+
+// One line: "step 12: 1.23 s (read 1.1 s, adam 0.4 s, ...), loss scale 65536".
+std::string FormatStepStats(const StepStats& stats);
+
+class OffloadOptimizer {
+ public:
+  // Plans the flat layout and the placement (logged with FormatPlan), opens
+  // the NVMe store when the plan needs it, allocates the pinned and device
+  // buffers and initializes the master weights from the params (a
+  // collective: every rank calls it).
+  static Result<std::unique_ptr<OffloadOptimizer>> Create(const EngineContext& context,
+                                                          const OffloadConfig& config,
+                                                          std::span<const ParamGroup> groups);
+  ~OffloadOptimizer();
+  OffloadOptimizer(const OffloadOptimizer&) = delete;
+  OffloadOptimizer& operator=(const OffloadOptimizer&) = delete;
+
+  // The grad of param `index` (flat over groups, registration order) is
+  // complete on context.stream. Optional; see "Gradients" above.
+  Status GradReady(uint32_t index);
+  // Hands over the gradients of the micro-step that just ended.
+  Status ReduceGradients();
+  // One optimizer step (a collective).
+  Status Step();
+  // Zeroes the registered grad tensors (on context.stream) and drops
+  // gradients handed over but not yet consumed by a Step.
+  Status ZeroGrad();
+
+  // The loss multiplier for the next backward (1 unless fp16 loss scaling).
+  double loss_scale() const;
+  const StepStats& last_step() const;
+  int64_t step_count() const;
+
+  uint32_t num_groups() const;
+  const GroupHyper& group_hyper(uint32_t group) const;
+  // InvalidArgument for a bad group index or values (lr < 0, betas outside
+  // [0, 1), eps <= 0, weight_decay < 0).
+  Status SetGroupHyper(uint32_t group, const GroupHyper& hyper);
+
+  const OffloadConfig& config() const;
+  const FlatLayout& layout() const;    // the tensors of all groups, in order
+  const PlacementPlan& plan() const;   // this rank's placement
+  ElemRange shard() const;             // this rank's flat elements
+  std::span<const ElemRange> sub_groups() const;  // the shard cut into sub-groups
+  int rank() const;
+  int world_size() const;
+  Communicator* comm() const;  // nullptr for one rank
+  Device& device() const;
+
+  // The fp32 state of sub-group `index` as arrays of its elems, one after the
+  // other: master, then the moments (Adam: master | exp_avg | exp_avg_sq).
+  // StateArrayCount() arrays. Read gives the committed state wherever it
+  // lives; Write replaces it (NVMe: a new committed generation). For
+  // checkpoints and tests; not to be called while a step is running.
+  uint32_t StateArrayCount() const;
+  Status ReadState(uint32_t index, std::span<float> out);
+  Status WriteState(uint32_t index, std::span<const float> state);
+
+  // Everything a checkpoint holds besides the arrays.
+  LossScalerState loss_scaler_state() const;
+  // Sets the step counter and the scaler (checkpoint load); InvalidArgument
+  // for a state the scaler cannot reach or a negative step.
+  Status RestoreCounters(int64_t step, const LossScalerState& scaler);
+
+  // Checkpoints (docs/checkpoint.md): a collective; every rank calls it with
+  // the same directory.
+  Status Save(const std::string& dir);
+  Status Load(const std::string& dir);
+
+ private:
+  struct Impl;
+  explicit OffloadOptimizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata
