@@ -567,10 +567,10 @@ uint32_t StateBytesPerElem(OptimizerType type) {
 }
 
 PlacementInputs PlacementInputsFor(const OffloadConfig& c,
-                                   std::span<const uint64_t> sub_group_elems) {
+                                   std::span<const uint64_t> sub_group_elems, uint32_t world_size) {
   return {.sub_group_elems = {sub_group_elems.begin(), sub_group_elems.end()},
           .state_bytes_per_elem = StateBytesPerElem(c.optimizer),
-          .grad_bytes_per_elem = static_cast<uint32_t>(DTypeSize(c.grad_dtype)),
+          .grad_bytes_per_elem = 4,  // the flat buckets and the pinned grad buffer are fp32
           .param_bytes_per_elem = static_cast<uint32_t>(DTypeSize(c.param_dtype)),
           .host_budget_bytes = c.host_budget_bytes,
           .device_budget_bytes = c.device_budget_bytes,
@@ -578,7 +578,8 @@ PlacementInputs PlacementInputsFor(const OffloadConfig& c,
                       ? NvmeTier::kAvailable
                       : NvmeTier::kUnavailable,
           .buffer_count = c.buffer_count,
-          .block_bytes = c.aio.block_bytes};
+          .block_bytes = c.aio.block_bytes,
+          .world_size = world_size};
 }
 
 std::span<const std::string_view> IgnoredConfigKeys() { return kIgnoredKeys; }

@@ -116,12 +116,14 @@ Status ValidateConfig(const OffloadConfig& config);
 // hyperparameters of the optimizer types not selected are not written.
 std::string ConfigToJson(const OffloadConfig& config);
 
-// The planner's inputs for a rank whose shard is cut into `sub_group_elems`:
-// state bytes from the optimizer type, grad and param element sizes from the
-// dtypes, budgets, NVMe when device is "nvme" with a path, buffer_count and
-// aio.block_size.
+// The planner's inputs for a rank of `world_size` whose shard is cut into
+// `sub_group_elems`: state bytes from the optimizer type, 4 grad bytes per
+// element (the engine reduces and keeps gradients in fp32 whatever
+// grad_dtype is), param element size from param_dtype, budgets, NVMe when
+// device is "nvme" with a path, buffer_count and aio.block_size.
 PlacementInputs PlacementInputsFor(const OffloadConfig& config,
-                                   std::span<const uint64_t> sub_group_elems);
+                                   std::span<const uint64_t> sub_group_elems,
+                                   uint32_t world_size = 1);
 
 // Full key paths of the DeepSpeed keys that are accepted and ignored (a
 // section listed here is ignored with everything under it).

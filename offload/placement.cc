@@ -47,6 +47,10 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
         fmt::format("{}: bytes per element (state {}, grad {}, param {}) must all be > 0", kOp,
                     in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
   }
+  if (in.world_size == 0 || in.world_size > 65536) {
+    return InvalidArgumentError(
+        fmt::format("{}: world_size is {}; it must be in [1, 65536]", kOp, in.world_size));
+  }
   if (in.buffer_count == 0 || in.buffer_count > 1024) {
     return InvalidArgumentError(fmt::format(
         "{}: buffer_count is {}; the pipeline needs 1 to 1024 buffers", kOp, in.buffer_count));
@@ -84,7 +88,8 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
   plan.buffers.push_back(
       {"param", Tier::kHost, in.buffer_count, max_elems * in.param_bytes_per_elem});
   plan.buffers.push_back({"device bucket", Tier::kDevice, in.buffer_count,
-                          max_elems * std::max(in.grad_bytes_per_elem, in.param_bytes_per_elem)});
+                          uint64_t{in.world_size} * max_elems *
+                              std::max(in.grad_bytes_per_elem, in.param_bytes_per_elem)});
   plan.device_staging_bytes = plan.buffers.back().total_bytes();
   if (in.device_budget_bytes != 0 && plan.device_staging_bytes > in.device_budget_bytes) {
     return ResourceExhaustedError(fmt::format(

@@ -17,9 +17,10 @@
 //      buffer of the whole shard (grad_bytes_per_elem x shard elems; the clip
 //      coefficient needs the global norm before any sub-group is updated) and
 //      buffer_count param buffers of the largest sub-group (param dtype) for
-//      the H2D uploads. On the device: buffer_count flat buckets of the
-//      largest sub-group (the larger of the grad and param element sizes)
-//      for packing grads and staging params;
+//      the H2D uploads. On the device: buffer_count flat buckets of
+//      world_size x the largest sub-group (the larger of the grad and param
+//      element sizes): a bucket holds every rank's block of one sub-group
+//      index, for the reduce-scatter of grads and the all-gather of params;
 //      0 device budget means "not limited".
 //   2. If all state fits in what is left of the host budget, everything is
 //      host-resident. A host budget of 0 means "not limited" when NVMe is not
@@ -66,6 +67,7 @@ struct PlacementInputs {
   NvmeTier nvme = NvmeTier::kUnavailable;
   uint32_t buffer_count = 4;       // pipeline depth (DeepSpeed offload_optimizer.buffer_count)
   uint64_t block_bytes = 1 << 20;  // NVMe IO size (aio.block_size); a multiple of 4096
+  uint32_t world_size = 1;         // ranks: a device bucket holds every rank's block (>= 1)
 };
 
 struct SubGroupPlacement {
