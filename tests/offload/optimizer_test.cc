@@ -5,9 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "offload/placement.h"
@@ -165,6 +169,414 @@ INSTANTIATE_TEST_SUITE_P(
         Case{.name = "host_adagrad", .optimizer = OptimizerType::kAdagrad},
         Case{.name = "mixed_lion", .where = Where::kMixed, .optimizer = OptimizerType::kLion}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+using testing::ExpectSameAsReference;
+using testing::FlatStats;
+using testing::ReferenceOptimizer;
+using testing::TestModel;
+using testing::TestSeed;
+
+Result<std::unique_ptr<OffloadOptimizer>> MakeOptimizer(Device& device, Storage* storage,
+                                                        const OffloadConfig& config,
+                                                        const TestModel& model,
+                                                        Communicator* comm = nullptr,
+                                                        StreamRef stream = {}) {
+  return OffloadOptimizer::Create(
+      {.device = &device, .comm = comm, .storage = storage, .stream = stream}, config,
+      model.Groups(kHypers));
+}
+
+// Rank r of N gets its own grads; the reference sees their average, summed
+// in rank order in fp32 as the local communicator does.
+void RunRanks(int world, double max_grad_norm) {
+  const uint64_t seed = TestSeed();
+  auto device = *CreateHostDevice();
+  auto comms = *CreateLocalGroup(world, *device);
+  Case c{.where = Where::kMixed,
+         .buffer_count = 2,
+         .sub_group_elems = 512,
+         .max_grad_norm = max_grad_norm};
+  OffloadConfig config = MakeConfig(c);
+  config.host_budget_bytes = 64 * 1024;  // a few sub-groups of each rank stay in DRAM
+  config.nvme_paths = {"/mem/nvme"};
+  constexpr int kSteps = 3;
+  // Every rank's grads of every step, drawn up front from one generator.
+  std::mt19937_64 rng(seed);
+  std::vector<std::unique_ptr<TestModel>> models;
+  std::vector<std::vector<std::vector<float>>> master(world);
+  for (int r = 0; r < world; ++r) {
+    models.push_back(
+        std::make_unique<TestModel>(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype));
+    std::mt19937_64 same(seed ^ 0x5eed);  // identical initial params on every rank
+    master[r] = models[r]->SetParams(same);
+  }
+  std::vector<std::vector<std::vector<std::vector<float>>>> grads(kSteps);
+  for (int s = 0; s < kSteps; ++s) {
+    for (int r = 0; r < world; ++r) grads[s].push_back(models[r]->RandomGrads(rng, 0.5f));
+  }
+  std::vector<std::unique_ptr<Storage>> storages;
+  for (int r = 0; r < world; ++r) storages.push_back(CreateMemStorage());
+  // Each rank its own trainer stream: Device::Synchronize would also wait for
+  // the other ranks' collectives.
+  std::vector<Stream> streams;
+  for (int r = 0; r < world; ++r) streams.push_back(*device->CreateStream());
+  std::vector<std::unique_ptr<OffloadOptimizer>> opts(world);
+  std::vector<Status> status(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        StreamRef stream = streams[r];
+        STRATA_ASSIGN_OR_RETURN(opts[r], MakeOptimizer(*device, storages[r].get(), config,
+                                                       *models[r], comms[r].get(), stream));
+        for (int s = 0; s < kSteps; ++s) {
+          models[r]->SetGrads(grads[s][r]);
+          STRATA_RETURN_IF_ERROR(opts[r]->Step());
+          STRATA_RETURN_IF_ERROR(device->StreamSynchronize(stream));
+        }
+        return OkStatus();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+
+  ReferenceOptimizer ref(config, master[0], kGroupOf, kHypers);
+  const float inv = 1.0f / static_cast<float>(world);
+  FlatLayout one_rank = *PlanFlatLayout(
+      [&] {
+        std::vector<TensorSpec> specs;
+        for (size_t t : models[0]->FlatOrder()) specs.push_back({.elems = kSizes[t]});
+        return specs;
+      }(),
+      {.align_elems = config.align_elems});
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<std::vector<float>> avg(kSizes.size());
+    for (size_t t = 0; t < kSizes.size(); ++t) {
+      avg[t].assign(kSizes[t], 0.0f);
+      for (uint64_t k = 0; k < kSizes[t]; ++k) {
+        float acc = grads[s][0][t][k] * inv;
+        for (int r = 1; r < world; ++r) acc += grads[s][r][t][k] * inv;
+        avg[t][k] = acc;
+      }
+    }
+    const GradStats st = FlatStats(one_rank, models[0]->FlatOrder(), avg);
+    ref.Step(avg, st.sum_sq, st.nonfinite_elems);
+  }
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(opts[r]->step_count(), kSteps);
+    if (max_grad_norm == 0) {
+      // No clipping: the only global scalar is 1, so the result is bitwise
+      // the reference's with the rank-ordered average.
+      ExpectSameAsReference(*opts[r], *models[r], ref);
+    } else {
+      // The squared norm is summed per shard, then over ranks: a different
+      // order of double additions, so the clip coefficient may differ in its
+      // last bit. The params agree to a few ulp.
+      ASSERT_TRUE(device->Synchronize().ok());
+      EXPECT_LT(opts[r]->last_step().clip_coef, 1.0f);
+      for (size_t t = 0; t < kSizes.size(); ++t) {
+        const auto got = models[r]->ParamBytes(t);
+        for (uint64_t k = 0; k < kSizes[t]; ++k) {
+          uint16_t a, b;
+          std::memcpy(&a, got.data() + 2 * k, 2);
+          std::memcpy(&b, ref.out(t).data() + 2 * k, 2);
+          const float fa = BF16ToF32(a), fb = BF16ToF32(b);
+          ASSERT_LE(std::fabs(fa - fb), 1e-5f + std::fabs(fb) * 1e-2f)
+              << "tensor " << t << " elem " << k;
+        }
+      }
+    }
+  }
+  // Every rank holds the full params after the all-gather.
+  for (int r = 1; r < world; ++r) {
+    for (size_t t = 0; t < kSizes.size(); ++t) {
+      EXPECT_EQ(models[r]->ParamBytes(t), models[0]->ParamBytes(t))
+          << "rank " << r << " tensor " << t;
+    }
+  }
+}
+
+TEST(EngineRanks, OneRankMatchesTheReference) { RunRanks(1, 0.0); }
+TEST(EngineRanks, TwoRanksMatchTheRankOrderedAverage) { RunRanks(2, 0.0); }
+TEST(EngineRanks, FourRanksMatchTheRankOrderedAverage) { RunRanks(4, 0.0); }
+TEST(EngineRanks, TwoRanksClippedAgreeWithinRounding) { RunRanks(2, 0.05); }
+
+TEST(EngineLossScaler, InfOnOneRankSkipsTheStepOnEveryRank) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  constexpr int kWorld = 2;
+  auto device = *CreateHostDevice();
+  auto comms = *CreateLocalGroup(kWorld, *device);
+  Case c{.param_dtype = DType::kF16};
+  OffloadConfig config = MakeConfig(c);
+  config.loss_scaler = {
+      .mode = LossScaleMode::kDynamic, .initial_scale_power = 10, .hysteresis = 1};
+  std::vector<std::unique_ptr<TestModel>> models;
+  for (int r = 0; r < kWorld; ++r) {
+    models.push_back(
+        std::make_unique<TestModel>(*device, kSizes, kGroupOf, DType::kF16, DType::kF32));
+    std::mt19937_64 same(seed);
+    models[r]->SetParams(same);
+  }
+  std::vector<std::vector<uint8_t>> before;
+  for (size_t t = 0; t < kSizes.size(); ++t) before.push_back(models[0]->ParamBytes(t));
+  std::vector<StepStats> stats(kWorld);
+  std::vector<double> next_scale(kWorld);
+  std::vector<Status> status(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    auto g = models[r]->RandomGrads(rng, 0.5f);
+    if (r == 1) g[2][17] = std::numeric_limits<float>::infinity();
+    models[r]->SetGrads(g);
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> Status {
+        STRATA_ASSIGN_OR_RETURN(Stream stream, device->CreateStream());
+        STRATA_ASSIGN_OR_RETURN(
+            auto opt, MakeOptimizer(*device, nullptr, config, *models[r], comms[r].get(), stream));
+        STRATA_RETURN_IF_ERROR(opt->Step());
+        STRATA_RETURN_IF_ERROR(device->StreamSynchronize(stream));
+        stats[r] = opt->last_step();
+        next_scale[r] = opt->loss_scale();
+        return OkStatus();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(status[r].ok()) << status[r];
+    EXPECT_TRUE(stats[r].skipped) << "rank " << r;
+    EXPECT_EQ(stats[r].step, 0) << "rank " << r;
+    EXPECT_EQ(stats[r].loss_scale, 1024.0) << "rank " << r;
+    EXPECT_EQ(next_scale[r], 512.0) << "rank " << r;
+    for (size_t t = 0; t < kSizes.size(); ++t) {
+      EXPECT_EQ(models[r]->ParamBytes(t), before[t]) << "rank " << r << " tensor " << t;
+    }
+  }
+}
+
+// fp16 with a dynamic scaler over several steps, one with an overflow: the
+// engine's decisions and params follow the reference scaler exactly.
+TEST(EngineLossScaler, ScaledStepsMatchTheReference) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  Case c{.param_dtype = DType::kF16, .max_grad_norm = 1.0};
+  OffloadConfig config = MakeConfig(c);
+  config.loss_scaler = {.mode = LossScaleMode::kDynamic,
+                        .initial_scale_power = 8,
+                        .growth_interval = 2,
+                        .hysteresis = 1};
+  TestModel model(*device, kSizes, kGroupOf, DType::kF16, DType::kF32);
+  auto master = model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, nullptr, config, model);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  for (int s = 0; s < 5; ++s) {
+    // The trainer's grads carry the current scale.
+    auto g = model.RandomGrads(rng, 0.5f * static_cast<float>(opt->loss_scale()));
+    if (s == 2) g[0][3] = std::numeric_limits<float>::quiet_NaN();
+    auto grads = model.SetGrads(g);
+    ASSERT_TRUE(opt->Step().ok());
+    const GradStats st = FlatStats(opt->layout(), model.FlatOrder(), grads);
+    const bool skipped = ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+    EXPECT_EQ(opt->last_step().skipped, skipped) << "step " << s;
+    EXPECT_EQ(opt->loss_scale(), ref.scale()) << "step " << s;
+    ExpectSameAsReference(*opt, model, ref);
+  }
+  EXPECT_EQ(opt->step_count(), 4);
+}
+
+TEST(EngineGradients, AccumulationEqualsOneStepOnTheSummedGradient) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto storage = CreateMemStorage();
+  Case c{.where = Where::kNvme, .buffer_count = 3, .max_grad_norm = 1.0};
+  OffloadConfig config = MakeConfig(c);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  auto master = model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, storage.get(), config, model);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  for (int s = 0; s < 2; ++s) {
+    std::vector<std::vector<float>> sum;
+    for (int micro = 0; micro < 3; ++micro) {
+      auto g = model.SetGrads(model.RandomGrads(rng, 0.5f));
+      if (micro == 0) {
+        sum = g;
+      } else {
+        for (size_t t = 0; t < g.size(); ++t) {
+          for (size_t k = 0; k < g[t].size(); ++k) sum[t][k] += g[t][k];
+        }
+      }
+      if (micro == 1) {
+        // Hand this micro-step over bucket by bucket, in backward order.
+        for (uint32_t i = static_cast<uint32_t>(kSizes.size()); i-- > 0;) {
+          ASSERT_TRUE(opt->GradReady(i).ok());
+        }
+      }
+      ASSERT_TRUE(opt->ReduceGradients().ok());
+      // The trainer may reuse the grad tensors now.
+      ASSERT_TRUE(device->Synchronize().ok());
+    }
+    ASSERT_TRUE(opt->Step().ok());
+    EXPECT_EQ(opt->last_step().micro_steps, 3u);
+    const GradStats st = FlatStats(opt->layout(), model.FlatOrder(), sum);
+    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(*opt, model, ref);
+  }
+}
+
+TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  Case c{.sub_group_elems = 300};
+  OffloadConfig config = MakeConfig(c);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  auto master = model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, nullptr, config, model);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+  std::vector<uint32_t> order(kSizes.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (uint32_t i : order) {
+    ASSERT_TRUE(opt->GradReady(i).ok());
+    ASSERT_TRUE(opt->GradReady(i).ok());  // a repeat is harmless
+  }
+  EXPECT_EQ(opt->GradReady(static_cast<uint32_t>(kSizes.size())).code(), StatusCode::kOutOfRange);
+  ASSERT_TRUE(opt->Step().ok());
+  EXPECT_EQ(opt->last_step().micro_steps, 1u);
+  const GradStats st = FlatStats(opt->layout(), model.FlatOrder(), grads);
+  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+  ExpectSameAsReference(*opt, model, ref);
+}
+
+// An NVMe fault mid-step: a clear error naming the file and offset, no state
+// lost, and Step() again gives bitwise the clean run's params and state.
+void RunFaultRetry(testing::FaultOptions faults) {
+  const uint64_t seed = TestSeed();
+  auto device = *CreateHostDevice();
+  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed});
+  Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0};
+  OffloadConfig config = MakeConfig(c);
+  SetMixedBudget(config, 0);
+  std::mt19937_64 rng(seed);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  auto master = model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, fault.get(), config, model);
+  ASSERT_GT(opt->plan().host_sub_groups, 0u);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  for (int s = 0; s < 3; ++s) {
+    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+    if (s == 1) {
+      faults.seed = seed + 1;
+      fault->SetOptions(faults);
+      const uint64_t injected = fault->stats().injected_errors.load();
+      Status failed = opt->Step();
+      ASSERT_FALSE(failed.ok());
+      ASSERT_GT(fault->stats().injected_errors.load(), injected);
+      std::printf("failed step: %s\n", failed.ToString().c_str());
+      EXPECT_NE(failed.message().find("strata-rank0.state@"), std::string::npos) << failed;
+      EXPECT_NE(failed.message().find("EIO"), std::string::npos) << failed;
+      EXPECT_NE(failed.message().find("step 2"), std::string::npos) << failed;
+      EXPECT_EQ(opt->step_count(), 1);
+      // A second failure while retrying changes nothing either.
+      (void)opt->Step();
+      fault->SetOptions({});
+      ASSERT_TRUE(device->Synchronize().ok());
+      // The trainer may zero the grad tensors: the failed step keeps its own.
+      ASSERT_TRUE(opt->ZeroGrad().ok());
+      ASSERT_TRUE(device->Synchronize().ok());
+    }
+    Status ok = opt->Step();
+    ASSERT_TRUE(ok.ok()) << ok;
+    const GradStats st = FlatStats(opt->layout(), model.FlatOrder(), grads);
+    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(*opt, model, ref);
+    EXPECT_EQ(opt->step_count(), s + 1);
+  }
+}
+
+TEST(EngineFaults, WriteEioMidStepIsRetried) { RunFaultRetry({.write_eio_one_in = 3}); }
+TEST(EngineFaults, ReadEioMidStepIsRetried) { RunFaultRetry({.read_eio_one_in = 4}); }
+
+TEST(EngineValidation, BadGroupsAreInvalidArgumentNamingTheParam) {
+  auto device = *CreateHostDevice();
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
+  OffloadConfig config = MakeConfig(Case{});
+  auto expect_invalid = [&](std::vector<ParamGroup> groups, std::string_view needle) {
+    auto r = OffloadOptimizer::Create(
+        {.device = device.get(), .comm = nullptr, .storage = nullptr, .stream = {}}, config,
+        groups);
+    ASSERT_FALSE(r.ok()) << needle;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status();
+  };
+  expect_invalid({}, "no param groups");
+  auto groups = model.Groups(kHypers);
+  groups[1].params.clear();
+  expect_invalid(groups, "param group 1 has no tensors");
+  groups = model.Groups(kHypers);
+  groups[0].params[2].grad = nullptr;
+  expect_invalid(groups, "param group 0 tensor 2 (t3) has 1 elems but a null grad pointer");
+  groups = model.Groups(kHypers);
+  groups[1].params[0].data = groups[0].params[0].data;
+  expect_invalid(groups, "already registered by param group 0 tensor 0 (t0)");
+  groups = model.Groups(kHypers);
+  groups[1].hyper.beta2 = 1.0;
+  expect_invalid(groups, "param group 1: beta2 is 1");
+  groups = model.Groups(kHypers);
+  groups[0].hyper.lr = -1;
+  expect_invalid(groups, "lr is -1");
+  auto r = OffloadOptimizer::Create({}, config, model.Groups(kHypers));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(EngineValidation, AccessorsAndSetters) {
+  auto device = *CreateHostDevice();
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
+  OffloadConfig config = MakeConfig(Case{});
+  auto opt = *MakeOptimizer(*device, nullptr, config, model);
+  EXPECT_EQ(opt->num_groups(), 2u);
+  EXPECT_EQ(opt->group_hyper(1).lr, kHypers[1].lr);
+  EXPECT_EQ(opt->SetGroupHyper(2, kHypers[0]).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(opt->SetGroupHyper(0, {.eps = 0}).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(opt->SetGroupHyper(0, {.lr = 0.5}).ok());
+  EXPECT_EQ(opt->group_hyper(0).lr, 0.5);
+  EXPECT_EQ(opt->world_size(), 1);
+  EXPECT_EQ(opt->rank(), 0);
+  EXPECT_EQ(opt->comm(), nullptr);
+  EXPECT_EQ(opt->StateArrayCount(), 3u);
+  EXPECT_EQ(opt->shard().elems(), opt->layout().shard_elems);
+  std::vector<float> wrong(5);
+  EXPECT_EQ(opt->ReadState(0, wrong).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(opt->ReadState(99, wrong).code(), StatusCode::kOutOfRange);
+  // WriteState then ReadState round-trips.
+  const uint64_t n = opt->sub_groups()[1].elems() * 3;
+  std::vector<float> state(n);
+  for (uint64_t k = 0; k < n; ++k) state[k] = static_cast<float>(k) * 0.25f;
+  ASSERT_TRUE(opt->WriteState(1, state).ok());
+  std::vector<float> back(n);
+  ASSERT_TRUE(opt->ReadState(1, back).ok());
+  EXPECT_EQ(back, state);
+  EXPECT_EQ(opt->RestoreCounters(-1, opt->loss_scaler_state()).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(opt->RestoreCounters(7, opt->loss_scaler_state()).ok());
+  EXPECT_EQ(opt->step_count(), 7);
+  const std::string line = FormatStepStats(opt->last_step());
+  EXPECT_NE(line.find("step 0"), std::string::npos) << line;
+  EXPECT_EQ(DefaultGroupHyper(config).lr, config.adam.lr);
+}
 
 }  // namespace
 }  // namespace strata
