@@ -987,6 +987,12 @@ int64_t OffloadOptimizer::step_count() const { return impl_->step; }
 uint32_t OffloadOptimizer::num_groups() const {
   return static_cast<uint32_t>(impl_->hypers.size());
 }
+std::span<const Param> OffloadOptimizer::params() const { return impl_->params; }
+uint32_t OffloadOptimizer::param_group(uint32_t index) const {
+  STRATA_CHECK(index < impl_->param_group.size())
+      << "param " << index << " of " << impl_->param_group.size();
+  return impl_->param_group[index];
+}
 const GroupHyper& OffloadOptimizer::group_hyper(uint32_t group) const {
   STRATA_CHECK(group < impl_->hypers.size()) << "group " << group << " of " << impl_->hypers.size();
   return impl_->hypers[group];

@@ -169,6 +169,10 @@ class OffloadOptimizer {
   int64_t step_count() const;
 
   uint32_t num_groups() const;
+  // The registered tensors, flat over groups in registration order (names
+  // as given, "" when none), and the group of each.
+  std::span<const Param> params() const;
+  uint32_t param_group(uint32_t index) const;
   const GroupHyper& group_hyper(uint32_t group) const;
   // InvalidArgument for a bad group index or values (lr < 0, betas outside
   // [0, 1), eps <= 0, weight_decay < 0).

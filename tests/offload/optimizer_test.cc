@@ -568,6 +568,13 @@ TEST(EngineValidation, AccessorsAndSetters) {
   OffloadConfig config = MakeConfig(Case{});
   auto opt = *MakeOptimizer(*device, nullptr, config, model);
   EXPECT_EQ(opt->num_groups(), 2u);
+  ASSERT_EQ(opt->params().size(), std::size(kSizes));
+  const std::vector<size_t> order = model.FlatOrder();
+  for (uint32_t i = 0; i < opt->params().size(); ++i) {
+    EXPECT_EQ(opt->params()[i].name, "t" + std::to_string(order[i]));
+    EXPECT_EQ(opt->params()[i].elems, kSizes[order[i]]);
+    EXPECT_EQ(opt->param_group(i), kGroupOf[order[i]]);
+  }
   EXPECT_EQ(opt->group_hyper(1).lr, kHypers[1].lr);
   EXPECT_EQ(opt->SetGroupHyper(2, kHypers[0]).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(opt->SetGroupHyper(0, {.eps = 0}).code(), StatusCode::kInvalidArgument);
