@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "runtime/cuda_internal.h"
@@ -72,18 +73,23 @@ class StickyError {
 
 class CudaStream final : public internal::StreamImpl {
  public:
+  enum class Ownership : uint8_t { kOwned = 0, kBorrowed = 1 };
   CudaStream(const Device* owner, int ordinal, cudaStream_t stream, std::string name,
-             std::shared_ptr<StickyError> sticky, std::function<void()> on_destroy)
+             std::shared_ptr<StickyError> sticky, std::function<void()> on_destroy,
+             Ownership ownership = Ownership::kOwned)
       : StreamImpl(owner),
         ordinal_(ordinal),
+        ownership_(ownership),
         stream_(stream),
         name_(std::move(name)),
         sticky_(std::move(sticky)),
         on_destroy_(std::move(on_destroy)) {}
   ~CudaStream() override {
-    cudaSetDevice(ordinal_);
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    if (ownership_ == Ownership::kOwned) {
+      cudaSetDevice(ordinal_);
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
     if (on_destroy_) on_destroy_();
   }
   cudaStream_t stream() const { return stream_; }
@@ -92,6 +98,7 @@ class CudaStream final : public internal::StreamImpl {
 
  private:
   int ordinal_;
+  Ownership ownership_;
   cudaStream_t stream_;
   std::string name_;
   std::shared_ptr<StickyError> sticky_;
@@ -258,6 +265,13 @@ class CudaDevice final : public Device {
 
   StreamRef DefaultStream() override { return StreamRef(default_stream_.get()); }
 
+  Result<Stream> WrapNativeStream(void* native_stream) override {
+    STRATA_ASSIGN_OR_RETURN(auto impl, MakeStream(fmt::format("native stream {}", native_stream),
+                                                  std::optional<cudaStream_t>(
+                                                      static_cast<cudaStream_t>(native_stream))));
+    return Stream(std::move(impl));
+  }
+
   Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
                    StreamRef stream) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "copy"));
@@ -373,11 +387,16 @@ class CudaDevice final : public Device {
     return OkStatus();
   }
 
-  // A stream registered for Synchronize() until it is destroyed.
-  Result<std::unique_ptr<CudaStream>> MakeStream(const std::string& label) {
-    cudaStream_t s = nullptr;
-    STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                                fmt::format("create {} on {}", label, caps_.name));
+  // A stream registered for Synchronize() until it is destroyed; a new one,
+  // or `borrowed` (the caller's, never destroyed here; may be the legacy
+  // default stream, nullptr).
+  Result<std::unique_ptr<CudaStream>> MakeStream(
+      const std::string& label, std::optional<cudaStream_t> borrowed = std::nullopt) {
+    cudaStream_t s = borrowed.value_or(nullptr);
+    if (!borrowed) {
+      STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                                  fmt::format("create {} on {}", label, caps_.name));
+    }
     auto sticky = std::make_shared<StickyError>();
     uint64_t id;
     {
@@ -386,10 +405,13 @@ class CudaDevice final : public Device {
       stickies_.emplace(id, sticky);
     }
     return std::make_unique<CudaStream>(this, ordinal_, s, fmt::format("{}:{}", caps_.name, label),
-                                        std::move(sticky), [this, id] {
+                                        std::move(sticky),
+                                        [this, id] {
                                           std::lock_guard lock(streams_mu_);
                                           stickies_.erase(id);
-                                        });
+                                        },
+                                        borrowed ? CudaStream::Ownership::kBorrowed
+                                                 : CudaStream::Ownership::kOwned);
   }
 
   Result<CudaStream*> CheckStream(StreamRef stream, std::string_view op) const {

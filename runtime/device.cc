@@ -79,6 +79,11 @@ Status Device::LaunchHostFunc(StreamRef stream, std::function<void()> fn) {
   });
 }
 
+Result<Stream> Device::WrapNativeStream(void* native_stream) {
+  return InvalidArgumentError(
+      fmt::format("wrap native stream on {}: the device has no native streams", name()));
+}
+
 std::vector<DeviceCaps> ListDevices() {
   std::vector<DeviceCaps> out;
   auto host = CreateHostDevice();

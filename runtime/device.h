@@ -235,6 +235,12 @@ class Device {
   virtual Result<Event> CreateEvent() = 0;
   // A stream owned by the device, for work with no stream of its own.
   virtual StreamRef DefaultStream() = 0;
+  // A Stream over a native stream the caller owns (a cudaStream_t on CUDA,
+  // e.g. PyTorch's current stream), so work enqueued on it joins the
+  // caller's queue with no extra synchronization. Destroying the Stream
+  // neither waits for nor destroys the native stream. InvalidArgument on the
+  // host device, which has no native streams.
+  virtual Result<Stream> WrapNativeStream(void* native_stream);
 
   // Copies `bytes` from `src` to `dst` in stream order. Both ranges must stay
   // valid until the copy completes.
@@ -271,12 +277,19 @@ class Device {
   virtual void FreeHost(void* data, size_t bytes, HostMemoryLock lock) = 0;
 };
 
+// Whether the host device treats host memory it did not allocate as device
+// memory in copies. kAccept is for trainers whose tensors are ordinary host
+// memory (PyTorch CPU tensors, the C API): the engine reads and writes them
+// in place. kReject keeps the range check that catches a wrong copy kind.
+enum class ExternalMemory : uint8_t { kReject = 0, kAccept = 1 };
+
 // Options of the emulated host device. Zero bandwidth means unlimited.
 struct HostDeviceOptions {
   uint64_t memory_budget_bytes = 0;  // 0: half of physical memory
   double h2d_bytes_per_sec = 0;      // one link, shared by all streams
   double d2h_bytes_per_sec = 0;      // a second link, parallel to H2D
   double copy_latency_sec = 0;       // added to every H2D/D2H copy
+  ExternalMemory external_memory = ExternalMemory::kReject;
 };
 
 // InvalidArgument for negative rates or latency.

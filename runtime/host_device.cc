@@ -462,6 +462,7 @@ class HostDevice final : public Device {
   }
 
   bool IsDeviceRange(const void* p, size_t bytes) {
+    if (options_.external_memory == ExternalMemory::kAccept) return true;
     const auto addr = reinterpret_cast<uintptr_t>(p);
     std::lock_guard lock(mem_mu_);
     auto it = allocations_.upper_bound(addr);

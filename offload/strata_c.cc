@@ -1,0 +1,330 @@
+// The C API: each function turns its arguments into the C++ types, calls
+// the engine and turns the Status into an int plus the thread's last error.
+// No C++ exception crosses the boundary: the only ones the C++ side can throw
+// here are std::bad_alloc (and friends), caught at the edge.
+#include "offload/strata_c.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "offload/config.h"
+#include "offload/optimizer.h"
+#include "runtime/comm.h"
+#include "runtime/device.h"
+#include "runtime/status.h"
+
+struct strata_device {
+  std::unique_ptr<strata::Device> device;
+};
+
+struct strata_comm {
+  std::unique_ptr<strata::Communicator> comm;
+};
+
+struct strata_optimizer {
+  strata::Stream stream;  // the wrapped native stream, if one was given
+  std::unique_ptr<strata::OffloadOptimizer> opt;
+};
+
+namespace {
+
+using strata::Status;
+
+thread_local std::string last_error;
+
+int Report(const Status& status) {
+  if (status.ok()) {
+    last_error.clear();
+    return STRATA_OK;
+  }
+  last_error = status.ToString();
+  return static_cast<int>(status.code());
+}
+
+int ReportNull(const char* fn, const char* arg) {
+  return Report(strata::InvalidArgumentError(fmt::format("{}: {} is NULL", fn, arg)));
+}
+
+// Runs `body` (returning a Status) and reports its result; an escaping
+// exception becomes an Internal or ResourceExhausted status.
+template <typename F>
+int Guard(const char* fn, F&& body) {
+  try {
+    return Report(body());
+  } catch (const std::bad_alloc&) {
+    return Report(strata::ResourceExhaustedError(fmt::format("{}: out of host memory", fn)));
+  } catch (const std::exception& e) {
+    return Report(strata::InternalError(fmt::format("{}: {}", fn, e.what())));
+  }
+}
+
+size_t CopyText(const std::string& text, char* buf, size_t capacity) {
+  if (buf != nullptr && capacity > 0) {
+    const size_t n = std::min(text.size(), capacity - 1);
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
+}
+
+strata::GroupHyper ToHyper(const strata_hyper& h) {
+  return {.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps,
+          .weight_decay = h.weight_decay};
+}
+
+strata_hyper FromHyper(const strata::GroupHyper& h) {
+  return {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* strata_last_error(void) { return last_error.c_str(); }
+
+const char* strata_status_name(int status) {
+  switch (status) {
+    case STRATA_OK:
+    case STRATA_CANCELLED:
+    case STRATA_INVALID_ARGUMENT:
+    case STRATA_NOT_FOUND:
+    case STRATA_RESOURCE_EXHAUSTED:
+    case STRATA_FAILED_PRECONDITION:
+    case STRATA_OUT_OF_RANGE:
+    case STRATA_UNIMPLEMENTED:
+    case STRATA_INTERNAL:
+    case STRATA_UNAVAILABLE:
+    case STRATA_DATA_LOSS:
+      // StatusCodeName returns views of string literals, so data() is NUL-terminated.
+      return strata::StatusCodeName(static_cast<strata::StatusCode>(status)).data();
+    default:
+      return "Unknown";
+  }
+}
+
+const char* strata_version(void) { return STRATA_C_VERSION; }
+
+int strata_device_open(const char* name, strata_device** out) {
+  if (out == nullptr) return ReportNull("strata_device_open", "out");
+  *out = nullptr;
+  if (name == nullptr) return ReportNull("strata_device_open", "name");
+  return Guard("strata_device_open", [&]() -> Status {
+    // Trainer tensors are the caller's own host memory on the host device.
+    STRATA_ASSIGN_OR_RETURN(
+        auto device,
+        strata::OpenDevice(name, {.external_memory = strata::ExternalMemory::kAccept}));
+    *out = new strata_device{std::move(device)};
+    return strata::OkStatus();
+  });
+}
+
+void strata_device_free(strata_device* device) { delete device; }
+
+const char* strata_device_name(const strata_device* device) {
+  return device == nullptr ? "" : device->device->name().c_str();
+}
+
+int strata_nccl_unique_id(uint8_t id[STRATA_NCCL_UNIQUE_ID_BYTES]) {
+  if (id == nullptr) return ReportNull("strata_nccl_unique_id", "id");
+  return Guard("strata_nccl_unique_id", [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(strata::NcclUniqueId uid, strata::NewNcclUniqueId());
+    std::memcpy(id, uid.bytes.data(), uid.bytes.size());
+    return strata::OkStatus();
+  });
+}
+
+int strata_comm_nccl_create(strata_device* device, const uint8_t id[STRATA_NCCL_UNIQUE_ID_BYTES],
+                            int rank, int world_size, strata_comm** out) {
+  if (out == nullptr) return ReportNull("strata_comm_nccl_create", "out");
+  *out = nullptr;
+  if (device == nullptr) return ReportNull("strata_comm_nccl_create", "device");
+  if (id == nullptr) return ReportNull("strata_comm_nccl_create", "id");
+  return Guard("strata_comm_nccl_create", [&]() -> Status {
+    strata::NcclUniqueId uid;
+    std::memcpy(uid.bytes.data(), id, uid.bytes.size());
+    STRATA_ASSIGN_OR_RETURN(
+        auto comm, strata::CreateNcclCommunicator(uid, rank, world_size, *device->device));
+    *out = new strata_comm{std::move(comm)};
+    return strata::OkStatus();
+  });
+}
+
+void strata_comm_free(strata_comm* comm) { delete comm; }
+
+int strata_optimizer_create(strata_device* device, strata_comm* comm, void* stream,
+                            const char* config_json, const strata_param* params, size_t num_params,
+                            const strata_hyper* hypers, uint32_t num_groups,
+                            strata_optimizer** out) {
+  constexpr const char* kFn = "strata_optimizer_create";
+  if (out == nullptr) return ReportNull(kFn, "out");
+  *out = nullptr;
+  if (device == nullptr) return ReportNull(kFn, "device");
+  if (config_json == nullptr) return ReportNull(kFn, "config_json");
+  if (params == nullptr && num_params > 0) return ReportNull(kFn, "params");
+  return Guard(kFn, [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(strata::OffloadConfig config, strata::ParseConfigJson(config_json));
+    STRATA_RETURN_IF_ERROR(strata::ValidateConfig(config));
+    if (num_groups == 0) {
+      return strata::InvalidArgumentError(fmt::format("{}: num_groups is 0", kFn));
+    }
+    std::vector<strata::ParamGroup> groups(num_groups);
+    for (uint32_t g = 0; g < num_groups; ++g) {
+      groups[g].hyper = hypers != nullptr ? ToHyper(hypers[g]) : strata::DefaultGroupHyper(config);
+    }
+    uint32_t last_group = 0;
+    for (size_t i = 0; i < num_params; ++i) {
+      const strata_param& p = params[i];
+      if (p.group >= num_groups || p.group < last_group) {
+        return strata::InvalidArgumentError(fmt::format(
+            "{}: param {} is in group {}; groups must be in [0, {}) and non-decreasing along "
+            "the params (group 0's params first)",
+            kFn, i, p.group, num_groups));
+      }
+      last_group = p.group;
+      groups[p.group].params.push_back({.name = p.name != nullptr ? p.name : "",
+                                        .data = p.data,
+                                        .grad = p.grad,
+                                        .elems = p.elems});
+    }
+    auto handle = std::make_unique<strata_optimizer>();
+    strata::EngineContext context{.device = device->device.get(),
+                                  .comm = comm != nullptr ? comm->comm.get() : nullptr,
+                                  .storage = nullptr,
+                                  .stream = {}};
+    if (stream != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(handle->stream, device->device->WrapNativeStream(stream));
+      context.stream = handle->stream.ref();
+    }
+    STRATA_ASSIGN_OR_RETURN(handle->opt, strata::OffloadOptimizer::Create(context, config, groups));
+    *out = handle.release();
+    return strata::OkStatus();
+  });
+}
+
+void strata_optimizer_free(strata_optimizer* opt) { delete opt; }
+
+int strata_optimizer_grad_ready(strata_optimizer* opt, uint32_t index) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_grad_ready", "opt");
+  return Guard("strata_optimizer_grad_ready", [&] { return opt->opt->GradReady(index); });
+}
+
+int strata_optimizer_reduce_gradients(strata_optimizer* opt) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_reduce_gradients", "opt");
+  return Guard("strata_optimizer_reduce_gradients", [&] { return opt->opt->ReduceGradients(); });
+}
+
+int strata_optimizer_step(strata_optimizer* opt) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_step", "opt");
+  return Guard("strata_optimizer_step", [&] { return opt->opt->Step(); });
+}
+
+int strata_optimizer_zero_grad(strata_optimizer* opt) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_zero_grad", "opt");
+  return Guard("strata_optimizer_zero_grad", [&] { return opt->opt->ZeroGrad(); });
+}
+
+double strata_optimizer_loss_scale(const strata_optimizer* opt) {
+  return opt == nullptr ? 1.0 : opt->opt->loss_scale();
+}
+
+int64_t strata_optimizer_step_count(const strata_optimizer* opt) {
+  return opt == nullptr ? 0 : opt->opt->step_count();
+}
+
+int strata_optimizer_rank(const strata_optimizer* opt) {
+  return opt == nullptr ? 0 : opt->opt->rank();
+}
+
+int strata_optimizer_world_size(const strata_optimizer* opt) {
+  return opt == nullptr ? 1 : opt->opt->world_size();
+}
+
+uint32_t strata_optimizer_num_groups(const strata_optimizer* opt) {
+  return opt == nullptr ? 0 : opt->opt->num_groups();
+}
+
+int strata_optimizer_get_hyper(const strata_optimizer* opt, uint32_t group, strata_hyper* out) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_get_hyper", "opt");
+  if (out == nullptr) return ReportNull("strata_optimizer_get_hyper", "out");
+  if (group >= opt->opt->num_groups()) {
+    return Report(strata::OutOfRangeError(fmt::format("strata_optimizer_get_hyper: group {} of {}",
+                                                      group, opt->opt->num_groups())));
+  }
+  *out = FromHyper(opt->opt->group_hyper(group));
+  return Report(strata::OkStatus());
+}
+
+int strata_optimizer_set_hyper(strata_optimizer* opt, uint32_t group, const strata_hyper* hyper) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_set_hyper", "opt");
+  if (hyper == nullptr) return ReportNull("strata_optimizer_set_hyper", "hyper");
+  return Guard("strata_optimizer_set_hyper",
+               [&] { return opt->opt->SetGroupHyper(group, ToHyper(*hyper)); });
+}
+
+int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_set_lr", "opt");
+  return Guard("strata_optimizer_set_lr", [&]() -> Status {
+    if (group >= opt->opt->num_groups()) {
+      return strata::OutOfRangeError(
+          fmt::format("strata_optimizer_set_lr: group {} of {}", group, opt->opt->num_groups()));
+    }
+    strata::GroupHyper h = opt->opt->group_hyper(group);
+    h.lr = lr;
+    return opt->opt->SetGroupHyper(group, h);
+  });
+}
+
+int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_last_step", "opt");
+  if (out == nullptr) return ReportNull("strata_optimizer_last_step", "out");
+  const strata::StepStats& s = opt->opt->last_step();
+  *out = strata_step_stats{};
+  out->step = s.step;
+  out->skipped = s.skipped ? 1 : 0;
+  out->loss_scale = s.loss_scale;
+  out->grad_norm = s.grad_norm;
+  out->clip_coef = s.clip_coef;
+  out->micro_steps = s.micro_steps;
+  out->d2h_sec = s.times.d2h;
+  out->comm_sec = s.times.comm;
+  out->read_sec = s.times.read;
+  out->adam_sec = s.times.adam;
+  out->write_sec = s.times.write;
+  out->h2d_sec = s.times.h2d;
+  out->step_sec = s.times.step;
+  out->read_bytes = s.read_bytes;
+  out->write_bytes = s.write_bytes;
+  out->d2h_bytes = s.d2h_bytes;
+  out->h2d_bytes = s.h2d_bytes;
+  return Report(strata::OkStatus());
+}
+
+size_t strata_optimizer_format_stats(const strata_optimizer* opt, char* buf, size_t capacity) {
+  if (opt == nullptr) return CopyText("", buf, capacity);
+  return CopyText(strata::FormatStepStats(opt->opt->last_step()), buf, capacity);
+}
+
+size_t strata_optimizer_format_plan(const strata_optimizer* opt, char* buf, size_t capacity) {
+  if (opt == nullptr) return CopyText("", buf, capacity);
+  return CopyText(strata::FormatPlan(opt->opt->plan()), buf, capacity);
+}
+
+int strata_optimizer_save(strata_optimizer* opt, const char* dir) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_save", "opt");
+  if (dir == nullptr) return ReportNull("strata_optimizer_save", "dir");
+  return Guard("strata_optimizer_save", [&] { return opt->opt->Save(dir); });
+}
+
+int strata_optimizer_load(strata_optimizer* opt, const char* dir) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_load", "opt");
+  if (dir == nullptr) return ReportNull("strata_optimizer_load", "dir");
+  return Guard("strata_optimizer_load", [&] { return opt->opt->Load(dir); });
+}
+
+}  // extern "C"

@@ -1,0 +1,179 @@
+/* strata_c.h: a flat C API over strata::OffloadOptimizer (offload/optimizer.h),
+ * for trainers written in languages other than C++. Link libstrata_c.so
+ * (CMake target strata::capi).
+ *
+ *   strata_device* dev = NULL;
+ *   strata_optimizer* opt = NULL;
+ *   if (strata_device_open("host", &dev) != STRATA_OK) die(strata_last_error());
+ *   strata_param params[2] = {
+ *       {.name = "w", .data = w, .grad = w_grad, .elems = n_w, .group = 0},
+ *       {.name = "b", .data = b, .grad = b_grad, .elems = n_b, .group = 1}};
+ *   strata_hyper hypers[2] = {{1e-3, 0.9, 0.999, 1e-8, 0.01}, {1e-3, 0.9, 0.999, 1e-8, 0.0}};
+ *   const char* config = "{\"zero_optimization\": {\"offload_optimizer\": "
+ *                        "{\"device\": \"nvme\", \"nvme_path\": \"/local_nvme\"}}}";
+ *   if (strata_optimizer_create(dev, NULL, NULL, config, params, 2, hypers, 2, &opt))
+ *     die(strata_last_error());
+ *   for (;;) {
+ *     backward(loss * strata_optimizer_loss_scale(opt));   // writes w_grad, b_grad
+ *     if (strata_optimizer_step(opt) != STRATA_OK) die(strata_last_error());
+ *     strata_optimizer_zero_grad(opt);
+ *   }
+ *   strata_optimizer_free(opt);
+ *   strata_device_free(dev);
+ *
+ * Conventions:
+ *   - Every function that can fail returns an int status: STRATA_OK (0) or one
+ *     of the codes below (the values of strata::StatusCode). The message of
+ *     the last failure on the calling thread is strata_last_error() (""
+ *     after a success); it stays valid until the thread's next call into
+ *     this API.
+ *   - Handles are opaque; each *_free accepts NULL. Free the optimizer before
+ *     its communicator and device; a device outlives everything made on it.
+ *   - Tensors (data, grad): device memory of the device, elements of the
+ *     config's param dtype ("fp16"/"bf16" sections; fp32 otherwise) and grad
+ *     dtype ("strata.grad_dtype"), alive and not moved while the optimizer
+ *     lives. On the host device any host memory is accepted (it is read and
+ *     written in place). Params are listed in group order: group 0's first,
+ *     then group 1's, ... (group numbers non-decreasing).
+ *   - Thread-safety: one thread drives an optimizer; different handles may be
+ *     used from different threads.
+ * The config is the DeepSpeed-style JSON of docs/config.md.
+ */
+#ifndef STRATA_OFFLOAD_STRATA_C_H_
+#define STRATA_OFFLOAD_STRATA_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes (strata::StatusCode). */
+enum {
+  STRATA_OK = 0,
+  STRATA_CANCELLED = 1,
+  STRATA_INVALID_ARGUMENT = 3,
+  STRATA_NOT_FOUND = 5,
+  STRATA_RESOURCE_EXHAUSTED = 8,
+  STRATA_FAILED_PRECONDITION = 9,
+  STRATA_OUT_OF_RANGE = 11,
+  STRATA_UNIMPLEMENTED = 12,
+  STRATA_INTERNAL = 13,
+  STRATA_UNAVAILABLE = 14,
+  STRATA_DATA_LOSS = 15
+};
+
+typedef struct strata_device strata_device;
+typedef struct strata_comm strata_comm;
+typedef struct strata_optimizer strata_optimizer;
+
+/* The message of this thread's last failed call; "" after a success. */
+const char* strata_last_error(void);
+/* "OK", "InvalidArgument", ...; "Unknown" for other values. */
+const char* strata_status_name(int status);
+/* "0.1.0". */
+const char* strata_version(void);
+
+/* Devices: "host" (emulated; accepts the caller's host memory as tensors),
+ * "cuda:N", or "auto" (cuda:0 where present, else host). */
+int strata_device_open(const char* name, strata_device** out);
+void strata_device_free(strata_device* device);
+/* "host", "cuda:0". Valid while the device lives. */
+const char* strata_device_name(const strata_device* device);
+
+/* NCCL communicators: rank 0 makes an id, the trainer sends its 128 bytes to
+ * every rank, and every rank calls strata_comm_nccl_create (a collective).
+ * STRATA_UNIMPLEMENTED in a build without NCCL. */
+enum { STRATA_NCCL_UNIQUE_ID_BYTES = 128 };
+int strata_nccl_unique_id(uint8_t id[STRATA_NCCL_UNIQUE_ID_BYTES]);
+int strata_comm_nccl_create(strata_device* device, const uint8_t id[STRATA_NCCL_UNIQUE_ID_BYTES],
+                            int rank, int world_size, strata_comm** out);
+void strata_comm_free(strata_comm* comm);
+
+/* One trainer tensor. `name` may be NULL; it is copied. */
+typedef struct strata_param {
+  const char* name;
+  void* data;
+  void* grad;
+  uint64_t elems;
+  uint32_t group;
+} strata_param;
+
+/* A param group's hyperparameters. */
+typedef struct strata_hyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+} strata_hyper;
+
+/* Creates the optimizer (a collective across the ranks of `comm`).
+ *   comm:   NULL for one rank.
+ *   stream: the trainer's native stream (cudaStream_t on CUDA; the engine's
+ *           work is ordered on it) or NULL for the device's default stream.
+ *   hypers: num_groups entries, or NULL for the config's optimizer values in
+ *           every group.
+ * STRATA_INVALID_ARGUMENT for a bad config, bad params or groups;
+ * STRATA_RESOURCE_EXHAUSTED when the state does not fit the budgets. */
+int strata_optimizer_create(strata_device* device, strata_comm* comm, void* stream,
+                            const char* config_json, const strata_param* params, size_t num_params,
+                            const strata_hyper* hypers, uint32_t num_groups,
+                            strata_optimizer** out);
+void strata_optimizer_free(strata_optimizer* opt);
+
+/* The grad of param `index` is complete (optional; lets the reduction start
+ * during backward). */
+int strata_optimizer_grad_ready(strata_optimizer* opt, uint32_t index);
+/* Hands over the gradients of one micro-step (gradient accumulation). */
+int strata_optimizer_reduce_gradients(strata_optimizer* opt);
+/* One optimizer step; params are updated in place. */
+int strata_optimizer_step(strata_optimizer* opt);
+/* Zeroes the grad tensors and drops gradients not yet consumed. */
+int strata_optimizer_zero_grad(strata_optimizer* opt);
+
+/* The loss multiplier for the next backward (1 unless fp16 loss scaling). */
+double strata_optimizer_loss_scale(const strata_optimizer* opt);
+/* Optimizer steps taken (skipped steps not counted). */
+int64_t strata_optimizer_step_count(const strata_optimizer* opt);
+int strata_optimizer_rank(const strata_optimizer* opt);
+int strata_optimizer_world_size(const strata_optimizer* opt);
+
+uint32_t strata_optimizer_num_groups(const strata_optimizer* opt);
+int strata_optimizer_get_hyper(const strata_optimizer* opt, uint32_t group, strata_hyper* out);
+/* Takes effect at the next step (LR schedules). */
+int strata_optimizer_set_hyper(strata_optimizer* opt, uint32_t group, const strata_hyper* hyper);
+int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr);
+
+/* What the last step did (strata::StepStats). Times in seconds. */
+typedef struct strata_step_stats {
+  int64_t step;
+  int32_t skipped; /* 1: non-finite gradients, no update */
+  double loss_scale;
+  double grad_norm;
+  float clip_coef;
+  uint32_t micro_steps;
+  double d2h_sec, comm_sec, read_sec, adam_sec, write_sec, h2d_sec, step_sec;
+  uint64_t read_bytes, write_bytes, d2h_bytes, h2d_bytes;
+} strata_step_stats;
+int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out);
+
+/* Text outputs, snprintf-style: write at most `capacity` bytes (with the
+ * terminating NUL) to `buf` (may be NULL with capacity 0) and return the
+ * length of the whole text. */
+/* The last step as one line (strata::FormatStepStats). */
+size_t strata_optimizer_format_stats(const strata_optimizer* opt, char* buf, size_t capacity);
+/* The placement plan table (what lives where, bytes per tier). */
+size_t strata_optimizer_format_plan(const strata_optimizer* opt, char* buf, size_t capacity);
+
+/* Checkpoints (docs/checkpoint.md): a collective; every rank passes the same
+ * directory. */
+int strata_optimizer_save(strata_optimizer* opt, const char* dir);
+int strata_optimizer_load(strata_optimizer* opt, const char* dir);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* STRATA_OFFLOAD_STRATA_C_H_ */

@@ -1,0 +1,196 @@
+/* The C API, compiled as C: AdamW steps on the host device (DRAM and NVMe)
+ * against a scalar reference in double precision, per-group hyperparameters
+ * and set_lr, stats and plan text, and the error paths (status codes and
+ * strata_last_error). Exit status 0 on success; each failure prints a line. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "offload/strata_c.h"
+
+static int failures = 0;
+
+#define EXPECT(cond)                                                                \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      fprintf(stderr, "%s:%d: EXPECT(%s) failed; last error: %s\n", __FILE__, __LINE__, \
+              #cond, strata_last_error());                                          \
+      ++failures;                                                                   \
+    }                                                                               \
+  } while (0)
+
+#define CHECK_OK(expr)                                                                         \
+  do {                                                                                         \
+    int st_ = (expr);                                                                          \
+    if (st_ != STRATA_OK) {                                                                    \
+      fprintf(stderr, "%s:%d: %s returned %s: %s\n", __FILE__, __LINE__, #expr,                \
+              strata_status_name(st_), strata_last_error());                                   \
+      exit(1);                                                                                 \
+    }                                                                                          \
+  } while (0)
+
+enum { kW = 1000, kB = 37, kSteps = 5 };
+
+/* torch.optim.AdamW on one tensor, in double. */
+typedef struct {
+  double p[kW], m[kW], v[kW];
+} Ref;
+
+static void RefStep(Ref* r, const float* g, int n, strata_hyper h, int step) {
+  const double bc1 = 1.0 - pow(h.beta1, step), bc2 = 1.0 - pow(h.beta2, step);
+  for (int i = 0; i < n; ++i) {
+    r->p[i] *= 1.0 - h.lr * h.weight_decay;
+    r->m[i] = h.beta1 * r->m[i] + (1 - h.beta1) * g[i];
+    r->v[i] = h.beta2 * r->v[i] + (1 - h.beta2) * (double)g[i] * g[i];
+    r->p[i] -= h.lr * (r->m[i] / bc1) / (sqrt(r->v[i] / bc2) + h.eps);
+  }
+}
+
+static float Rand(unsigned* s) {
+  *s = *s * 1664525u + 1013904223u;
+  return ((float)(*s >> 8) / (float)(1u << 24)) * 2.0f - 1.0f;
+}
+
+/* Trains two tensors in two groups; `config` selects DRAM or NVMe. */
+static void TrainAndCompare(strata_device* dev, const char* config) {
+  static float w[kW], gw[kW], b[kB], gb[kB];
+  static Ref rw, rb;
+  unsigned seed = 12345;
+  for (int i = 0; i < kW; ++i) rw.p[i] = w[i] = Rand(&seed), rw.m[i] = rw.v[i] = 0;
+  for (int i = 0; i < kB; ++i) rb.p[i] = b[i] = Rand(&seed), rb.m[i] = rb.v[i] = 0;
+  strata_param params[2] = {{"w", w, gw, kW, 0}, {NULL, b, gb, kB, 1}};
+  strata_hyper hypers[2] = {{1e-2, 0.9, 0.999, 1e-8, 0.1}, {3e-2, 0.8, 0.99, 1e-6, 0.0}};
+  strata_optimizer* opt = NULL;
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, config, params, 2, hypers, 2, &opt));
+  EXPECT(strata_optimizer_num_groups(opt) == 2);
+  EXPECT(strata_optimizer_world_size(opt) == 1);
+  EXPECT(strata_optimizer_loss_scale(opt) == 1.0);
+
+  size_t plan_len = strata_optimizer_format_plan(opt, NULL, 0);
+  EXPECT(plan_len > 0);
+  char* plan = malloc(plan_len + 1);
+  EXPECT(strata_optimizer_format_plan(opt, plan, plan_len + 1) == plan_len);
+  EXPECT(strlen(plan) == plan_len);
+  free(plan);
+
+  for (int step = 1; step <= kSteps; ++step) {
+    if (step == 3) {
+      hypers[0].lr = 5e-3;
+      CHECK_OK(strata_optimizer_set_lr(opt, 0, 5e-3));
+      strata_hyper got;
+      CHECK_OK(strata_optimizer_get_hyper(opt, 0, &got));
+      EXPECT(got.lr == 5e-3 && got.weight_decay == 0.1);
+    }
+    for (int i = 0; i < kW; ++i) gw[i] = Rand(&seed);
+    for (int i = 0; i < kB; ++i) gb[i] = Rand(&seed);
+    CHECK_OK(strata_optimizer_step(opt));
+    RefStep(&rw, gw, kW, hypers[0], step);
+    RefStep(&rb, gb, kB, hypers[1], step);
+    CHECK_OK(strata_optimizer_zero_grad(opt));
+    EXPECT(gw[0] == 0.0f && gw[kW - 1] == 0.0f && gb[kB - 1] == 0.0f);
+  }
+  /* fp32 CPU Adam vs a double reference: a few ulps of the update each step. */
+  double worst = 0;
+  for (int i = 0; i < kW; ++i) worst = fmax(worst, fabs(w[i] - rw.p[i]));
+  for (int i = 0; i < kB; ++i) worst = fmax(worst, fabs(b[i] - rb.p[i]));
+  if (worst > 1e-5) fprintf(stderr, "max |param - reference| = %g\n", worst);
+  EXPECT(worst <= 1e-5);
+
+  strata_step_stats stats;
+  CHECK_OK(strata_optimizer_last_step(opt, &stats));
+  EXPECT(stats.step == kSteps && strata_optimizer_step_count(opt) == kSteps);
+  EXPECT(stats.skipped == 0 && stats.grad_norm > 0 && stats.step_sec > 0);
+  char line[8];
+  size_t n = strata_optimizer_format_stats(opt, line, sizeof line);
+  EXPECT(n > sizeof line && strlen(line) == sizeof line - 1); /* truncated, NUL-terminated */
+  strata_optimizer_free(opt);
+}
+
+static void Errors(strata_device* dev) {
+  float w[4] = {0}, g[4] = {0};
+  strata_param p = {"w", w, g, 4, 0};
+  strata_optimizer* opt = (strata_optimizer*)1;
+
+  EXPECT(strata_optimizer_create(dev, NULL, NULL, "{\"zero_optimization\": {\"stag\": 2}}", &p, 1,
+                                 NULL, 1, &opt) == STRATA_INVALID_ARGUMENT);
+  EXPECT(opt == NULL);
+  EXPECT(strstr(strata_last_error(), "zero_optimization.stag") != NULL);
+  EXPECT(strstr(strata_last_error(), "did you mean stage") != NULL);
+
+  EXPECT(strata_optimizer_create(dev, NULL, NULL, "{not json", &p, 1, NULL, 1, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strata_optimizer_create(
+             dev, NULL, NULL, "{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"nvme\"}}}",
+             &p, 1, NULL, 1, &opt) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "nvme_path") != NULL);
+
+  strata_param null_grad = {"w", w, NULL, 4, 0};
+  EXPECT(strata_optimizer_create(dev, NULL, NULL, "{}", &null_grad, 1, NULL, 1, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "null grad") != NULL);
+
+  strata_param bad_group = {"w", w, g, 4, 3};
+  EXPECT(strata_optimizer_create(dev, NULL, NULL, "{}", &bad_group, 1, NULL, 1, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "group 3") != NULL);
+
+  EXPECT(strata_optimizer_create(NULL, NULL, NULL, "{}", &p, 1, NULL, 1, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "device is NULL") != NULL);
+  EXPECT(strata_optimizer_step(NULL) == STRATA_INVALID_ARGUMENT);
+
+  /* A success clears the last error; a bad hyperparameter is refused. */
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{\"gradient_clipping\": 0}", &p, 1, NULL, 1,
+                                   &opt));
+  EXPECT(strcmp(strata_last_error(), "") == 0);
+  EXPECT(strata_optimizer_set_lr(opt, 0, -1.0) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "lr") != NULL);
+  EXPECT(strata_optimizer_set_lr(opt, 7, 1e-3) == STRATA_OUT_OF_RANGE);
+  strata_hyper h;
+  EXPECT(strata_optimizer_get_hyper(opt, 1, &h) == STRATA_OUT_OF_RANGE);
+  strata_optimizer_free(opt);
+
+  strata_device* bad = (strata_device*)1;
+  EXPECT(strata_device_open("tpu:0", &bad) == STRATA_INVALID_ARGUMENT);
+  EXPECT(bad == NULL);
+  EXPECT(strcmp(strata_status_name(STRATA_DATA_LOSS), "DataLoss") == 0);
+  EXPECT(strcmp(strata_status_name(42), "Unknown") == 0);
+  strata_optimizer_free(NULL);
+  strata_device_free(NULL);
+  strata_comm_free(NULL);
+}
+
+int main(void) {
+  strata_device* dev = NULL;
+  CHECK_OK(strata_device_open("host", &dev));
+  EXPECT(strcmp(strata_device_name(dev), "host") == 0);
+  printf("strata %s on %s\n", strata_version(), strata_device_name(dev));
+
+  TrainAndCompare(dev, "{\"gradient_clipping\": 0, \"optimizer\": {\"type\": \"AdamW\"}}");
+
+  char dir[] = "/tmp/strata_c_test_XXXXXX";
+  if (mkdtemp(dir) == NULL) {
+    perror("mkdtemp");
+    return 1;
+  }
+  char config[512];
+  snprintf(config, sizeof config,
+           "{\"gradient_clipping\": 0, \"zero_optimization\": {\"sub_group_size\": 512, "
+           "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}}",
+           dir);
+  TrainAndCompare(dev, config);
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+
+  Errors(dev);
+  strata_device_free(dev);
+  if (failures) {
+    fprintf(stderr, "%d failure(s)\n", failures);
+    return 1;
+  }
+  printf("all passed\n");
+  return 0;
+}
