@@ -73,6 +73,14 @@ size_t CopyText(const std::string& text, char* buf, size_t capacity) {
   return text.size();
 }
 
+// On the host device the caller's CPU code is not ordered on a device
+// stream: return only once the tensors are written.
+Status HostSync(strata_optimizer& opt, Status s) {
+  strata::Device& device = opt.opt->device();
+  if (!s.ok() || device.caps().kind != strata::DeviceKind::kHost) return s;
+  return device.StreamSynchronize(opt.stream ? opt.stream.ref() : device.DefaultStream());
+}
+
 strata::GroupHyper ToHyper(const strata_hyper& h) {
   return {.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps,
           .weight_decay = h.weight_decay};
@@ -221,12 +229,13 @@ int strata_optimizer_reduce_gradients(strata_optimizer* opt) {
 
 int strata_optimizer_step(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_step", "opt");
-  return Guard("strata_optimizer_step", [&] { return opt->opt->Step(); });
+  return Guard("strata_optimizer_step", [&] { return HostSync(*opt, opt->opt->Step()); });
 }
 
 int strata_optimizer_zero_grad(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_zero_grad", "opt");
-  return Guard("strata_optimizer_zero_grad", [&] { return opt->opt->ZeroGrad(); });
+  return Guard("strata_optimizer_zero_grad",
+               [&] { return HostSync(*opt, opt->opt->ZeroGrad()); });
 }
 
 double strata_optimizer_loss_scale(const strata_optimizer* opt) {

@@ -128,9 +128,12 @@ void strata_optimizer_free(strata_optimizer* opt);
 int strata_optimizer_grad_ready(strata_optimizer* opt, uint32_t index);
 /* Hands over the gradients of one micro-step (gradient accumulation). */
 int strata_optimizer_reduce_gradients(strata_optimizer* opt);
-/* One optimizer step; params are updated in place. */
+/* One optimizer step; params are updated in place. On CUDA the updates are
+ * ordered on the trainer's stream; on the host device the call returns once
+ * the params are written. */
 int strata_optimizer_step(strata_optimizer* opt);
-/* Zeroes the grad tensors and drops gradients not yet consumed. */
+/* Zeroes the grad tensors (as step orders its writes) and drops gradients
+ * not yet consumed. */
 int strata_optimizer_zero_grad(strata_optimizer* opt);
 
 /* The loss multiplier for the next backward (1 unless fp16 loss scaling). */

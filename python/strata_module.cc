@@ -1,0 +1,459 @@
+// strata._strata: the pybind11 module behind strata.torch. It binds the
+// engine (OffloadOptimizer) on raw pointers, so it needs no PyTorch headers:
+// strata/torch.py passes tensors' data_ptr() and keeps the tensors alive.
+//
+// Errors: a non-OK Status becomes StrataError (a RuntimeError) whose message
+// is Status::ToString(); InvalidArgument becomes ValueError,
+// ResourceExhausted MemoryError-like StrataResourceError, so Python callers
+// can catch what they expect.
+//
+// GIL: every call into the engine releases the GIL. The engine runs its
+// collectives on device stream threads; with a Python communicator
+// (torch.distributed over gloo) those threads take the GIL to call Python,
+// while the thread that called step() waits with the GIL released.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "offload/config.h"
+#include "offload/optimizer.h"
+#include "runtime/comm.h"
+#include "runtime/device.h"
+#include "runtime/log.h"
+#include "runtime/status.h"
+
+namespace py = pybind11;
+
+namespace strata {
+namespace {
+
+// Python exception types, made once at import.
+py::object* g_error = nullptr;           // StrataError(RuntimeError)
+py::object* g_invalid_argument = nullptr;  // InvalidArgumentError(StrataError, ValueError)
+py::object* g_resource = nullptr;          // ResourceExhaustedError(StrataError, MemoryError)
+
+[[noreturn]] void Raise(const Status& status) {
+  py::object* type = g_error;
+  if (status.code() == StatusCode::kInvalidArgument) type = g_invalid_argument;
+  if (status.code() == StatusCode::kResourceExhausted) type = g_resource;
+  PyErr_SetString(type->ptr(), status.ToString().c_str());
+  throw py::error_already_set();
+}
+
+void Check(const Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+// Unwraps a Result into `lhs` or raises.
+#define STRATA_ASSIGN_OR_RAISE(lhs, expr)                    \
+  do {                                                       \
+    auto strata_py_r_ = (expr);                              \
+    if (!strata_py_r_.ok()) Raise(strata_py_r_.status());    \
+    lhs = *std::move(strata_py_r_);                          \
+  } while (false)
+
+// Runs `f` (returning a Status) without the GIL, then raises on failure.
+template <typename F>
+void Call(F&& f) {
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = f();
+  }
+  Check(s);
+}
+
+std::string_view DTypeString(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF64:
+      return "float64";
+    default:
+      return DTypeName(t);
+  }
+}
+
+// A Communicator whose collectives call a Python object with methods
+//   all_reduce(send: memoryview, recv: memoryview, count, dtype: str, op: str)
+//   reduce_scatter(send, recv, recv_count, dtype, op)
+//   all_gather(send, recv, send_count, dtype)
+//   barrier()
+// (strata/torch.py implements them over torch.distributed). The memoryviews
+// are raw bytes over the engine's buffers, valid only during the call.
+// Each collective is a host task on the given stream: on the host device it
+// runs on the stream's worker thread, which takes the GIL for the call.
+class PythonCommunicator final : public Communicator {
+ public:
+  PythonCommunicator(int rank, int world_size, Device& device, py::object impl)
+      : rank_(rank), world_size_(world_size), device_(device), impl_(std::move(impl)) {}
+  ~PythonCommunicator() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  Device& device() const override { return device_; }
+  std::string_view backend() const override { return "python"; }
+
+  Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                   StreamRef stream) override {
+    STRATA_RETURN_IF_ERROR(CheckArgs("all-reduce", send, recv, dtype));
+    const size_t bytes = count * DTypeSize(dtype);
+    return Enqueue(stream, "all_reduce", [=, this] {
+      impl_.attr("all_reduce")(View(send, bytes), View(recv, bytes), count, DTypeString(dtype),
+                               ReduceOpName(op));
+    });
+  }
+
+  Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
+                       StreamRef stream) override {
+    STRATA_RETURN_IF_ERROR(CheckArgs("reduce-scatter", send, recv, dtype));
+    const size_t bytes = recv_count * DTypeSize(dtype);
+    return Enqueue(stream, "reduce_scatter", [=, this] {
+      impl_.attr("reduce_scatter")(View(send, bytes * world_size_), View(recv, bytes), recv_count,
+                                   DTypeString(dtype), ReduceOpName(op));
+    });
+  }
+
+  Status AllGather(const void* send, void* recv, size_t send_count, DType dtype,
+                   StreamRef stream) override {
+    STRATA_RETURN_IF_ERROR(CheckArgs("all-gather", send, recv, dtype));
+    const size_t bytes = send_count * DTypeSize(dtype);
+    return Enqueue(stream, "all_gather", [=, this] {
+      impl_.attr("all_gather")(View(send, bytes), View(recv, bytes * world_size_), send_count,
+                               DTypeString(dtype));
+    });
+  }
+
+  Status Barrier(StreamRef stream) override {
+    return Enqueue(stream, "barrier", [this] { impl_.attr("barrier")(); });
+  }
+
+ private:
+  static py::memoryview View(const void* p, size_t bytes) {
+    return py::memoryview::from_memory(const_cast<void*>(p), static_cast<py::ssize_t>(bytes));
+  }
+
+  Status CheckArgs(std::string_view op, const void* send, const void* recv, DType dtype) const {
+    if (send == nullptr || recv == nullptr) {
+      return InvalidArgumentError(fmt::format("{} on python communicator: null buffer", op));
+    }
+    if (!device_.caps().host_addressable_memory) {
+      return InvalidArgumentError(fmt::format(
+          "{} on python communicator: device {} memory is not host-addressable; use NCCL", op,
+          device_.name()));
+    }
+    return OkStatus();
+  }
+
+  template <typename F>
+  Status Enqueue(StreamRef stream, const char* what, F body) {
+    return device_.LaunchHostTask(stream, [this, what, body = std::move(body)]() -> Status {
+      py::gil_scoped_acquire gil;
+      try {
+        body();
+      } catch (py::error_already_set& e) {
+        return UnavailableError(fmt::format("{} (rank {} of {}) through torch.distributed: {}",
+                                            what, rank_, world_size_, e.what()));
+      }
+      return OkStatus();
+    });
+  }
+
+  const int rank_;
+  const int world_size_;
+  Device& device_;
+  py::object impl_;
+};
+
+// One optimizer with the device, communicator and stream it runs on.
+class Engine {
+ public:
+  // groups: [{"params": [(name, data_ptr, grad_ptr, elems), ...], "lr": ..., "betas": (b1, b2),
+  //           "eps": ..., "weight_decay": ...}, ...]
+  // comm: None (one rank), ("python", rank, world, impl), or ("nccl", rank, world, id_bytes).
+  // stream: a native stream handle (cudaStream_t as int) or None.
+  Engine(const std::string& device_name, const std::string& config_json, py::list groups,
+         py::object comm, py::object stream) {
+    STRATA_ASSIGN_OR_RAISE(config_, ParseConfigJson(config_json));
+    Check(ValidateConfig(config_));
+    STRATA_ASSIGN_OR_RAISE(
+        device_, OpenDevice(device_name, {.external_memory = ExternalMemory::kAccept}));
+    std::vector<ParamGroup> param_groups;
+    for (py::handle g : groups) {
+      py::dict d = py::reinterpret_borrow<py::dict>(g);
+      ParamGroup pg;
+      pg.hyper = HyperFrom(d);
+      for (py::handle t : d["params"]) {
+        auto tup = py::reinterpret_borrow<py::tuple>(t);
+        pg.params.push_back({.name = tup[0].cast<std::string>(),
+                             .data = reinterpret_cast<void*>(tup[1].cast<uintptr_t>()),
+                             .grad = reinterpret_cast<void*>(tup[2].cast<uintptr_t>()),
+                             .elems = tup[3].cast<uint64_t>()});
+      }
+      param_groups.push_back(std::move(pg));
+    }
+    if (!comm.is_none()) {
+      auto c = comm.cast<py::tuple>();
+      const auto kind = c[0].cast<std::string>();
+      const int rank = c[1].cast<int>();
+      const int world = c[2].cast<int>();
+      if (kind == "python") {
+        comm_ = std::make_unique<PythonCommunicator>(rank, world, *device_, c[3]);
+      } else if (kind == "nccl") {
+        const auto bytes = c[3].cast<std::string>();
+        NcclUniqueId id;
+        if (bytes.size() != id.bytes.size()) {
+          Raise(InvalidArgumentError(fmt::format("nccl unique id has {} bytes; it needs {}",
+                                                 bytes.size(), id.bytes.size())));
+        }
+        std::memcpy(id.bytes.data(), bytes.data(), id.bytes.size());
+        Call([&]() -> Status {
+          STRATA_ASSIGN_OR_RETURN(comm_, CreateNcclCommunicator(id, rank, world, *device_));
+          return OkStatus();
+        });
+      } else {
+        Raise(InvalidArgumentError(fmt::format("unknown communicator kind '{}'", kind)));
+      }
+    }
+    EngineContext context{.device = device_.get(), .comm = comm_.get(), .storage = nullptr,
+                          .stream = {}};
+    if (!stream.is_none()) {
+      STRATA_ASSIGN_OR_RAISE(
+          stream_, device_->WrapNativeStream(reinterpret_cast<void*>(stream.cast<uintptr_t>())));
+      context.stream = stream_.ref();
+    }
+    Call([&]() -> Status {
+      STRATA_ASSIGN_OR_RETURN(opt_, OffloadOptimizer::Create(context, config_, param_groups));
+      return OkStatus();
+    });
+  }
+
+  ~Engine() {
+    // The engine's streams may still hold tasks that take the GIL.
+    py::gil_scoped_release release;
+    opt_.reset();
+    stream_ = Stream();
+    comm_.reset();
+    device_.reset();
+  }
+
+  // On the host device the trainer's CPU code is not ordered on a device
+  // stream: wait until the tensors are written before returning to it.
+  void Step() { Call([&] { return HostSync(opt_->Step()); }); }
+  void ZeroGrad() { Call([&] { return HostSync(opt_->ZeroGrad()); }); }
+  void ReduceGradients() { Call([&] { return opt_->ReduceGradients(); }); }
+  void GradReady(uint32_t i) { Call([&] { return opt_->GradReady(i); }); }
+  void Save(const std::string& dir) { Call([&] { return opt_->Save(dir); }); }
+  void Load(const std::string& dir) { Call([&] { return opt_->Load(dir); }); }
+  void Synchronize() { Call([&] { return opt_->device().Synchronize(); }); }
+
+  double loss_scale() const { return opt_->loss_scale(); }
+  int64_t step_count() const { return opt_->step_count(); }
+  int rank() const { return opt_->rank(); }
+  int world_size() const { return opt_->world_size(); }
+  uint32_t num_groups() const { return opt_->num_groups(); }
+  std::string device_name() const { return opt_->device().name(); }
+
+  py::dict GroupHyperOf(uint32_t g) const {
+    if (g >= opt_->num_groups()) {
+      Raise(OutOfRangeError(fmt::format("group {} of {}", g, opt_->num_groups())));
+    }
+    const GroupHyper& h = opt_->group_hyper(g);
+    py::dict d;
+    d["lr"] = h.lr;
+    d["betas"] = py::make_tuple(h.beta1, h.beta2);
+    d["eps"] = h.eps;
+    d["weight_decay"] = h.weight_decay;
+    return d;
+  }
+  void SetGroupHyper(uint32_t g, py::dict d) { Check(opt_->SetGroupHyper(g, HyperFrom(d))); }
+
+  py::dict LastStep() const {
+    const StepStats& s = opt_->last_step();
+    py::dict d;
+    d["step"] = s.step;
+    d["skipped"] = s.skipped;
+    d["loss_scale"] = s.loss_scale;
+    d["grad_norm"] = s.grad_norm;
+    d["clip_coef"] = s.clip_coef;
+    d["micro_steps"] = s.micro_steps;
+    py::dict t;
+    t["d2h"] = s.times.d2h;
+    t["comm"] = s.times.comm;
+    t["read"] = s.times.read;
+    t["adam"] = s.times.adam;
+    t["write"] = s.times.write;
+    t["h2d"] = s.times.h2d;
+    t["step"] = s.times.step;
+    d["times"] = t;
+    d["read_bytes"] = s.read_bytes;
+    d["write_bytes"] = s.write_bytes;
+    d["d2h_bytes"] = s.d2h_bytes;
+    d["h2d_bytes"] = s.h2d_bytes;
+    d["text"] = FormatStepStats(s);
+    return d;
+  }
+
+  py::dict Plan() const {
+    const PlacementPlan& p = opt_->plan();
+    py::dict d;
+    d["text"] = FormatPlan(p);
+    d["host_sub_groups"] = p.host_sub_groups;
+    d["nvme_sub_groups"] = p.nvme_sub_groups;
+    d["host_state_bytes"] = p.host_state_bytes;
+    d["nvme_state_bytes"] = p.nvme_state_bytes;
+    d["host_staging_bytes"] = p.host_staging_bytes;
+    d["device_staging_bytes"] = p.device_staging_bytes;
+    return d;
+  }
+
+  std::string config_json() const { return ConfigToJson(opt_->config()); }
+
+  // The sub-groups of this rank's shard as (begin, end) flat elements.
+  std::vector<std::pair<uint64_t, uint64_t>> SubGroups() const {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (const ElemRange& r : opt_->sub_groups()) out.emplace_back(r.begin, r.end);
+    return out;
+  }
+  uint32_t state_array_count() const { return opt_->StateArrayCount(); }
+
+  // Read/WriteState through a float32 buffer the caller owns (a tensor's
+  // data_ptr and numel).
+  void ReadState(uint32_t i, uintptr_t ptr, uint64_t n) {
+    Call([&] { return opt_->ReadState(i, {reinterpret_cast<float*>(ptr), n}); });
+  }
+  void WriteState(uint32_t i, uintptr_t ptr, uint64_t n) {
+    Call([&] { return opt_->WriteState(i, {reinterpret_cast<const float*>(ptr), n}); });
+  }
+
+  py::dict ScalerState() const {
+    const LossScalerState s = opt_->loss_scaler_state();
+    py::dict d;
+    d["scale"] = s.scale;
+    d["iteration"] = s.iteration;
+    d["last_overflow_iteration"] = s.last_overflow_iteration;
+    d["hysteresis_left"] = s.hysteresis_left;
+    return d;
+  }
+  void RestoreCounters(int64_t step, py::dict d) {
+    LossScalerState s{.scale = d["scale"].cast<double>(),
+                      .iteration = d["iteration"].cast<int64_t>(),
+                      .last_overflow_iteration = d["last_overflow_iteration"].cast<int64_t>(),
+                      .hysteresis_left = d["hysteresis_left"].cast<uint32_t>()};
+    Check(opt_->RestoreCounters(step, s));
+  }
+
+ private:
+  Status HostSync(Status s) {
+    if (!s.ok() || device_->caps().kind != DeviceKind::kHost) return s;
+    return device_->StreamSynchronize(stream_ ? stream_.ref() : device_->DefaultStream());
+  }
+
+  static GroupHyper HyperFrom(const py::dict& d) {
+    GroupHyper h;
+    h.lr = d["lr"].cast<double>();
+    auto betas = d["betas"].cast<py::tuple>();
+    h.beta1 = betas[0].cast<double>();
+    h.beta2 = betas[1].cast<double>();
+    h.eps = d["eps"].cast<double>();
+    h.weight_decay = d["weight_decay"].cast<double>();
+    return h;
+  }
+
+  OffloadConfig config_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Communicator> comm_;
+  Stream stream_;
+  std::unique_ptr<OffloadOptimizer> opt_;
+};
+
+bool CudaAvailable() {
+  for (const DeviceCaps& c : ListDevices()) {
+    if (c.kind == DeviceKind::kCuda) return true;
+  }
+  return false;
+}
+
+py::bytes NewNcclId() {
+  Result<NcclUniqueId> id = NewNcclUniqueId();
+  if (!id.ok()) Raise(id.status());
+  return py::bytes(reinterpret_cast<const char*>(id->bytes.data()), id->bytes.size());
+}
+
+}  // namespace
+}  // namespace strata
+
+PYBIND11_MODULE(_strata, m) {
+  using strata::Engine;
+  m.doc() = "Strata offload engine bindings; use strata.torch.OffloadAdam.";
+  static py::object error = py::reinterpret_steal<py::object>(
+      PyErr_NewException("strata.StrataError", PyExc_RuntimeError, nullptr));
+  static py::object invalid = py::reinterpret_steal<py::object>(PyErr_NewException(
+      "strata.InvalidArgumentError", py::make_tuple(error, py::handle(PyExc_ValueError)).ptr(),
+      nullptr));
+  static py::object resource = py::reinterpret_steal<py::object>(PyErr_NewException(
+      "strata.ResourceExhaustedError",
+      py::make_tuple(error, py::handle(PyExc_MemoryError)).ptr(), nullptr));
+  strata::g_error = &error;
+  strata::g_invalid_argument = &invalid;
+  strata::g_resource = &resource;
+  m.attr("StrataError") = error;
+  m.attr("InvalidArgumentError") = invalid;
+  m.attr("ResourceExhaustedError") = resource;
+
+  m.def("cuda_available", &strata::CudaAvailable, "True when a CUDA device can be opened.");
+  m.def("nccl_unique_id", &strata::NewNcclId, "A fresh ncclUniqueId (128 bytes).");
+  m.def(
+      "set_log_level",
+      [](const std::string& level) {
+        if (level == "debug") strata::SetLogLevel(strata::LogLevel::kDebug);
+        else if (level == "info") strata::SetLogLevel(strata::LogLevel::kInfo);
+        else if (level == "warning") strata::SetLogLevel(strata::LogLevel::kWarning);
+        else if (level == "error") strata::SetLogLevel(strata::LogLevel::kError);
+        else if (level == "off") strata::SetLogLevel(strata::LogLevel::kOff);
+        else strata::Raise(strata::InvalidArgumentError("log level: debug|info|warning|error|off"));
+      },
+      "Engine log level (stderr): debug|info|warning|error|off.");
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<const std::string&, const std::string&, py::list, py::object, py::object>(),
+           py::arg("device"), py::arg("config_json"), py::arg("groups"),
+           py::arg("comm") = py::none(), py::arg("stream") = py::none())
+      .def("step", &Engine::Step)
+      .def("zero_grad", &Engine::ZeroGrad)
+      .def("reduce_gradients", &Engine::ReduceGradients)
+      .def("grad_ready", &Engine::GradReady)
+      .def("save", &Engine::Save)
+      .def("load", &Engine::Load)
+      .def("synchronize", &Engine::Synchronize)
+      .def_property_readonly("loss_scale", &Engine::loss_scale)
+      .def_property_readonly("step_count", &Engine::step_count)
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("world_size", &Engine::world_size)
+      .def_property_readonly("num_groups", &Engine::num_groups)
+      .def_property_readonly("device", &Engine::device_name)
+      .def_property_readonly("state_array_count", &Engine::state_array_count)
+      .def("group_hyper", &Engine::GroupHyperOf)
+      .def("set_group_hyper", &Engine::SetGroupHyper)
+      .def("last_step", &Engine::LastStep)
+      .def("plan", &Engine::Plan)
+      .def("config_json", &Engine::config_json)
+      .def("sub_groups", &Engine::SubGroups)
+      .def("read_state", &Engine::ReadState)
+      .def("write_state", &Engine::WriteState)
+      .def("scaler_state", &Engine::ScalerState)
+      .def("restore_counters", &Engine::RestoreCounters);
+}
