@@ -329,11 +329,11 @@ class OffloadAdam(torch.optim.Optimizer):
             g = p.grad
             if g is None:
                 buf.zero_()
+            elif g.is_sparse:
+                raise RuntimeError(f"OffloadAdam: param {i} (shape {tuple(p.shape)}) has a "
+                                   "sparse gradient; OffloadAdam needs dense gradients "
+                                   "(e.g. nn.Embedding(sparse=False))")
             elif g.data_ptr() != buf.data_ptr():
-                if g.is_sparse:
-                    raise RuntimeError(f"OffloadAdam: param {i} (shape {tuple(p.shape)}) has a "
-                                       "sparse gradient; OffloadAdam needs dense gradients "
-                                       "(e.g. nn.Embedding(sparse=False))")
                 buf.copy_(g)
         current = None
         if self._stream is not None:
