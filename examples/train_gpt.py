@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Trains a small GPT with strata.torch.OffloadAdam, its optimizer state mostly on NVMe.
+
+The task is generated: each sequence is an arithmetic progression modulo the
+vocabulary (start and stride random per sequence), so the model has to infer
+the stride from the context; the loss falls from ln(vocab) toward 0 as it
+learns. The host budget is set below the size of the optimizer state, so most
+of the fp32 master weights and Adam moments live in files under --nvme-path
+and are streamed through the sub-group pipeline every step.
+
+    PYTHONPATH=build/python /usr/bin/python3 examples/train_gpt.py            # ~20M params
+    PYTHONPATH=build/python /usr/bin/python3 examples/train_gpt.py --params 200M --steps 100
+    PYTHONPATH=build/python python3 examples/train_gpt.py --device cuda --dtype bf16
+"""
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from strata.torch import OffloadAdam, ResourceExhaustedError
+except ImportError as e:
+    sys.exit(f"train_gpt: cannot import strata.torch ({e}); build first (scripts/setup) and run "
+             "with PYTHONPATH=build/python /usr/bin/python3")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d_model, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(d_model)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model)
+        self.proj = torch.nn.Linear(d_model, d_model)
+        self.ln2 = torch.nn.LayerNorm(d_model)
+        self.fc = torch.nn.Linear(d_model, 4 * d_model)
+        self.out = torch.nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(mask[:t, :t], float("-inf")).softmax(dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab, seq, d_model, layers, heads):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Embedding(seq, d_model)
+        self.blocks = torch.nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d_model)
+        self.head = torch.nn.Linear(d_model, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1),
+                             persistent=False)
+        for m in self.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    torch.nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x, self.mask)
+        return self.head(self.ln(x))
+
+
+def progressions(batch, seq, vocab, generator, device):
+    """Arithmetic progressions mod vocab: (inputs, targets) of shape (batch, seq)."""
+    start = torch.randint(0, vocab, (batch, 1), generator=generator)
+    stride = torch.randint(1, vocab // 4, (batch, 1), generator=generator)
+    tokens = (start + stride * torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def parse_count(text):
+    units = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(float(text))
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", default="20M",
+                    help="target model size (e.g. 20M, 100M, 1B); sets --d-model from --layers")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=None, help="overrides --params")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--offload", default="nvme", choices=["nvme", "cpu"])
+    ap.add_argument("--nvme-path", default=None,
+                    help="directory for the NVMe tier (default: a fresh one under /var/tmp)")
+    ap.add_argument("--host-budget", default=None,
+                    help="pinned DRAM for state + staging (default: the staging plus a quarter "
+                         "of the state)")
+    ap.add_argument("--sub-group-size", type=parse_count, default=parse_count("1M"))
+    ap.add_argument("--threads", type=int, default=None, help="torch and CPU Adam threads")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("train_gpt: --device cuda but torch sees no CUDA device")
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.d_model is None:
+        per_layer = 12 * args.layers
+        d = math.sqrt(parse_count(args.params) / per_layer)
+        args.d_model = max(args.heads * 8, int(round(d / 64)) * 64)
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads).to(device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    state_bytes = 12 * n_params
+    param_bytes = torch.finfo(dtype).bits // 8
+
+    nvme_dir, made_dir = args.nvme_path, False
+    if args.offload == "nvme" and nvme_dir is None:
+        nvme_dir, made_dir = tempfile.mkdtemp(prefix="strata_demo_", dir="/var/tmp"), True
+    if args.host_budget is None and args.offload == "nvme":
+        # What the planner needs for staging (docs/offload.md): the fp32 grad
+        # of the shard, 4 param and 4 NVMe buffers of one sub-group; plus a
+        # quarter of the state, so most of it goes to NVMe.
+        sg = min(args.sub_group_size, n_params)
+        staging = (4 * (n_params + 64 * 256) + 4 * sg * param_bytes
+                   + 4 * (12 * sg + 8192))
+        args.host_budget = staging + state_bytes // 4
+    print(f"model: GPT {args.layers} layers x d_model {args.d_model}, {args.heads} heads, "
+          f"vocab {args.vocab}, seq {args.seq}: {n_params / 1e6:.1f}M params ({args.dtype}) on "
+          f"{device}; optimizer state {fmt_bytes(state_bytes)}", flush=True)
+    if args.offload == "nvme":
+        print(f"offload: nvme at {nvme_dir}, host budget {fmt_bytes(int(args.host_budget))} "
+              f"(< state {fmt_bytes(state_bytes)})", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    try:
+        opt = OffloadAdam([{"params": decay, "weight_decay": 0.1},
+                           {"params": no_decay, "weight_decay": 0.0}],
+                          lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0, offload=args.offload,
+                          nvme_path=nvme_dir, host_budget=args.host_budget,
+                          sub_group_size=args.sub_group_size, threads=args.threads)
+    except ResourceExhaustedError as e:
+        sys.exit(f"train_gpt: {e}")
+    plan = opt.plan()
+    print(plan["text"], flush=True)
+    print(f"state: {fmt_bytes(plan['host_state_bytes'])} in DRAM ({plan['host_sub_groups']} "
+          f"sub-groups), {fmt_bytes(plan['nvme_state_bytes'])} on NVMe "
+          f"({plan['nvme_sub_groups']} sub-groups)", flush=True)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / args.warmup) *
+        (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    losses, step_times = [], []
+    nvme_read = nvme_write = 0
+    t_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y = progressions(args.batch, args.seq, args.vocab, gen, device)
+        t0 = time.perf_counter()
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, args.vocab), y.reshape(-1))
+        opt.backward(loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        s = opt.last_step()
+        tm = s["times"]
+        losses.append(loss.item())
+        step_times.append(t2 - t0)
+        nvme_read += s["read_bytes"]
+        nvme_write += s["write_bytes"]
+        print(f"step {step:3d}/{args.steps} | loss {losses[-1]:.4f} | {t2 - t0:.2f} s "
+              f"(fwd+bwd {t1 - t0:.2f}, opt {t2 - t1:.2f}: d2h {tm['d2h']:.2f} "
+              f"read {tm['read']:.2f} adam {tm['adam']:.2f} write {tm['write']:.2f} "
+              f"h2d {tm['h2d']:.2f}) | nvme r {fmt_bytes(s['read_bytes'])} "
+              f"w {fmt_bytes(s['write_bytes'])} | lr {sched.get_last_lr()[0]:.2e}"
+              f"{' | SKIPPED (overflow)' if s['skipped'] else ''}", flush=True)
+    total = time.perf_counter() - t_start
+    k = max(1, min(5, len(losses) // 4))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    print("\nsummary")
+    print(f"  loss        {first:.4f} -> {last:.4f} (mean of first/last {k} steps; "
+          f"ln(vocab) = {math.log(args.vocab):.4f})")
+    print(f"  time        {total:.1f} s for {args.steps} steps, "
+          f"{sum(step_times) / len(step_times):.2f} s/step, "
+          f"{args.steps * args.batch * args.seq / total:.0f} tokens/s")
+    print(f"  state       {fmt_bytes(plan['host_state_bytes'])} DRAM, "
+          f"{fmt_bytes(plan['nvme_state_bytes'])} NVMe")
+    print(f"  nvme        {fmt_bytes(nvme_read)} read, {fmt_bytes(nvme_write)} written")
+    del opt
+    if made_dir:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+    if not last < first * 0.8:
+        print("train_gpt: the loss did not fall clearly", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
