@@ -200,6 +200,7 @@ struct OffloadOptimizer::Impl {
   std::vector<Event> slot_events;  // one per param staging buffer
   std::unique_ptr<CpuAdam> cpu;
   std::optional<LossScaler> scaler;
+  PipelineMode mode = PipelineMode::kOverlapped;
 
   // ---- per step ----
   int64_t step = 0;
@@ -721,11 +722,15 @@ std::future<Status> OffloadOptimizer::Impl::WriteJob(uint32_t i) {
 // queued after the write that last used it), CPU update into a param staging
 // buffer, write-behind, then H2D + all-gather + unpack on the h2d stream.
 // Errors of one sub-group do not stop the others (every rank must issue every
-// collective); the first one is returned.
+// collective); the first one is returned. PipelineMode::kSerial runs the same
+// code with each stage waited for before the next starts and no read-ahead,
+// so that its stage times are those of each stage alone.
 Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
   const uint32_t n = static_cast<uint32_t>(sub_groups.size());
+  const bool serial = mode == PipelineMode::kSerial;
   std::vector<std::future<Status>> writes(nvme_order.size());
-  StartReads();
+  reads.resize(nvme_order.size());
+  if (!serial) StartReads();
   Status first_error;
   auto fail = [&](Status s) {
     if (first_error.ok()) first_error = std::move(s);
@@ -745,6 +750,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
     std::span<float> state;
     const int32_t k = extent_of[i];
     if (k >= 0) {
+      if (!reads[k].valid()) reads[k] = ReadJob(i);  // serial: read on demand
       if (Status s = reads[k].get(); !s.ok()) {
         fail(std::move(s));
         ok = false;
@@ -767,8 +773,9 @@ Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
         writes[k] = WriteJob(i);
       }
       adam_sec += Now() - t0;
+      if (serial && k >= 0 && writes[k].valid()) writes[k].wait();
     }
-    if (k >= 0 && k + buffer_count < nvme_order.size()) {
+    if (!serial && k >= 0 && k + buffer_count < nvme_order.size()) {
       reads[k + buffer_count] = ReadJob(nvme_order[k + buffer_count]);
     }
     // Params up. A sub-group that failed here still joins the all-gather
@@ -791,6 +798,11 @@ Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
           *device, h2d_stream, {bucket, world * elems, config.param_dtype}, unpack[i]));
     }
     STRATA_RETURN_IF_ERROR(device->RecordEvent(slot_events[slot], h2d_stream));
+    if (serial) {
+      if (Status s = device->StreamSynchronize(h2d_stream); !s.ok()) {
+        fail(std::move(s).WithContext(fmt::format("upload the params of {}", SubGroupName(i))));
+      }
+    }
   }
   for (uint32_t k = 0; k < nvme_order.size(); ++k) {
     if (!writes[k].valid()) continue;
@@ -815,7 +827,7 @@ Status OffloadOptimizer::Impl::Step() {
   } else {
     // The first reads do not depend on the grads: start them now. The
     // pipeline finds them already queued.
-    StartReads();
+    if (mode == PipelineMode::kOverlapped) StartReads();
     if (micro_steps == 0 || reduced_count > 0) {
       STRATA_RETURN_IF_ERROR((ReduceGradients()).WithContext(fmt::format("step {}", step + 1)));
     }
@@ -824,7 +836,8 @@ Status OffloadOptimizer::Impl::Step() {
             .WithContext(fmt::format("step {}: reduce the gradients", step + 1)));
     const double ts = Now();
     STRATA_ASSIGN_OR_RETURN(GradStats st, cpu->ComputeGradStats(GradView::F32(GradShard()), 1.0f));
-    last.times.adam += Now() - ts;
+    last.times.grad_stats = Now() - ts;
+    last.times.adam += last.times.grad_stats;
     if (world > 1) {
       double v[2] = {st.sum_sq, static_cast<double>(st.nonfinite_elems)};
       STRATA_RETURN_IF_ERROR(
@@ -981,6 +994,8 @@ Status OffloadOptimizer::ZeroGrad() {
   return OkStatus();
 }
 
+void OffloadOptimizer::SetPipelineMode(PipelineMode mode) { impl_->mode = mode; }
+PipelineMode OffloadOptimizer::pipeline_mode() const { return impl_->mode; }
 double OffloadOptimizer::loss_scale() const { return impl_->scaler->scale(); }
 const StepStats& OffloadOptimizer::last_step() const { return impl_->last; }
 int64_t OffloadOptimizer::step_count() const { return impl_->step; }
