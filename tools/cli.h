@@ -29,5 +29,6 @@ void AddInfoCommand(Cli& cli);
 void AddBenchNvmeCommand(Cli& cli);
 void AddBenchAdamCommand(Cli& cli);
 void AddPlanCommand(Cli& cli);
+void AddBenchStepCommand(Cli& cli);
 
 }  // namespace strata::cli
