@@ -140,11 +140,11 @@ GroupHyper DefaultGroupHyper(const OffloadConfig& config) {
 std::string FormatStepStats(const StepStats& s) {
   const StageTimes& t = s.times;
   std::string out = fmt::format(
-      "step {}: {}{} (d2h {}, comm {}, read {}, adam {}, write {}, h2d {}), loss scale {}, "
-      "grad norm {:.4g}",
+      "step {}: {}{} (d2h {}, comm {}, read {}, adam {}, write {}, h2d {}, device {}), "
+      "loss scale {}, grad norm {:.4g}",
       s.step, FormatSeconds(t.step), s.skipped ? " skipped" : "", FormatSeconds(t.d2h),
       FormatSeconds(t.comm), FormatSeconds(t.read), FormatSeconds(t.adam), FormatSeconds(t.write),
-      FormatSeconds(t.h2d), s.loss_scale, s.grad_norm);
+      FormatSeconds(t.h2d), FormatSeconds(t.device), s.loss_scale, s.grad_norm);
   if (s.clip_coef < 1.0f) out += fmt::format(", clip {:.4g}", s.clip_coef);
   if (s.read_bytes + s.write_bytes > 0) {
     out += fmt::format(", nvme read {} write {}", FormatBytes(s.read_bytes),
@@ -215,6 +215,7 @@ struct OffloadOptimizer::Impl {
   std::vector<uint8_t> done;               // per sub-group, for the pending step
   std::vector<std::future<Status>> reads;  // per NVMe extent: its read in flight
   StageClock d2h_clock, comm_grad_clock, comm_h2d_clock, h2d_clock;
+  StageClock pack_clock, unpack_clock;  // device kernels, one clock per stream
   std::mutex io_mu;  // guards the IO counters below
   double read_sec = 0, write_sec = 0;
   uint64_t read_bytes = 0, write_bytes = 0;
@@ -556,9 +557,10 @@ Status OffloadOptimizer::Impl::LaunchBucket(uint32_t i) {
   const uint64_t elems = sub_groups[i].elems();
   std::byte* bucket = Bucket(i);
   std::byte* mine = bucket + rank * elems * 4;
-  STRATA_RETURN_IF_ERROR(kernels::PackGrads(*device, grad_stream, pack[i],
-                                            {bucket, world * elems, DType::kF32},
-                                            1.0f / static_cast<float>(world)));
+  STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &pack_clock, [&] {
+    return kernels::PackGrads(*device, grad_stream, pack[i], {bucket, world * elems, DType::kF32},
+                              1.0f / static_cast<float>(world));
+  }));
   if (world > 1) {
     STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &comm_grad_clock, [&] {
       return comm->ReduceScatter(bucket, mine, elems, DType::kF32, ReduceOp::kSum, grad_stream);
@@ -794,8 +796,10 @@ Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
       }));
     }
     if (ok) {
-      STRATA_RETURN_IF_ERROR(kernels::UnpackParams(
-          *device, h2d_stream, {bucket, world * elems, config.param_dtype}, unpack[i]));
+      STRATA_RETURN_IF_ERROR(Timed(*device, h2d_stream, &unpack_clock, [&] {
+        return kernels::UnpackParams(*device, h2d_stream,
+                                     {bucket, world * elems, config.param_dtype}, unpack[i]);
+      }));
     }
     STRATA_RETURN_IF_ERROR(device->RecordEvent(slot_events[slot], h2d_stream));
     if (serial) {
@@ -891,6 +895,7 @@ Status OffloadOptimizer::Impl::Step() {
   last.times.d2h = d2h_clock.busy;
   last.times.h2d = h2d_clock.busy;
   last.times.comm = comm_grad_clock.busy + comm_h2d_clock.busy;
+  last.times.device = pack_clock.busy + unpack_clock.busy;
   {
     std::lock_guard<std::mutex> lock(io_mu);
     last.times.read = read_sec;
@@ -901,6 +906,7 @@ Status OffloadOptimizer::Impl::Step() {
     read_bytes = write_bytes = 0;
   }
   d2h_clock = h2d_clock = comm_grad_clock = comm_h2d_clock = StageClock{};
+  pack_clock = unpack_clock = StageClock{};
   last.d2h_bytes = 0;
   last.h2d_bytes = 0;
   for (const ElemRange& r : sub_groups) {

@@ -111,7 +111,9 @@ struct ParamGroup {
 GroupHyper DefaultGroupHyper(const OffloadConfig& config);
 
 // Seconds each stage of the last step kept its resource busy, and the step's
-// wall time. Stages overlap, so they add up to more than `step`.
+// wall time. Stages overlap, so they add up to more than `step`. On a GPU the
+// device kernels take milliseconds; on the host device they are the scalar
+// reference code (kernels/kernels_host.cc) and show up.
 struct StageTimes {
   double d2h = 0;    // gradient copies device -> pinned host
   double comm = 0;   // reduce-scatter, all-reduce of the statistics, all-gather
@@ -121,6 +123,7 @@ struct StageTimes {
   double h2d = 0;    // param copies pinned host -> device
   double step = 0;   // wall time of Step(), including the reduction it waited for
   double grad_stats = 0;  // part of `adam`: the norm / non-finite pass over the shard
+  double device = 0;  // device kernels: packing the grads into buckets, unpacking the params
 };
 
 // How Step() schedules its stages. kOverlapped (the default) is the

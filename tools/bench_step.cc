@@ -168,6 +168,7 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
     s.times.grad_stats = std::max(s.times.grad_stats, t.grad_stats);
     s.times.write = std::max(s.times.write, t.write);
     s.times.h2d = std::max(s.times.h2d, t.h2d);
+    s.times.device = std::max(s.times.device, t.device);
     s.times.step = std::max(s.times.step, t.step);
     s.read_bytes += r.read_bytes;
     s.write_bytes += r.write_bytes;
@@ -179,14 +180,14 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
 
 // Busy time of each resource: NVMe reads and writes share the drive.
 struct Resources {
-  double nvme = 0, cpu = 0, d2h = 0, h2d = 0, comm = 0;
+  double nvme = 0, cpu = 0, d2h = 0, h2d = 0, comm = 0, device = 0;
   static Resources Of(const StageTimes& t) {
-    return {t.read + t.write, t.adam, t.d2h, t.h2d, t.comm};
+    return {t.read + t.write, t.adam, t.d2h, t.h2d, t.comm, t.device};
   }
   std::pair<std::string, double> Bottleneck() const {
     std::pair<std::string, double> b{"nvme", nvme};
     for (auto [name, v] : {std::pair<const char*, double>{"cpu", cpu}, {"d2h", d2h},
-                           {"h2d", h2d}, {"comm", comm}}) {
+                           {"h2d", h2d}, {"comm", comm}, {"device", device}}) {
       if (v > b.second) b = {name, v};
     }
     return b;
@@ -196,7 +197,7 @@ struct Resources {
 nlohmann::json StagesJson(const StageTimes& t) {
   return {{"d2h", t.d2h},     {"comm", t.comm},   {"read", t.read},
           {"adam", t.adam},   {"write", t.write}, {"h2d", t.h2d},
-          {"grad_stats", t.grad_stats}, {"step", t.step}};
+          {"grad_stats", t.grad_stats}, {"device", t.device}, {"step", t.step}};
 }
 
 // Median over rounds, stage by stage.
@@ -214,6 +215,7 @@ StageTimes MedianTimes(const std::vector<StepSample>& v) {
   t.grad_stats = med(&StageTimes::grad_stats);
   t.write = med(&StageTimes::write);
   t.h2d = med(&StageTimes::h2d);
+  t.device = med(&StageTimes::device);
   t.step = med(&StageTimes::step);
   return t;
 }
@@ -500,13 +502,15 @@ Status RunStep(const StepArgs& a) {
           {"cpu", res_alone.cpu},
           {"d2h", res_alone.d2h},
           {"h2d", res_alone.h2d},
-          {"comm", res_alone.comm}}},
+          {"comm", res_alone.comm},
+          {"device", res_alone.device}}},
         {"resources",
          {{"nvme", res_over.nvme},
           {"cpu", res_over.cpu},
           {"d2h", res_over.d2h},
           {"h2d", res_over.h2d},
-          {"comm", res_over.comm}}},
+          {"comm", res_over.comm},
+          {"device", res_over.device}}},
         {"bottleneck", bottleneck},
         {"bottleneck_alone_sec", bottleneck_sec},
         {"overlap_efficiency", efficiency},
@@ -553,12 +557,14 @@ Status RunStep(const StepArgs& a) {
   row(" grad stats", over.grad_stats, alone.grad_stats);
   row("write", over.write, alone.write);
   row("h2d", over.h2d, alone.h2d);
+  row("device", over.device, alone.device);
   row("step", over.step, alone.step);
-  std::printf("  resources alone: nvme %s (%s), cpu %s, d2h %s, h2d %s, comm %s\n",
+  std::printf("  resources alone: nvme %s (%s), cpu %s, d2h %s, h2d %s, comm %s, device %s\n",
               FormatSeconds(res_alone.nvme).c_str(),
               res_alone.nvme > 0 ? FormatRate(nvme_bytes / res_alone.nvme).c_str() : "-",
               FormatSeconds(res_alone.cpu).c_str(), FormatSeconds(res_alone.d2h).c_str(),
-              FormatSeconds(res_alone.h2d).c_str(), FormatSeconds(res_alone.comm).c_str());
+              FormatSeconds(res_alone.h2d).c_str(), FormatSeconds(res_alone.comm).c_str(),
+              FormatSeconds(res_alone.device).c_str());
   std::printf("  bottleneck %s: %s alone; step %s; overlap_efficiency %.3f (median of %d "
               "rounds; per round", bottleneck.c_str(), FormatSeconds(bottleneck_sec).c_str(),
               FormatSeconds(over.step).c_str(), efficiency, a.steps);
