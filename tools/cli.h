@@ -30,5 +30,6 @@ void AddBenchNvmeCommand(Cli& cli);
 void AddBenchAdamCommand(Cli& cli);
 void AddPlanCommand(Cli& cli);
 void AddBenchPcieCommand(Cli& cli);
+void AddBenchStepCommand(Cli& cli);
 
 }  // namespace strata::cli

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   strata::cli::AddBenchAdamCommand(cli);
   strata::cli::AddPlanCommand(cli);
   strata::cli::AddBenchPcieCommand(cli);
+  strata::cli::AddBenchStepCommand(cli);
 
   try {
     cli.app.parse(argc, argv);
