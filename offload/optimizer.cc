@@ -140,11 +140,11 @@ GroupHyper DefaultGroupHyper(const OffloadConfig& config) {
 std::string FormatStepStats(const StepStats& s) {
   const StageTimes& t = s.times;
   std::string out = fmt::format(
-      "step {}: {}{} (d2h {}, comm {}, read {}, adam {}, write {}, h2d {}), loss scale {}, "
-      "grad norm {:.4g}",
+      "step {}: {}{} (d2h {}, comm {}, read {}, adam {}, write {}, h2d {}, device {}), "
+      "loss scale {}, grad norm {:.4g}",
       s.step, FormatSeconds(t.step), s.skipped ? " skipped" : "", FormatSeconds(t.d2h),
       FormatSeconds(t.comm), FormatSeconds(t.read), FormatSeconds(t.adam), FormatSeconds(t.write),
-      FormatSeconds(t.h2d), s.loss_scale, s.grad_norm);
+      FormatSeconds(t.h2d), FormatSeconds(t.device), s.loss_scale, s.grad_norm);
   if (s.clip_coef < 1.0f) out += fmt::format(", clip {:.4g}", s.clip_coef);
   if (s.read_bytes + s.write_bytes > 0) {
     out += fmt::format(", nvme read {} write {}", FormatBytes(s.read_bytes),
@@ -200,6 +200,7 @@ struct OffloadOptimizer::Impl {
   std::vector<Event> slot_events;  // one per param staging buffer
   std::unique_ptr<CpuAdam> cpu;
   std::optional<LossScaler> scaler;
+  PipelineMode mode = PipelineMode::kOverlapped;
 
   // ---- per step ----
   int64_t step = 0;
@@ -214,6 +215,7 @@ struct OffloadOptimizer::Impl {
   std::vector<uint8_t> done;               // per sub-group, for the pending step
   std::vector<std::future<Status>> reads;  // per NVMe extent: its read in flight
   StageClock d2h_clock, comm_grad_clock, comm_h2d_clock, h2d_clock;
+  StageClock pack_clock, unpack_clock;  // device kernels, one clock per stream
   std::mutex io_mu;  // guards the IO counters below
   double read_sec = 0, write_sec = 0;
   uint64_t read_bytes = 0, write_bytes = 0;
@@ -555,9 +557,10 @@ Status OffloadOptimizer::Impl::LaunchBucket(uint32_t i) {
   const uint64_t elems = sub_groups[i].elems();
   std::byte* bucket = Bucket(i);
   std::byte* mine = bucket + rank * elems * 4;
-  STRATA_RETURN_IF_ERROR(kernels::PackGrads(*device, grad_stream, pack[i],
-                                            {bucket, world * elems, DType::kF32},
-                                            1.0f / static_cast<float>(world)));
+  STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &pack_clock, [&] {
+    return kernels::PackGrads(*device, grad_stream, pack[i], {bucket, world * elems, DType::kF32},
+                              1.0f / static_cast<float>(world));
+  }));
   if (world > 1) {
     STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &comm_grad_clock, [&] {
       return comm->ReduceScatter(bucket, mine, elems, DType::kF32, ReduceOp::kSum, grad_stream);
@@ -721,11 +724,15 @@ std::future<Status> OffloadOptimizer::Impl::WriteJob(uint32_t i) {
 // queued after the write that last used it), CPU update into a param staging
 // buffer, write-behind, then H2D + all-gather + unpack on the h2d stream.
 // Errors of one sub-group do not stop the others (every rank must issue every
-// collective); the first one is returned.
+// collective); the first one is returned. PipelineMode::kSerial runs the same
+// code with each stage waited for before the next starts and no read-ahead,
+// so that its stage times are those of each stage alone.
 Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
   const uint32_t n = static_cast<uint32_t>(sub_groups.size());
+  const bool serial = mode == PipelineMode::kSerial;
   std::vector<std::future<Status>> writes(nvme_order.size());
-  StartReads();
+  reads.resize(nvme_order.size());
+  if (!serial) StartReads();
   Status first_error;
   auto fail = [&](Status s) {
     if (first_error.ok()) first_error = std::move(s);
@@ -745,6 +752,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
     std::span<float> state;
     const int32_t k = extent_of[i];
     if (k >= 0) {
+      if (!reads[k].valid()) reads[k] = ReadJob(i);  // serial: read on demand
       if (Status s = reads[k].get(); !s.ok()) {
         fail(std::move(s));
         ok = false;
@@ -767,8 +775,9 @@ Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
         writes[k] = WriteJob(i);
       }
       adam_sec += Now() - t0;
+      if (serial && k >= 0 && writes[k].valid()) writes[k].wait();
     }
-    if (k >= 0 && k + buffer_count < nvme_order.size()) {
+    if (!serial && k >= 0 && k + buffer_count < nvme_order.size()) {
       reads[k + buffer_count] = ReadJob(nvme_order[k + buffer_count]);
     }
     // Params up. A sub-group that failed here still joins the all-gather
@@ -787,10 +796,17 @@ Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
       }));
     }
     if (ok) {
-      STRATA_RETURN_IF_ERROR(kernels::UnpackParams(
-          *device, h2d_stream, {bucket, world * elems, config.param_dtype}, unpack[i]));
+      STRATA_RETURN_IF_ERROR(Timed(*device, h2d_stream, &unpack_clock, [&] {
+        return kernels::UnpackParams(*device, h2d_stream,
+                                     {bucket, world * elems, config.param_dtype}, unpack[i]);
+      }));
     }
     STRATA_RETURN_IF_ERROR(device->RecordEvent(slot_events[slot], h2d_stream));
+    if (serial) {
+      if (Status s = device->StreamSynchronize(h2d_stream); !s.ok()) {
+        fail(std::move(s).WithContext(fmt::format("upload the params of {}", SubGroupName(i))));
+      }
+    }
   }
   for (uint32_t k = 0; k < nvme_order.size(); ++k) {
     if (!writes[k].valid()) continue;
@@ -815,7 +831,7 @@ Status OffloadOptimizer::Impl::Step() {
   } else {
     // The first reads do not depend on the grads: start them now. The
     // pipeline finds them already queued.
-    StartReads();
+    if (mode == PipelineMode::kOverlapped) StartReads();
     if (micro_steps == 0 || reduced_count > 0) {
       STRATA_RETURN_IF_ERROR((ReduceGradients()).WithContext(fmt::format("step {}", step + 1)));
     }
@@ -824,7 +840,8 @@ Status OffloadOptimizer::Impl::Step() {
             .WithContext(fmt::format("step {}: reduce the gradients", step + 1)));
     const double ts = Now();
     STRATA_ASSIGN_OR_RETURN(GradStats st, cpu->ComputeGradStats(GradView::F32(GradShard()), 1.0f));
-    last.times.adam += Now() - ts;
+    last.times.grad_stats = Now() - ts;
+    last.times.adam += last.times.grad_stats;
     if (world > 1) {
       double v[2] = {st.sum_sq, static_cast<double>(st.nonfinite_elems)};
       STRATA_RETURN_IF_ERROR(
@@ -878,6 +895,7 @@ Status OffloadOptimizer::Impl::Step() {
   last.times.d2h = d2h_clock.busy;
   last.times.h2d = h2d_clock.busy;
   last.times.comm = comm_grad_clock.busy + comm_h2d_clock.busy;
+  last.times.device = pack_clock.busy + unpack_clock.busy;
   {
     std::lock_guard<std::mutex> lock(io_mu);
     last.times.read = read_sec;
@@ -888,6 +906,7 @@ Status OffloadOptimizer::Impl::Step() {
     read_bytes = write_bytes = 0;
   }
   d2h_clock = h2d_clock = comm_grad_clock = comm_h2d_clock = StageClock{};
+  pack_clock = unpack_clock = StageClock{};
   last.d2h_bytes = 0;
   last.h2d_bytes = 0;
   for (const ElemRange& r : sub_groups) {
@@ -981,6 +1000,8 @@ Status OffloadOptimizer::ZeroGrad() {
   return OkStatus();
 }
 
+void OffloadOptimizer::SetPipelineMode(PipelineMode mode) { impl_->mode = mode; }
+PipelineMode OffloadOptimizer::pipeline_mode() const { return impl_->mode; }
 double OffloadOptimizer::loss_scale() const { return impl_->scaler->scale(); }
 const StepStats& OffloadOptimizer::last_step() const { return impl_->last; }
 int64_t OffloadOptimizer::step_count() const { return impl_->step; }

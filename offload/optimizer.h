@@ -111,7 +111,9 @@ struct ParamGroup {
 GroupHyper DefaultGroupHyper(const OffloadConfig& config);
 
 // Seconds each stage of the last step kept its resource busy, and the step's
-// wall time. Stages overlap, so they add up to more than `step`.
+// wall time. Stages overlap, so they add up to more than `step`. On a GPU the
+// device kernels take milliseconds; on the host device they are the scalar
+// reference code (kernels/kernels_host.cc) and show up.
 struct StageTimes {
   double d2h = 0;    // gradient copies device -> pinned host
   double comm = 0;   // reduce-scatter, all-reduce of the statistics, all-gather
@@ -120,7 +122,18 @@ struct StageTimes {
   double write = 0;  // NVMe writes of optimizer state
   double h2d = 0;    // param copies pinned host -> device
   double step = 0;   // wall time of Step(), including the reduction it waited for
+  double grad_stats = 0;  // part of `adam`: the norm / non-finite pass over the shard
+  double device = 0;  // device kernels: packing the grads into buckets, unpacking the params
 };
+
+// How Step() schedules its stages. kOverlapped (the default) is the
+// pipeline: NVMe read-ahead and write-behind, CPU update and H2D of different
+// sub-groups at once. kSerial runs every stage alone: no read issued before
+// the gradients are on the host, and per sub-group read, update, write and
+// upload each wait for the one before. Same results bit for bit, only slower;
+// its StageTimes are each stage's busy time with nothing else running, the
+// baseline `strata bench step` divides by (docs/guide.md, "Reading the bench").
+enum class PipelineMode : uint8_t { kOverlapped = 0, kSerial = 1 };
 
 struct StepStats {
   int64_t step = 0;           // optimizer steps taken so far (skipped ones not counted)
@@ -162,6 +175,11 @@ class OffloadOptimizer {
   // Zeroes the registered grad tensors (on context.stream) and drops
   // gradients handed over but not yet consumed by a Step.
   Status ZeroGrad();
+
+  // Takes effect at the next Step(); a failed step awaiting retry may be
+  // retried in either mode. For benchmarks and diagnosis.
+  void SetPipelineMode(PipelineMode mode);
+  PipelineMode pipeline_mode() const;
 
   // The loss multiplier for the next backward (1 unless fp16 loss scaling).
   double loss_scale() const;

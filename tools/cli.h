@@ -29,5 +29,7 @@ void AddInfoCommand(Cli& cli);
 void AddBenchNvmeCommand(Cli& cli);
 void AddBenchAdamCommand(Cli& cli);
 void AddPlanCommand(Cli& cli);
+void AddBenchPcieCommand(Cli& cli);
+void AddBenchStepCommand(Cli& cli);
 
 }  // namespace strata::cli

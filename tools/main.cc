@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
   strata::cli::AddBenchNvmeCommand(cli);
   strata::cli::AddBenchAdamCommand(cli);
   strata::cli::AddPlanCommand(cli);
+  strata::cli::AddBenchPcieCommand(cli);
+  strata::cli::AddBenchStepCommand(cli);
 
   try {
     cli.app.parse(argc, argv);

@@ -30,6 +30,14 @@ using testing::TestSeed;
 
 enum class Where { kHost, kNvme, kMixed };
 
+// The installed oneTBB is not instrumented: under TSan the CPU optimizer runs
+// on the calling thread only (threads = 1 never enters TBB).
+#if defined(__SANITIZE_THREAD__)
+constexpr int kCpuThreads = 1;
+#else
+constexpr int kCpuThreads = 2;
+#endif
+
 struct Case {
   std::string name;
   Where where = Where::kHost;
@@ -39,6 +47,7 @@ struct Case {
   uint32_t buffer_count = 2;
   uint64_t sub_group_elems = 1024;
   double max_grad_norm = 0.0;
+  PipelineMode mode = PipelineMode::kOverlapped;
 };
 
 // Tensor sizes that put tensor and group boundaries inside sub-groups, a
@@ -57,7 +66,7 @@ OffloadConfig MakeConfig(const Case& c) {
   config.buffer_count = c.buffer_count;
   config.sub_group_elems = c.sub_group_elems;
   config.max_grad_norm = c.max_grad_norm;
-  config.threads = 2;
+  config.threads = kCpuThreads;
   config.aio.block_bytes = 8192;
   if (c.param_dtype == DType::kF16) config.loss_scaler = {.mode = LossScaleMode::kDynamic};
   if (c.where != Where::kHost) {
@@ -101,6 +110,8 @@ TEST_P(EngineBitwiseTest, MatchesTheInMemoryReference) {
                                          model.Groups(kHypers));
   ASSERT_TRUE(opt_or.ok()) << opt_or.status();
   auto opt = std::move(*opt_or);
+  EXPECT_EQ(opt->pipeline_mode(), PipelineMode::kOverlapped);
+  opt->SetPipelineMode(c.mode);
   const PlacementPlan& plan = opt->plan();
   switch (c.where) {
     case Where::kHost:
@@ -167,7 +178,16 @@ INSTANTIATE_TEST_SUITE_P(
              .param_dtype = DType::kF16,
              .max_grad_norm = 0.5},
         Case{.name = "host_adagrad", .optimizer = OptimizerType::kAdagrad},
-        Case{.name = "mixed_lion", .where = Where::kMixed, .optimizer = OptimizerType::kLion}),
+        Case{.name = "mixed_lion", .where = Where::kMixed, .optimizer = OptimizerType::kLion},
+        Case{.name = "mixed_bf16_adamw_serial",
+             .where = Where::kMixed,
+             .mode = PipelineMode::kSerial},
+        Case{.name = "nvme_fp16_clipped_depth3_serial",
+             .where = Where::kNvme,
+             .param_dtype = DType::kF16,
+             .buffer_count = 3,
+             .max_grad_norm = 0.5,
+             .mode = PipelineMode::kSerial}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

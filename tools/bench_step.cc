@@ -1,0 +1,644 @@
+// `strata bench step`: whole optimizer steps of OffloadOptimizer on the host
+// device (the embedded default: no GPU needed), with part of the state on
+// NVMe, and how well the pipeline overlaps its stages.
+//
+// Every round runs one step with the overlapped pipeline and one with
+// PipelineMode::kSerial (each stage alone, nothing else running), on the same
+// optimizer, the same sub-groups and extents, in alternating order. The
+// serial steps give each resource's busy time alone: NVMe (reads + writes:
+// one drive), CPU (the optimizer and the gradient statistics), the D2H and
+// H2D links, the communicator. overlap_efficiency = (the largest of these,
+// median over rounds) / (the overlapped step time, median over rounds); 1.0
+// means the step costs exactly its bottleneck. docs/guide.md says how to read
+// the output; docs/perf/step.md has measured results.
+#include <fmt/format.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "offload/config.h"
+#include "offload/layout.h"
+#include "offload/optimizer.h"
+#include "offload/placement.h"
+#include "runtime/comm.h"
+#include "runtime/device.h"
+#include "runtime/dtype.h"
+#include "runtime/units.h"
+#include "tools/cli.h"
+
+namespace strata::cli {
+namespace {
+
+struct StepArgs {
+  std::string config_path;
+  std::string params = "64M";
+  uint32_t tensors = 4;
+  std::string offload = "nvme";
+  std::string host_budget = "auto";
+  std::string device_budget = "0";
+  std::vector<std::string> nvme_dirs;
+  int ranks = 1;
+  int steps = 3;
+  int warmup = 1;
+  std::string sub_group = "4M";
+  uint32_t buffer_count = 4;
+  int threads = 0;
+  std::string grad = "bf16";
+  std::string param = "bf16";
+  std::string block = "1MiB";
+  uint32_t queue_depth = 8;
+  std::string pcie_rate = "0";
+  bool json = false;
+  std::set<std::string> given;  // options given on the command line
+};
+
+// Without --config every option takes its default; with one, only the
+// options given on the command line override the file.
+bool Use(const StepArgs& a, const char* option) {
+  return a.config_path.empty() || a.given.count(option) > 0;
+}
+
+// State files to remove on Ctrl-C; unlink is async-signal-safe.
+constexpr int kMaxCleanup = 256;
+char g_cleanup[kMaxCleanup][4096];
+std::atomic<int> g_cleanup_count{0};
+char g_cleanup_dir[4096];
+
+void OnSignal(int sig) {
+  for (int i = 0; i < g_cleanup_count.load(); ++i) ::unlink(g_cleanup[i]);
+  if (g_cleanup_dir[0] != '\0') ::rmdir(g_cleanup_dir);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+// The state files the engine creates (offload/state_store.h), and the
+// temporary directory when the bench made one: removed on exit and on Ctrl-C.
+class Cleanup {
+ public:
+  ~Cleanup() {
+    for (const std::string& f : files_) ::unlink(f.c_str());
+    if (!dir_.empty()) ::rmdir(dir_.c_str());
+    g_cleanup_count = 0;
+    g_cleanup_dir[0] = '\0';
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+  }
+  void SetDir(const std::string& d) {
+    dir_ = d;
+    if (d.size() < sizeof(g_cleanup_dir)) std::memcpy(g_cleanup_dir, d.c_str(), d.size() + 1);
+  }
+  void AddFile(const std::string& f) {
+    files_.push_back(f);
+    const int i = g_cleanup_count.load();
+    if (i < kMaxCleanup && f.size() < sizeof(g_cleanup[0])) {
+      std::memcpy(g_cleanup[i], f.c_str(), f.size() + 1);
+      g_cleanup_count = i + 1;
+    }
+  }
+  void Arm() {
+    ::signal(SIGINT, OnSignal);
+    ::signal(SIGTERM, OnSignal);
+  }
+
+ private:
+  std::vector<std::string> files_;
+  std::string dir_;
+};
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// One rank's trainer tensors on the device.
+struct RankModel {
+  std::vector<DeviceBuffer> data, grad;
+  std::vector<uint64_t> elems;
+};
+
+// Small, varied, finite values; the step's speed does not depend on them.
+void Fill(void* dst, uint64_t n, DType dtype, float scale, uint64_t salt) {
+  for (uint64_t i = 0; i < n; ++i) {
+    const float x =
+        (static_cast<float>(((i + salt) * 2654435761u) % 2000u) * 1e-3f - 1.0f) * scale;
+    switch (dtype) {
+      case DType::kF32:
+        static_cast<float*>(dst)[i] = x;
+        break;
+      case DType::kBF16:
+        static_cast<uint16_t*>(dst)[i] = F32ToBF16(x);
+        break;
+      default:
+        static_cast<uint16_t*>(dst)[i] = F32ToF16(x);
+        break;
+    }
+  }
+}
+
+// The per-step figures of one mode, slowest rank per stage.
+struct StepSample {
+  StageTimes times;  // max over ranks, stage by stage
+  uint64_t read_bytes = 0, write_bytes = 0, d2h_bytes = 0, h2d_bytes = 0;  // sum over ranks
+};
+
+StepSample Combine(const std::vector<StepStats>& ranks) {
+  StepSample s;
+  for (const StepStats& r : ranks) {
+    const StageTimes& t = r.times;
+    s.times.d2h = std::max(s.times.d2h, t.d2h);
+    s.times.comm = std::max(s.times.comm, t.comm);
+    s.times.read = std::max(s.times.read, t.read);
+    s.times.adam = std::max(s.times.adam, t.adam);
+    s.times.grad_stats = std::max(s.times.grad_stats, t.grad_stats);
+    s.times.write = std::max(s.times.write, t.write);
+    s.times.h2d = std::max(s.times.h2d, t.h2d);
+    s.times.device = std::max(s.times.device, t.device);
+    s.times.step = std::max(s.times.step, t.step);
+    s.read_bytes += r.read_bytes;
+    s.write_bytes += r.write_bytes;
+    s.d2h_bytes += r.d2h_bytes;
+    s.h2d_bytes += r.h2d_bytes;
+  }
+  return s;
+}
+
+// Busy time of each resource: NVMe reads and writes share the drive.
+struct Resources {
+  double nvme = 0, cpu = 0, d2h = 0, h2d = 0, comm = 0, device = 0;
+  static Resources Of(const StageTimes& t) {
+    return {t.read + t.write, t.adam, t.d2h, t.h2d, t.comm, t.device};
+  }
+  std::pair<std::string, double> Bottleneck() const {
+    std::pair<std::string, double> b{"nvme", nvme};
+    for (auto [name, v] : {std::pair<const char*, double>{"cpu", cpu}, {"d2h", d2h},
+                           {"h2d", h2d}, {"comm", comm}, {"device", device}}) {
+      if (v > b.second) b = {name, v};
+    }
+    return b;
+  }
+};
+
+nlohmann::json StagesJson(const StageTimes& t) {
+  return {{"d2h", t.d2h},     {"comm", t.comm},   {"read", t.read},
+          {"adam", t.adam},   {"write", t.write}, {"h2d", t.h2d},
+          {"grad_stats", t.grad_stats}, {"device", t.device}, {"step", t.step}};
+}
+
+// Median over rounds, stage by stage.
+StageTimes MedianTimes(const std::vector<StepSample>& v) {
+  auto med = [&](double StageTimes::*f) {
+    std::vector<double> x;
+    for (const StepSample& s : v) x.push_back(s.times.*f);
+    return Median(x);
+  };
+  StageTimes t;
+  t.d2h = med(&StageTimes::d2h);
+  t.comm = med(&StageTimes::comm);
+  t.read = med(&StageTimes::read);
+  t.adam = med(&StageTimes::adam);
+  t.grad_stats = med(&StageTimes::grad_stats);
+  t.write = med(&StageTimes::write);
+  t.h2d = med(&StageTimes::h2d);
+  t.device = med(&StageTimes::device);
+  t.step = med(&StageTimes::step);
+  return t;
+}
+
+Result<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFoundError(fmt::format("read config {}: cannot open it", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+Status RunStep(const StepArgs& a) {
+  // ---- configuration ----
+  OffloadConfig config;
+  if (!a.config_path.empty()) {
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadFile(a.config_path));
+    Result<OffloadConfig> parsed = ParseConfigJson(text);
+    if (!parsed.ok()) return parsed.status().WithContext(a.config_path);
+    config = *std::move(parsed);
+  }
+  STRATA_ASSIGN_OR_RETURN(const uint64_t params, ParseCount(a.params));
+  if (params == 0) return InvalidArgumentError("--params 0: the benchmark needs parameters");
+  if (a.tensors == 0 || a.tensors > params) {
+    return InvalidArgumentError(
+        fmt::format("--tensors {}: must be between 1 and --params ({})", a.tensors, params));
+  }
+  if (Use(a, "--grad")) {
+    STRATA_ASSIGN_OR_RETURN(config.grad_dtype, ParseDType(a.grad));
+  }
+  if (Use(a, "--param")) {
+    STRATA_ASSIGN_OR_RETURN(config.param_dtype, ParseDType(a.param));
+    if (config.param_dtype == DType::kF16) {
+      // No overflow in the bench's gradients; a static scale takes every step.
+      config.loss_scaler = {.mode = LossScaleMode::kStatic, .static_scale = 1.0};
+    } else {
+      config.loss_scaler = {.mode = LossScaleMode::kNone};
+    }
+  }
+  if (Use(a, "--sub-group")) {
+    STRATA_ASSIGN_OR_RETURN(config.sub_group_elems, ParseCount(a.sub_group));
+    if (config.sub_group_elems == 0) return InvalidArgumentError("--sub-group 0: must be > 0");
+  }
+  if (Use(a, "--buffer-count")) config.buffer_count = a.buffer_count;
+  if (Use(a, "--threads")) config.threads = a.threads;
+  if (Use(a, "--block")) {
+    STRATA_ASSIGN_OR_RETURN(config.aio.block_bytes, ParseBytes(a.block));
+  }
+  if (Use(a, "--queue-depth")) config.aio.queue_depth = a.queue_depth;
+  if (Use(a, "--device-budget")) {
+    STRATA_ASSIGN_OR_RETURN(config.device_budget_bytes, ParseBytes(a.device_budget));
+  }
+  STRATA_ASSIGN_OR_RETURN(const uint64_t pcie_rate, ParseBytes(a.pcie_rate));
+  if (Use(a, "--offload")) {
+    config.device = a.offload == "nvme" ? OffloadDevice::kNvme : OffloadDevice::kCpu;
+  }
+
+  Cleanup cleanup;
+  if (config.device == OffloadDevice::kNvme) {
+    if (!a.nvme_dirs.empty()) {
+      config.nvme_paths = a.nvme_dirs;
+    } else if (config.nvme_paths.empty()) {
+      char tmpl[] = "/var/tmp/strata-bench-step-XXXXXX";
+      if (::mkdtemp(tmpl) == nullptr) {
+        return ErrnoError(errno, "create a directory under /var/tmp")
+            .WithContext("bench step: pass --nvme-dir on the drive to measure");
+      }
+      cleanup.SetDir(tmpl);
+      config.nvme_paths = {tmpl};
+    }
+    for (const std::string& d : config.nvme_paths) {
+      if (!std::filesystem::is_directory(d)) {
+        return InvalidArgumentError(fmt::format(
+            "--nvme-dir {}: not an existing directory; create it on the drive to measure", d));
+      }
+      for (int r = 0; r < a.ranks; ++r) {
+        cleanup.AddFile(fmt::format("{}/strata-rank{}.state", d, r));
+      }
+    }
+    cleanup.Arm();
+  } else {
+    config.nvme_paths.clear();
+  }
+
+  // The flat layout of one rank gives the sub-groups the planner sees.
+  std::vector<uint64_t> tensor_elems(a.tensors, params / a.tensors);
+  tensor_elems.back() += params % a.tensors;
+  std::vector<TensorSpec> specs;
+  for (uint64_t n : tensor_elems) specs.push_back({.elems = n, .dtype = config.param_dtype});
+  STRATA_ASSIGN_OR_RETURN(
+      FlatLayout layout,
+      PlanFlatLayout(specs, {.align_elems = config.align_elems,
+                             .world_size = static_cast<uint32_t>(a.ranks)}));
+  STRATA_ASSIGN_OR_RETURN(ElemRange shard0, ShardRange(layout, 0));
+  STRATA_ASSIGN_OR_RETURN(std::vector<ElemRange> sgs, CutSubGroups(shard0, config.sub_group_elems));
+  std::vector<uint64_t> sg_sizes;
+  for (const ElemRange& r : sgs) sg_sizes.push_back(r.elems());
+  if (!Use(a, "--host-budget")) {
+    // the config's strata.host_budget
+  } else if (a.host_budget == "auto") {
+    if (config.device == OffloadDevice::kNvme) {
+      // The staging, plus room for a quarter of the state: the rest (3/4) on NVMe.
+      OffloadConfig probe = config;
+      probe.host_budget_bytes = 0;
+      STRATA_ASSIGN_OR_RETURN(
+          PlacementPlan staging_only,
+          PlanPlacement(PlacementInputsFor(probe, sg_sizes, static_cast<uint32_t>(a.ranks))));
+      config.host_budget_bytes =
+          staging_only.host_staging_bytes + staging_only.nvme_state_bytes / 4;
+    } else {
+      config.host_budget_bytes = 0;  // cpu: not limited
+    }
+  } else {
+    STRATA_ASSIGN_OR_RETURN(config.host_budget_bytes, ParseBytes(a.host_budget));
+  }
+  STRATA_RETURN_IF_ERROR(ValidateConfig(config).WithContext("bench step"));
+  STRATA_ASSIGN_OR_RETURN(
+      PlacementPlan plan0,
+      PlanPlacement(PlacementInputsFor(config, sg_sizes, static_cast<uint32_t>(a.ranks))));
+
+  // ---- device, communicator, tensors ----
+  const uint64_t tensor_bytes =
+      params * (DTypeSize(config.param_dtype) + DTypeSize(config.grad_dtype));
+  const uint64_t device_need =
+      a.ranks * (tensor_bytes + plan0.device_staging_bytes + 64 * kMiB) + 64 * kMiB;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device,
+                          CreateHostDevice({.memory_budget_bytes = device_need,
+                                            .h2d_bytes_per_sec = static_cast<double>(pcie_rate),
+                                            .d2h_bytes_per_sec = static_cast<double>(pcie_rate)}));
+  std::vector<std::unique_ptr<Communicator>> comms;
+  if (a.ranks > 1) {
+    STRATA_ASSIGN_OR_RETURN(comms, CreateLocalGroup(a.ranks, *device));
+  }
+  std::fprintf(stderr, "bench step: %s params in %u tensors, %d rank(s), allocating %s ...\n",
+               FormatCount(params).c_str(), a.tensors, a.ranks,
+               FormatBytes(a.ranks * tensor_bytes).c_str());
+  std::vector<RankModel> models(a.ranks);
+  std::vector<Stream> streams;
+  for (int r = 0; r < a.ranks; ++r) {
+    for (uint32_t t = 0; t < a.tensors; ++t) {
+      const uint64_t n = tensor_elems[t];
+      STRATA_ASSIGN_OR_RETURN(DeviceBuffer d, device->Allocate(n * DTypeSize(config.param_dtype)));
+      STRATA_ASSIGN_OR_RETURN(DeviceBuffer g, device->Allocate(n * DTypeSize(config.grad_dtype)));
+      Fill(d.data(), n, config.param_dtype, 1.0f, t);
+      Fill(g.data(), n, config.grad_dtype, 1e-3f, t + 7 * r);
+      models[r].data.push_back(std::move(d));
+      models[r].grad.push_back(std::move(g));
+      models[r].elems.push_back(n);
+    }
+    STRATA_ASSIGN_OR_RETURN(Stream s, device->CreateStream());
+    streams.push_back(std::move(s));
+  }
+
+  // ---- optimizers (Create is a collective: one thread per rank) ----
+  std::fprintf(stderr, "bench step: creating the optimizer%s (writes the initial state) ...\n",
+               a.ranks > 1 ? "s" : "");
+  std::vector<std::unique_ptr<OffloadOptimizer>> opts(a.ranks);
+  auto on_ranks = [&](const std::function<Status(int)>& body) -> Status {
+    std::vector<Status> status(a.ranks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < a.ranks; ++r) threads.emplace_back([&, r] { status[r] = body(r); });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < a.ranks; ++r) {
+      if (!status[r].ok()) return std::move(status[r]).WithContext(fmt::format("rank {}", r));
+    }
+    return OkStatus();
+  };
+  STRATA_RETURN_IF_ERROR(on_ranks([&](int r) -> Status {
+    std::vector<ParamGroup> groups(1);
+    groups[0].hyper = DefaultGroupHyper(config);
+    for (uint32_t t = 0; t < a.tensors; ++t) {
+      groups[0].params.push_back({.name = fmt::format("w{}", t),
+                                  .data = models[r].data[t].data(),
+                                  .grad = models[r].grad[t].data(),
+                                  .elems = models[r].elems[t]});
+    }
+    STRATA_ASSIGN_OR_RETURN(
+        opts[r],
+        OffloadOptimizer::Create({.device = device.get(),
+                                  .comm = a.ranks > 1 ? comms[r].get() : nullptr,
+                                  .stream = streams[r]},
+                                 config, groups));
+    return OkStatus();
+  }));
+
+  // ---- steps ----
+  auto run_step = [&](PipelineMode mode) -> Result<StepSample> {
+    std::vector<StepStats> stats(a.ranks);
+    STRATA_RETURN_IF_ERROR(on_ranks([&](int r) -> Status {
+      opts[r]->SetPipelineMode(mode);
+      STRATA_RETURN_IF_ERROR(opts[r]->Step());
+      STRATA_RETURN_IF_ERROR(device->StreamSynchronize(streams[r]));
+      stats[r] = opts[r]->last_step();
+      return OkStatus();
+    }));
+    return Combine(stats);
+  };
+  auto name = [](PipelineMode m) {
+    return m == PipelineMode::kSerial ? "serial    " : "overlapped";
+  };
+  const int total = 2 * (a.warmup + a.steps);
+  int done = 0;
+  std::vector<StepSample> overlapped, serial;
+  for (int round = 0; round < a.warmup + a.steps; ++round) {
+    const bool warm = round < a.warmup;
+    // Alternate which goes first so drift favours neither.
+    const PipelineMode order[2] = {
+        round % 2 == 0 ? PipelineMode::kOverlapped : PipelineMode::kSerial,
+        round % 2 == 0 ? PipelineMode::kSerial : PipelineMode::kOverlapped};
+    for (PipelineMode m : order) {
+      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s) ...   ", done + 1, total, name(m),
+                   warm ? ", warm-up" : "");
+      STRATA_ASSIGN_OR_RETURN(StepSample s, run_step(m));
+      ++done;
+      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s): %s\n", done, total, name(m),
+                   warm ? ", warm-up" : "", FormatSeconds(s.times.step).c_str());
+      if (warm) continue;
+      (m == PipelineMode::kSerial ? serial : overlapped).push_back(s);
+    }
+  }
+
+  // ---- results ----
+  const StageTimes over = MedianTimes(overlapped);
+  const StageTimes alone = MedianTimes(serial);
+  const Resources res_alone = Resources::Of(alone);
+  const Resources res_over = Resources::Of(over);
+  const auto [bottleneck, bottleneck_sec] = res_alone.Bottleneck();
+  const double efficiency = bottleneck_sec / over.step;
+  std::vector<double> per_round;
+  for (size_t i = 0; i < overlapped.size(); ++i) {
+    per_round.push_back(Resources::Of(serial[i].times).Bottleneck().second /
+                        overlapped[i].times.step);
+  }
+  const StepSample& traffic = overlapped.back();
+  uint64_t host_state = 0, host_staging = 0, nvme_state = 0, device_staging = 0;
+  uint32_t sub_groups = 0, nvme_sub_groups = 0;
+  for (const auto& opt : opts) {
+    const PlacementPlan& p = opt->plan();
+    host_state += p.host_state_bytes;
+    host_staging += p.host_staging_bytes;
+    nvme_state += p.nvme_state_bytes;
+    device_staging += p.device_staging_bytes;
+    sub_groups += static_cast<uint32_t>(p.sub_groups.size());
+    nvme_sub_groups += p.nvme_sub_groups;
+  }
+  const double nvme_bytes = static_cast<double>(traffic.read_bytes + traffic.write_bytes);
+
+  if (a.json) {
+    nlohmann::json rounds = nlohmann::json::array();
+    for (size_t i = 0; i < overlapped.size(); ++i) {
+      rounds.push_back({{"overlapped", StagesJson(overlapped[i].times)},
+                        {"serial", StagesJson(serial[i].times)},
+                        {"overlap_efficiency", per_round[i]}});
+    }
+    nlohmann::json j = {
+        {"params", params},
+        {"tensors", a.tensors},
+        {"ranks", a.ranks},
+        {"param_dtype", std::string(DTypeName(config.param_dtype))},
+        {"grad_dtype", std::string(DTypeName(config.grad_dtype))},
+        {"offload", std::string(OffloadDeviceName(config.device))},
+        {"nvme_paths", config.nvme_paths},
+        {"sub_group_elems", config.sub_group_elems},
+        {"sub_groups", sub_groups},
+        {"nvme_sub_groups", nvme_sub_groups},
+        {"buffer_count", config.buffer_count},
+        {"threads", config.threads},
+        {"block_bytes", config.aio.block_bytes},
+        {"queue_depth", config.aio.queue_depth},
+        {"host_budget_bytes", config.host_budget_bytes},
+        {"device_budget_bytes", config.device_budget_bytes},
+        {"pcie_bytes_per_sec", pcie_rate},
+        {"steps", a.steps},
+        {"step_sec", over.step},
+        {"step_sec_best",
+         std::min_element(overlapped.begin(), overlapped.end(),
+                          [](auto& x, auto& y) { return x.times.step < y.times.step; })
+             ->times.step},
+        {"serial_step_sec", alone.step},
+        {"stages", StagesJson(over)},
+        {"stages_alone", StagesJson(alone)},
+        {"resources_alone",
+         {{"nvme", res_alone.nvme},
+          {"cpu", res_alone.cpu},
+          {"d2h", res_alone.d2h},
+          {"h2d", res_alone.h2d},
+          {"comm", res_alone.comm},
+          {"device", res_alone.device}}},
+        {"resources",
+         {{"nvme", res_over.nvme},
+          {"cpu", res_over.cpu},
+          {"d2h", res_over.d2h},
+          {"h2d", res_over.h2d},
+          {"comm", res_over.comm},
+          {"device", res_over.device}}},
+        {"bottleneck", bottleneck},
+        {"bottleneck_alone_sec", bottleneck_sec},
+        {"overlap_efficiency", efficiency},
+        {"overlap_efficiency_per_round", per_round},
+        {"nvme_bytes_per_sec_alone", res_alone.nvme > 0 ? nvme_bytes / res_alone.nvme : 0.0},
+        {"bytes_per_tier",
+         {{"host", {{"state", host_state}, {"staging", host_staging}}},
+          {"nvme", {{"state", nvme_state}}},
+          {"device", {{"tensors", a.ranks * tensor_bytes}, {"staging", device_staging}}}}},
+        {"traffic_per_step",
+         {{"nvme_read", traffic.read_bytes},
+          {"nvme_write", traffic.write_bytes},
+          {"d2h", traffic.d2h_bytes},
+          {"h2d", traffic.h2d_bytes}}},
+        {"rounds", rounds},
+    };
+    std::printf("%s\n", j.dump().c_str());
+    return OkStatus();
+  }
+  std::printf(
+      "step: %s params, %d rank(s), %s params / %s grads, %u sub-groups of %s (%u on nvme), "
+      "buffer_count %u\n",
+      FormatCount(params).c_str(), a.ranks, std::string(DTypeName(config.param_dtype)).c_str(),
+      std::string(DTypeName(config.grad_dtype)).c_str(), sub_groups,
+      FormatCount(config.sub_group_elems).c_str(), nvme_sub_groups, config.buffer_count);
+  std::printf("  bytes per tier: host %s state + %s staging (budget %s), nvme %s state, device "
+              "%s tensors + %s staging\n",
+              FormatBytes(host_state).c_str(), FormatBytes(host_staging).c_str(),
+              config.host_budget_bytes ? FormatBytes(config.host_budget_bytes).c_str()
+                                       : "unlimited",
+              FormatBytes(nvme_state).c_str(), FormatBytes(a.ranks * tensor_bytes).c_str(),
+              FormatBytes(device_staging).c_str());
+  std::printf("  traffic per step: nvme read %s, write %s, d2h %s, h2d %s\n",
+              FormatBytes(traffic.read_bytes).c_str(), FormatBytes(traffic.write_bytes).c_str(),
+              FormatBytes(traffic.d2h_bytes).c_str(), FormatBytes(traffic.h2d_bytes).c_str());
+  std::printf("  %-12s %12s %12s\n", "stage", "overlapped", "alone");
+  auto row = [](const char* n, double o, double s) {
+    std::printf("  %-12s %12s %12s\n", n, FormatSeconds(o).c_str(), FormatSeconds(s).c_str());
+  };
+  row("d2h", over.d2h, alone.d2h);
+  row("comm", over.comm, alone.comm);
+  row("read", over.read, alone.read);
+  row("adam", over.adam, alone.adam);
+  row(" grad stats", over.grad_stats, alone.grad_stats);
+  row("write", over.write, alone.write);
+  row("h2d", over.h2d, alone.h2d);
+  row("device", over.device, alone.device);
+  row("step", over.step, alone.step);
+  std::printf("  resources alone: nvme %s (%s), cpu %s, d2h %s, h2d %s, comm %s, device %s\n",
+              FormatSeconds(res_alone.nvme).c_str(),
+              res_alone.nvme > 0 ? FormatRate(nvme_bytes / res_alone.nvme).c_str() : "-",
+              FormatSeconds(res_alone.cpu).c_str(), FormatSeconds(res_alone.d2h).c_str(),
+              FormatSeconds(res_alone.h2d).c_str(), FormatSeconds(res_alone.comm).c_str(),
+              FormatSeconds(res_alone.device).c_str());
+  std::printf("  bottleneck %s: %s alone; step %s; overlap_efficiency %.3f (median of %d "
+              "rounds; per round", bottleneck.c_str(), FormatSeconds(bottleneck_sec).c_str(),
+              FormatSeconds(over.step).c_str(), efficiency, a.steps);
+  for (double e : per_round) std::printf(" %.3f", e);
+  std::printf(")\n");
+  return OkStatus();
+}
+
+}  // namespace
+
+void AddBenchStepCommand(Cli& cli) {
+  auto a = std::make_shared<StepArgs>();
+  CLI::App* cmd = cli.bench->add_subcommand(
+      "step", "Whole OffloadOptimizer steps on the host device: stage times, overlap efficiency");
+  cmd->add_option("--config", a->config_path,
+                  "DeepSpeed-style JSON config to start from (the options below override it)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--params", a->params, "Parameters of the model (64M, 1.5B, ...)")
+      ->capture_default_str();
+  cmd->add_option("--tensors", a->tensors, "Tensors the params are split into")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 20));
+  cmd->add_option("--offload", a->offload,
+                  "Where the state may go: nvme (DRAM, the rest on NVMe) or cpu (DRAM only)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"nvme", "cpu"}));
+  cmd->add_option("--host-budget", a->host_budget,
+                  "Pinned DRAM per rank (state + staging); auto: staging + 1/4 of the state "
+                  "(nvme) or unlimited (cpu); 0: staging only (nvme)")
+      ->capture_default_str();
+  cmd->add_option("--device-budget", a->device_budget,
+                  "Device staging per rank (strata.device_budget); 0: not limited")
+      ->capture_default_str();
+  cmd->add_option("--nvme-dir", a->nvme_dirs,
+                  "Directory for the state files; repeat to stripe over drives (default: a "
+                  "temporary directory under /var/tmp; files removed afterwards)");
+  cmd->add_option("--ranks", a->ranks, "Ranks (local communicator, one thread per rank)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--steps", a->steps, "Timed rounds; each runs an overlapped and a serial step")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--warmup", a->warmup, "Untimed rounds first")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
+  cmd->add_option("--sub-group", a->sub_group, "Sub-group size in elements (sub_group_size)")
+      ->capture_default_str();
+  cmd->add_option("--buffer-count", a->buffer_count, "Pipeline depth (buffer_count)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 64u));
+  cmd->add_option("--threads", a->threads, "CPU optimizer threads (0: every hardware thread)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  cmd->add_option("--grad", a->grad, "Gradient dtype handed to the engine")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  cmd->add_option("--param", a->param, "Param dtype")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  cmd->add_option("--block", a->block, "NVMe IO size (aio.block_size)")->capture_default_str();
+  cmd->add_option("--queue-depth", a->queue_depth, "NVMe requests in flight (aio.queue_depth)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 4096u));
+  cmd->add_option("--pcie-rate", a->pcie_rate,
+                  "Model a PCIe link: H2D and D2H each capped at this many bytes/s (0: memcpy "
+                  "speed)")
+      ->capture_default_str();
+  cmd->add_flag("--json", a->json, "Print one JSON object on stdout");
+  cmd->callback([&cli, a, cmd] {
+    for (const CLI::Option* o : cmd->get_options()) {
+      if (o->count() > 0) a->given.insert(o->get_name());
+    }
+    RunAction(cli, "bench step", [a] { return RunStep(*a); });
+  });
+}
+
+}  // namespace strata::cli
