@@ -307,6 +307,8 @@ int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* o
   out->write_sec = s.times.write;
   out->h2d_sec = s.times.h2d;
   out->step_sec = s.times.step;
+  out->grad_stats_sec = s.times.grad_stats;
+  out->device_sec = s.times.device;
   out->read_bytes = s.read_bytes;
   out->write_bytes = s.write_bytes;
   out->d2h_bytes = s.d2h_bytes;

@@ -158,6 +158,8 @@ typedef struct strata_step_stats {
   float clip_coef;
   uint32_t micro_steps;
   double d2h_sec, comm_sec, read_sec, adam_sec, write_sec, h2d_sec, step_sec;
+  double grad_stats_sec; /* part of adam_sec: the norm / non-finite pass */
+  double device_sec;     /* device kernels: packing grads, unpacking params */
   uint64_t read_bytes, write_bytes, d2h_bytes, h2d_bytes;
 } strata_step_stats;
 int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out);

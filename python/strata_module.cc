@@ -298,6 +298,8 @@ class Engine {
     t["write"] = s.times.write;
     t["h2d"] = s.times.h2d;
     t["step"] = s.times.step;
+    t["grad_stats"] = s.times.grad_stats;
+    t["device"] = s.times.device;
     d["times"] = t;
     d["read_bytes"] = s.read_bytes;
     d["write_bytes"] = s.write_bytes;

@@ -68,6 +68,14 @@ def _merge(base, override):
     return out
 
 
+def _global_rank(group, rank):
+    """The global rank of `rank` in `group` (PyTorch 1.13 keeps this private)."""
+    if group is None or group is dist.group.WORLD:
+        return rank
+    get = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+    return get(group, rank)
+
+
 class _TorchDistributedComm:
     """The engine's collectives over torch.distributed (CPU tensors, e.g. gloo).
 
@@ -277,9 +285,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._group = group
                 if self._device.type == "cuda":
                     obj = [_strata.nccl_unique_id() if rank == 0 else None]
-                    dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0)
-                                               if group is not dist.group.WORLD else 0,
-                                               group=group)
+                    dist.broadcast_object_list(obj, src=_global_rank(group, 0), group=group)
                     comm = ("nccl", rank, world, obj[0])
                 else:
                     comm = ("python", rank, world, _TorchDistributedComm(group, rank, world))
@@ -427,8 +433,14 @@ class OffloadAdam(torch.optim.Optimizer):
         self._engine.save(str(directory))
 
     def load_checkpoint(self, directory):
-        """Reads a checkpoint written by save_checkpoint or the C++/C API."""
+        """Reads a checkpoint written by save_checkpoint or the C++/C API: the state, the
+        counters and the params; the groups' hyperparameters become the engine's."""
         self._engine.load(str(directory))
+        for gi, g in enumerate(self.param_groups):
+            h = self._engine.group_hyper(gi)
+            g.update(lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"],
+                     weight_decay=h["weight_decay"])
+            self._hypers[gi] = self._hyper_of(g)
 
     @property
     def loss_scale(self):
