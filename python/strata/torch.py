@@ -309,6 +309,14 @@ class OffloadAdam(torch.optim.Optimizer):
         return {"lr": float(group["lr"]), "betas": tuple(float(b) for b in group["betas"]),
                 "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"])}
 
+    def _sync_hypers(self):
+        """Hands the groups' current hyperparameters (schedulers change them) to the engine."""
+        for gi, g in enumerate(self.param_groups):
+            h = self._hyper_of(g)
+            if h != self._hypers[gi]:
+                self._engine.set_group_hyper(gi, h)
+                self._hypers[gi] = h
+
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
@@ -326,11 +334,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, g in enumerate(self.param_groups):
-            h = self._hyper_of(g)
-            if h != self._hypers[gi]:
-                self._engine.set_group_hyper(gi, h)
-                self._hypers[gi] = h
+        self._sync_hypers()
         for i, (p, buf) in enumerate(zip(self._params(), self._grad_bufs)):
             g = p.grad
             if g is None:
@@ -430,6 +434,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def save_checkpoint(self, directory):
         """Writes the C++ engine's checkpoint (docs/checkpoint.md) to `directory`."""
+        self._sync_hypers()
         self._engine.save(str(directory))
 
     def load_checkpoint(self, directory):
