@@ -93,8 +93,8 @@ class _TorchDistributedComm:
     def _view(mv, dtype, count):
         t = _BUFFER_DTYPES[dtype]
         if t in (torch.float16, torch.bfloat16):
-            # Moved as bits: gloo has no bf16, and no arithmetic is done on them here.
-            return torch.frombuffer(mv, dtype=torch.int16, count=count)
+            # Moved as bytes: gloo has neither bf16 nor int16, and nothing is summed here.
+            return torch.frombuffer(mv, dtype=torch.uint8, count=2 * count)
         return torch.frombuffer(mv, dtype=t, count=count)
 
     @staticmethod

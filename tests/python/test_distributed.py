@@ -5,7 +5,10 @@ its half of the batch; the engine averages the gradients through
 torch.distributed and all-gathers the updated params. One rank on the whole
 batch computes the same mean gradient up to rounding, so after 10 steps the
 params agree within atol 2e-6 + rtol 1e-5 (rounding, not algorithm), and the
-two ranks' params are bitwise equal.
+two ranks' params are bitwise equal. With bf16 params (all-gathered as raw
+bytes) half-batch gradients would be bf16 roundings of other sums, so there
+both ranks train on the whole batch: the average of two equal gradients is
+exact, and 2 ranks must equal 1 rank bitwise.
 """
 import os
 
@@ -20,10 +23,10 @@ STEPS = 10
 WORLD = 2
 
 
-def make_model():
+def make_model(dtype=torch.float32):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
-                               torch.nn.Tanh(), torch.nn.Linear(64, 5))
+                               torch.nn.Tanh(), torch.nn.Linear(64, 5)).to(dtype)
 
 
 def batch():
@@ -32,8 +35,9 @@ def batch():
 
 
 def train(model, opt, x, y):
+    dtype = next(model.parameters()).dtype
     for _ in range(STEPS):
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -45,17 +49,22 @@ def make_opt(model, offload, nvme_dir):
     return OffloadAdam(model.parameters(), **kwargs)
 
 
-def worker(rank, init_file, out_dir, offload, nvme_dir):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def worker(rank, init_file, out_dir, offload, nvme_dir, dtype):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     try:
-        model = make_model()
+        model = make_model(DTYPES[dtype])
         opt = make_opt(model, offload, nvme_dir)
         assert opt._engine.world_size == WORLD and opt._engine.rank == rank
         x, y = batch()
-        half = x.shape[0] // WORLD
-        train(model, opt, x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
+        if dtype == "fp32":
+            half = x.shape[0] // WORLD
+            x, y = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
+        train(model, opt, x, y)
         shard = sum(end - begin for begin, end in opt._engine.sub_groups())
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
                     "shard_elems": shard, "state": opt.state_dict()},
@@ -64,14 +73,14 @@ def worker(rank, init_file, out_dir, offload, nvme_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
-def test_two_gloo_ranks_match_one_rank(offload, tmp_path):
+@pytest.mark.parametrize("offload,dtype", [("cpu", "fp32"), ("nvme", "fp32"), ("cpu", "bf16")])
+def test_two_gloo_ranks_match_one_rank(offload, dtype, tmp_path):
     nvme_dir = tmp_path / "nvme"
     nvme_dir.mkdir()
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), offload, str(nvme_dir)),
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), offload, str(nvme_dir), dtype),
              nprocs=WORLD, join=True)
 
-    model = make_model()
+    model = make_model(DTYPES[dtype])
     opt = make_opt(model, offload, str(nvme_dir))
     x, y = batch()
     train(model, opt, x, y)
@@ -84,4 +93,7 @@ def test_two_gloo_ranks_match_one_rank(offload, tmp_path):
             assert torch.equal(a, b), "ranks disagree"
         assert results[r]["state"]["state"]["strata"]["world_size"] == WORLD
     for a, b in zip(results[0]["params"], model.parameters()):
-        torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=1e-5)
+        if dtype == "fp32":
+            torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=1e-5)
+        else:
+            assert torch.equal(a, b.detach())
