@@ -159,8 +159,11 @@ class OffloadAdam(torch.optim.Optimizer):
             CPU tensors use torch.distributed's collectives (gloo); CUDA
             tensors use NCCL, bootstrapped through the group.
 
-    Gradients: ``step()`` reads each param's ``.grad`` (None counts as zero;
-    sparse gradients are refused). The engine owns one dense grad buffer per
+    Gradients: ``step()`` reads each param's ``.grad``. Params with
+    ``requires_grad=False`` are not registered (never updated). A ``.grad`` of
+    None counts as a zero gradient: unlike torch.optim, which skips such a
+    param, the param is still updated (decay, and the momentum it has), as in
+    DeepSpeed's flat ZeRO buffers. Sparse gradients are refused. The engine owns one dense grad buffer per
     param; after ``zero_grad(set_to_none=False)`` the params' ``.grad`` are
     those buffers, so backward accumulates straight into memory the engine
     reads (no copy). With ``set_to_none=True`` (or grads that autograd
@@ -209,7 +212,11 @@ class OffloadAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
-        tensors = [p for g in self.param_groups for p in g["params"]]
+        # Frozen params (requires_grad=False) are not registered: the engine
+        # would decay them, torch.optim leaves them alone.
+        tensors = self._params()
+        if not tensors:
+            raise ValueError("OffloadAdam: no param requires grad; nothing to optimize")
         devices = sorted({str(p.device) for p in tensors})
         if len(devices) != 1:
             raise ValueError(f"OffloadAdam: params on more than one device ({', '.join(devices)}); "
@@ -265,14 +272,19 @@ class OffloadAdam(torch.optim.Optimizer):
         self._grad_bufs = [torch.zeros_like(p, memory_format=torch.contiguous_format)
                            for p in tensors]
         groups = []
+        self._engine_group = []  # per torch group: its engine group, None when all frozen
         index = 0
         for gi, g in enumerate(self.param_groups):
             entries = []
             for p in g["params"]:
+                if not p.requires_grad:
+                    continue
                 buf = self._grad_bufs[index]
                 entries.append((f"group{gi}.param{index}", p.data_ptr(), buf.data_ptr(), p.numel()))
                 index += 1
-            groups.append({"params": entries, **self._hyper_of(g)})
+            self._engine_group.append(len(groups) if entries else None)
+            if entries:
+                groups.append({"params": entries, **self._hyper_of(g)})
 
         comm = None
         self._group = process_group
@@ -313,12 +325,13 @@ class OffloadAdam(torch.optim.Optimizer):
         """Hands the groups' current hyperparameters (schedulers change them) to the engine."""
         for gi, g in enumerate(self.param_groups):
             h = self._hyper_of(g)
-            if h != self._hypers[gi]:
-                self._engine.set_group_hyper(gi, h)
-                self._hypers[gi] = h
+            if h != self._hypers[gi] and self._engine_group[gi] is not None:
+                self._engine.set_group_hyper(self._engine_group[gi], h)
+            self._hypers[gi] = h
 
     def _params(self):
-        return [p for g in self.param_groups for p in g["params"]]
+        """The registered params: every group's params that require grad, in order."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     def add_param_group(self, param_group):
         if hasattr(self, "_engine"):
@@ -442,7 +455,9 @@ class OffloadAdam(torch.optim.Optimizer):
         counters and the params; the groups' hyperparameters become the engine's."""
         self._engine.load(str(directory))
         for gi, g in enumerate(self.param_groups):
-            h = self._engine.group_hyper(gi)
+            if self._engine_group[gi] is None:
+                continue
+            h = self._engine.group_hyper(self._engine_group[gi])
             g.update(lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"],
                      weight_decay=h["weight_decay"])
             self._hypers[gi] = self._hyper_of(g)

@@ -351,3 +351,21 @@ def test_cuda_tensors_use_the_cuda_device():
     assert ours.engine_config is not None
     for a, b in zip(m_ours.parameters(), m_ref.parameters()):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+def test_frozen_params_are_left_alone():
+    m_ours, m_ref = Net(), Net()
+    for m in (m_ours, m_ref):
+        m.emb.requires_grad_(False)
+    groups = [{"params": list(m_ours.emb.parameters()), "weight_decay": 0.5},  # all frozen
+              {"params": [p for n, p in m_ours.named_parameters() if not n.startswith("emb")],
+               "weight_decay": 0.1}]
+    ours = OffloadAdam(groups, lr=1e-3)
+    ref = torch.optim.AdamW([p for p in m_ref.parameters() if p.requires_grad], lr=1e-3,
+                            weight_decay=0.1)
+    frozen = [p.detach().clone() for p in m_ours.emb.parameters()]
+    train_side_by_side(ours, ref, m_ours, m_ref, steps=5)
+    for a, b in zip(m_ours.emb.parameters(), frozen):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="no param requires grad"):
+        OffloadAdam(m_ours.emb.parameters())
