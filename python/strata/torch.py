@@ -267,6 +267,18 @@ class OffloadAdam(torch.optim.Optimizer):
                 config = json.loads(config)
             base = _merge(base, config)
         self._config = base
+        # The engine reads and writes the tensors as the config's dtypes: they must agree.
+        want = _PARAM_DTYPES[self._dtype] or "fp32"
+        have = ("fp16" if base.get("fp16", {}).get("enabled") else
+                "bf16" if base.get("bf16", {}).get("enabled") else "fp32")
+        grad = base.get("strata", {}).get("grad_dtype", have)
+        if have != want or grad != want:
+            raise ValueError(f"OffloadAdam: the params are {self._dtype} but the config says "
+                             f"params {have}, grads {grad}; drop the fp16/bf16/grad_dtype "
+                             "settings from config (the params' dtype selects them)")
+        if base["optimizer"].get("type") not in ("Adam", "AdamW"):
+            raise ValueError(f"OffloadAdam: config optimizer.type {base['optimizer'].get('type')!r};"
+                             " OffloadAdam runs Adam or AdamW (use adamw=)")
 
         # One dense grad buffer per param; the engine reads grads from these.
         self._grad_bufs = [torch.zeros_like(p, memory_format=torch.contiguous_format)

@@ -304,6 +304,10 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         OffloadAdam([w], offload="nvme", nvme_path=str(tmp_path), host_budget="1KiB")
     with pytest.raises(strata.InvalidArgumentError, match="did you mean"):
         OffloadAdam([w], config={"zero_optimization": {"sub_group_sise": 10}})
+    with pytest.raises(ValueError, match="config says params bf16"):
+        OffloadAdam([w], config={"bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match="grads fp16"):
+        OffloadAdam([w], config={"strata": {"grad_dtype": "fp16"}})
     with pytest.raises(ValueError, match="learning rate"):
         OffloadAdam([w], lr=-1)
 
