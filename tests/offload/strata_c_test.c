@@ -136,6 +136,11 @@ static void Errors(strata_device* dev) {
          STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "group 3") != NULL);
 
+  /* The host device has no native streams to order work on. */
+  EXPECT(strata_optimizer_create(dev, NULL, (void*)&p, "{}", &p, 1, NULL, 1, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "no native streams") != NULL);
+
   EXPECT(strata_optimizer_create(NULL, NULL, NULL, "{}", &p, 1, NULL, 1, &opt) ==
          STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "device is NULL") != NULL);
