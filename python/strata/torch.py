@@ -68,6 +68,27 @@ def _merge(base, override):
     return out
 
 
+def _split_names(params):
+    """Accepts tensors, (name, tensor) pairs (model.named_parameters()) or group dicts of
+    either; returns what torch.optim.Optimizer takes and {id(tensor): name}."""
+    names = {}
+
+    def strip(seq):
+        seq = [seq] if isinstance(seq, torch.Tensor) else list(seq)
+        out = []
+        for x in seq:
+            if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+                names[id(x[1])] = x[0]
+                x = x[1]
+            out.append(x)
+        return out
+
+    params = list(params) if not isinstance(params, torch.Tensor) else [params]
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=strip(g["params"])) for g in params], names
+    return strip(params), names
+
+
 def _global_rank(group, rank):
     """The global rank of `rank` in `group` (PyTorch 1.13 keeps this private)."""
     if group is None or group is dist.group.WORLD:
@@ -134,7 +155,8 @@ class OffloadAdam(torch.optim.Optimizer):
     returning the closure's loss, ``state_dict()``/``load_state_dict()``.
 
     Args:
-        params: tensors or param-group dicts, as for ``torch.optim.AdamW``. All
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``;
+            checkpoints record the names), or param-group dicts of either. All
             on one device (CPU, or one CUDA device), contiguous, of one dtype:
             float32, float16 (dynamic loss scaling, see below) or bfloat16.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
@@ -210,6 +232,7 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"OffloadAdam: max_grad_norm={max_grad_norm}; use a positive "
                              "value or None")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        params, self._names = _split_names(params)
         super().__init__(params, defaults)
 
         # Frozen params (requires_grad=False) are not registered: the engine
@@ -292,7 +315,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 buf = self._grad_bufs[index]
-                entries.append((f"group{gi}.param{index}", p.data_ptr(), buf.data_ptr(), p.numel()))
+                entries.append((self._names.get(id(p), ""), p.data_ptr(), buf.data_ptr(),
+                                p.numel()))
                 index += 1
             self._engine_group.append(len(groups) if entries else None)
             if entries:

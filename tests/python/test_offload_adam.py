@@ -373,3 +373,13 @@ def test_frozen_params_are_left_alone():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="no param requires grad"):
         OffloadAdam(m_ours.emb.parameters())
+
+
+def test_named_parameters_are_accepted():
+    m_ours, m_ref = Net(), Net()
+    ours = OffloadAdam(m_ours.named_parameters(), lr=1e-3)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3, weight_decay=0.0)
+    assert all(isinstance(p, torch.Tensor) for p in ours.param_groups[0]["params"])
+    train_side_by_side(ours, ref, m_ours, m_ref, steps=3)
+    grouped = OffloadAdam([{"params": list(Net().named_parameters())[:2], "lr": 1e-2}])
+    assert len(grouped.param_groups[0]["params"]) == 2
