@@ -371,7 +371,7 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
   }
 
   arrays = ArrayCount(config.optimizer);
-  buffer_count = config.buffer_count;
+  buffer_count = inputs.buffer_count;  // config.buffer_count, at most one per sub-group
   param_bytes = DTypeSize(config.param_dtype);
   for (const ElemRange& r : sub_groups) max_sg_elems = std::max(max_sg_elems, r.elems());
 
