@@ -43,7 +43,7 @@ Status Train(const std::string& nvme_dir, int steps) {
   STRATA_ASSIGN_OR_RETURN(OffloadConfig config, ParseConfigJson(fmt::format(R"({{
     "zero_optimization": {{
       "stage": 2,
-      "sub_group_size": 1e5,
+      "sub_group_size": 5e4,
       "offload_optimizer": {{"device": "nvme", "nvme_path": "{}", "buffer_count": 4}}
     }},
     "aio": {{"block_size": 262144, "queue_depth": 8}},
@@ -51,7 +51,7 @@ Status Train(const std::string& nvme_dir, int steps) {
                                               "weight_decay": 0.1}}}},
     "gradient_clipping": 1.0,
     "bf16": {{"enabled": true}},
-    "strata": {{"host_budget": "16MiB", "threads": 0}}
+    "strata": {{"host_budget": "4300KiB", "threads": 0}}
   }})", nvme_dir)));
 
   // 3. The tensors, in two param groups: weights with decay, biases without.
