@@ -536,11 +536,13 @@ Status RunStep(const StepArgs& a) {
       FormatCount(params).c_str(), a.ranks, std::string(DTypeName(config.param_dtype)).c_str(),
       std::string(DTypeName(config.grad_dtype)).c_str(), sub_groups,
       FormatCount(config.sub_group_elems).c_str(), nvme_sub_groups, config.buffer_count);
-  std::printf("  bytes per tier: host %s state + %s staging (budget %s), nvme %s state, device "
-              "%s tensors + %s staging\n",
+  std::printf("  bytes per tier: host %s state + %s staging (budget %s%s), nvme %s state, "
+              "device %s tensors + %s staging\n",
               FormatBytes(host_state).c_str(), FormatBytes(host_staging).c_str(),
               config.host_budget_bytes ? FormatBytes(config.host_budget_bytes).c_str()
-                                       : "unlimited",
+              : config.device == OffloadDevice::kNvme ? "staging only"
+                                                      : "unlimited",
+              a.ranks > 1 ? " per rank" : "",
               FormatBytes(nvme_state).c_str(), FormatBytes(a.ranks * tensor_bytes).c_str(),
               FormatBytes(device_staging).c_str());
   std::printf("  traffic per step: nvme read %s, write %s, d2h %s, h2d %s\n",
