@@ -301,6 +301,7 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
   if (!built.ok()) return built;
   STRATA_RETURN_IF_ERROR((std::move(agreed)).WithContext(kOp));
   if (failed[0] > 0) return OtherRankFailed();
+  comm_grad_clock = StageClock{};  // the first step's times are the step's own
   return OkStatus();
 }
 
