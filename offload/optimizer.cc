@@ -399,8 +399,8 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
   // The collectives need a stream and small buffers; the rest comes later.
   STRATA_ASSIGN_OR_RETURN(grad_stream, device->CreateStream());
   STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
-  STRATA_ASSIGN_OR_RETURN(PinnedPool p, PinnedPool::Create(*device, {.budget_bytes = 4096,
-                                                                     .slab_bytes = 4096}));
+  STRATA_ASSIGN_OR_RETURN(PinnedPool p,
+                          PinnedPool::Create(*device, {.budget_bytes = 4096, .slab_bytes = 4096}));
   small_pool.emplace(std::move(p));
   STRATA_ASSIGN_OR_RETURN(small, small_pool->Allocate(4096));
   double v[3] = {digest, max_digest - digest, planned.ok() ? 0.0 : 1.0};

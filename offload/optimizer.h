@@ -123,7 +123,7 @@ struct StageTimes {
   double h2d = 0;    // param copies pinned host -> device
   double step = 0;   // wall time of Step(), including the reduction it waited for
   double grad_stats = 0;  // part of `adam`: the norm / non-finite pass over the shard
-  double device = 0;  // device kernels: packing the grads into buckets, unpacking the params
+  double device = 0;      // device kernels: packing the grads into buckets, unpacking the params
 };
 
 // How Step() schedules its stages. kOverlapped (the default) is the

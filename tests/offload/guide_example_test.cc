@@ -8,11 +8,12 @@
 #include <string>
 
 // ---- docs/guide.md, "A complete example", from here ----
-#include <fmt/format.h>
-
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "offload/config.h"
@@ -39,25 +40,29 @@ Status Train(const std::string& nvme_dir, int steps) {
   //    on a GPU machine; OpenDevice("auto") picks one).
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, CreateHostDevice());
 
-  // 2. The config: DeepSpeed keys, plus Strata's own "strata" section.
-  STRATA_ASSIGN_OR_RETURN(OffloadConfig config, ParseConfigJson(fmt::format(R"({{
-    "zero_optimization": {{
+  // 2. The config: DeepSpeed keys, plus Strata's own "strata" section. The
+  //    struct's fields can be set as well.
+  STRATA_ASSIGN_OR_RETURN(OffloadConfig config, ParseConfigJson(R"({
+    "zero_optimization": {
       "stage": 2,
       "sub_group_size": 5e4,
-      "offload_optimizer": {{"device": "nvme", "nvme_path": "{}", "buffer_count": 4}}
-    }},
-    "aio": {{"block_size": 262144, "queue_depth": 8}},
-    "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "betas": [0.9, 0.95],
-                                              "weight_decay": 0.1}}}},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4}
+    },
+    "aio": {"block_size": 262144, "queue_depth": 8},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95],
+                                              "weight_decay": 0.1}},
     "gradient_clipping": 1.0,
-    "bf16": {{"enabled": true}},
-    "strata": {{"host_budget": "4300KiB", "threads": 0}}
-  }})", nvme_dir)));
+    "bf16": {"enabled": true},
+    "strata": {"host_budget": "4300KiB", "threads": 0}
+  })"));
+  config.nvme_paths = {nvme_dir};  // here: the directory the caller gives
 
   // 3. The tensors, in two param groups: weights with decay, biases without.
   std::vector<Tensor> model;
   for (auto [name, elems] : {std::pair<const char*, uint64_t>{"fc1.weight", 512 * 256},
-                             {"fc1.bias", 512}, {"fc2.weight", 256 * 512}, {"fc2.bias", 256}}) {
+                             {"fc1.bias", 512},
+                             {"fc2.weight", 256 * 512},
+                             {"fc2.bias", 256}}) {
     Tensor t{.name = name, .elems = elems};
     STRATA_ASSIGN_OR_RETURN(t.data, device->Allocate(elems * 2));
     STRATA_ASSIGN_OR_RETURN(t.grad, device->Allocate(elems * 2));

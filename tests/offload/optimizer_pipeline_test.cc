@@ -51,10 +51,11 @@ double SumOfStages(const StageTimes& t) {
 }
 
 std::string Describe(const StageTimes& t) {
-  return fmt::format("step {:.1f} ms = d2h {:.1f} + comm {:.1f} + read {:.1f} + adam {:.1f} + "
-                     "write {:.1f} + h2d {:.1f} + device {:.1f} (sum {:.1f} ms)",
-                     t.step * 1e3, t.d2h * 1e3, t.comm * 1e3, t.read * 1e3, t.adam * 1e3,
-                     t.write * 1e3, t.h2d * 1e3, t.device * 1e3, SumOfStages(t) * 1e3);
+  return fmt::format(
+      "step {:.1f} ms = d2h {:.1f} + comm {:.1f} + read {:.1f} + adam {:.1f} + "
+      "write {:.1f} + h2d {:.1f} + device {:.1f} (sum {:.1f} ms)",
+      t.step * 1e3, t.d2h * 1e3, t.comm * 1e3, t.read * 1e3, t.adam * 1e3, t.write * 1e3,
+      t.h2d * 1e3, t.device * 1e3, SumOfStages(t) * 1e3);
 }
 
 TEST(EngineOverlap, StepTakesAboutItsSlowestStageNotTheSum) {
@@ -80,8 +81,8 @@ TEST(EngineOverlap, StepTakesAboutItsSlowestStageNotTheSum) {
   config.threads = kCpuThreads;
   config.max_grad_norm = 0;
   const std::vector<GroupHyper> hypers = {{.lr = 1e-3}};
-  auto opt_or = OffloadOptimizer::Create({.device = device.get(), .storage = storage.get()},
-                                         config, model.Groups(hypers));
+  auto opt_or = OffloadOptimizer::Create({.device = device.get(), .storage = storage.get()}, config,
+                                         model.Groups(hypers));
   ASSERT_TRUE(opt_or.ok()) << opt_or.status();
   auto opt = std::move(*opt_or);
   ASSERT_EQ(opt->plan().nvme_sub_groups, kSubGroups);
@@ -180,7 +181,10 @@ TEST(EngineOverlap, SerialAndOverlappedStepsAreBitwiseEqual) {
 // A rank whose Create fails makes every rank's Create fail, promptly: no
 // rank is left waiting for it in the first collective of Step. The
 // rendezvous timeout is short so that a hang would show as a failure here.
-void RunCreateFailsOnOneRank(bool fail_in_plan) {
+enum class FailAt : uint8_t { kPlan, kStateWrite };
+
+void RunCreateFailsOnOneRank(FailAt fail_at) {
+  const bool fail_in_plan = fail_at == FailAt::kPlan;
   constexpr int kWorld = 2;
   auto device = *CreateHostDevice();
   auto comms = *CreateLocalGroup(kWorld, *device, {.rendezvous_timeout = std::chrono::seconds(20)});
@@ -234,8 +238,10 @@ void RunCreateFailsOnOneRank(bool fail_in_plan) {
       << status[0];
 }
 
-TEST(EngineCreate, PlanRefusedOnOneRankFailsEveryRank) { RunCreateFailsOnOneRank(true); }
-TEST(EngineCreate, StateWriteFailingOnOneRankFailsEveryRank) { RunCreateFailsOnOneRank(false); }
+TEST(EngineCreate, PlanRefusedOnOneRankFailsEveryRank) { RunCreateFailsOnOneRank(FailAt::kPlan); }
+TEST(EngineCreate, StateWriteFailingOnOneRankFailsEveryRank) {
+  RunCreateFailsOnOneRank(FailAt::kStateWrite);
+}
 
 }  // namespace
 }  // namespace strata
