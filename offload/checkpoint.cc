@@ -377,10 +377,29 @@ json ManifestJson(const CheckpointInfo& info, const RankManifest& rank) {
           {"files", files}};
 }
 
+// The manifest's own checksum: XXH3-64 of its compact serialization (keys
+// sorted, no whitespace) without the "manifest_xxh3" key. A flipped byte in a
+// manifest would otherwise pass as, say, another learning rate.
+uint64_t ManifestHash(json j) {
+  j.erase("manifest_xxh3");
+  const std::string text = j.dump();
+  return XXH3_64bits(text.data(), text.size());
+}
+json SealManifest(json j) {
+  j["manifest_xxh3"] = Hex(ManifestHash(j));
+  return j;
+}
+
 // Parses one rank's manifest into `info` (the common part) and `rank`.
 // Throws nlohmann's exceptions on missing keys and wrong types; the caller
 // turns them into DataLoss.
 Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
+  STRATA_ASSIGN_OR_RETURN(uint64_t sealed, ParseHex(j.at("manifest_xxh3").get<std::string>()));
+  if (sealed != ManifestHash(j)) {
+    return InvalidArgumentError(fmt::format("its checksum (manifest_xxh3 {}) does not match its "
+                                            "content (XXH3 {})",
+                                            Hex(sealed), Hex(ManifestHash(j))));
+  }
   info.save_id = j.at("save_id").get<std::string>();
   info.world_size = j.at("world_size").get<uint32_t>();
   info.step = j.at("step").get<int64_t>();
@@ -442,7 +461,7 @@ Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
 
 // The parts every rank's manifest must agree on.
 json CommonPart(json j) {
-  for (const char* k : {"rank", "shard", "files"}) j.erase(k);
+  for (const char* k : {"rank", "shard", "files", "manifest_xxh3"}) j.erase(k);
   return j;
 }
 
@@ -620,7 +639,7 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
   writers.clear();
   STRATA_RETURN_IF_ERROR(FsyncDir(save_dir));
   return WriteFileAtomic(storage, save_dir, RankName(rank) + ".json",
-                         ManifestJson(info, manifest).dump(1) + "\n");
+                         SealManifest(ManifestJson(info, manifest)).dump(1) + "\n");
 }
 
 // The flat ranges of the saved layout that `range` of `layout` maps to,

@@ -29,5 +29,6 @@ void AddInfoCommand(Cli& cli);
 void AddBenchNvmeCommand(Cli& cli);
 void AddBenchAdamCommand(Cli& cli);
 void AddPlanCommand(Cli& cli);
+void AddCheckpointCommands(Cli& cli);  // inspect, export
 
 }  // namespace strata::cli

@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   strata::cli::AddBenchNvmeCommand(cli);
   strata::cli::AddBenchAdamCommand(cli);
   strata::cli::AddPlanCommand(cli);
+  strata::cli::AddCheckpointCommands(cli);
 
   try {
     cli.app.parse(argc, argv);

@@ -71,13 +71,15 @@ inline OffloadConfig CkptConfig(Where where, OptimizerType optimizer = Optimizer
 // The trainers of `world` ranks: one model, one optimizer and one stream each.
 class Cluster {
  public:
-  Cluster(int world, const OffloadConfig& config, uint64_t param_seed) : world_(world) {
+  Cluster(int world, const OffloadConfig& config, uint64_t param_seed,
+          const std::vector<uint64_t>& sizes = kCkptSizes)
+      : world_(world) {
     device_ = std::move(*CreateHostDevice());
     if (world > 1) comms_ = std::move(*CreateLocalGroup(world, *device_));
     for (int r = 0; r < world; ++r) {
       storages_.push_back(CreateMemStorage());
       streams_.push_back(std::move(*device_->CreateStream()));
-      models_.push_back(std::make_unique<TestModel>(*device_, kCkptSizes, kCkptGroupOf,
+      models_.push_back(std::make_unique<TestModel>(*device_, sizes, kCkptGroupOf,
                                                     config.param_dtype, config.grad_dtype));
       std::mt19937_64 rng(param_seed);  // identical params on every rank
       models_[r]->SetParams(rng);
