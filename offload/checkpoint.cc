@@ -170,19 +170,20 @@ class Collective {
     c.device_ = &opt.device();
     STRATA_ASSIGN_OR_RETURN(c.stream_, c.device_->CreateStream());
     STRATA_ASSIGN_OR_RETURN(c.buf_, c.device_->Allocate(sizeof(double)));
+    STRATA_ASSIGN_OR_RETURN(c.host_, c.device_->AllocateHost(sizeof(double)));
     return c;
   }
   Result<double> AllReduce(double value, ReduceOp op) {
     if (device_ == nullptr) return value;
-    double host = value;
-    STRATA_RETURN_IF_ERROR(device_->CopyAsync(c_buf(), &host, sizeof(double),
+    double* host = static_cast<double*>(host_.data());
+    *host = value;
+    STRATA_RETURN_IF_ERROR(device_->CopyAsync(buf_.data(), host, sizeof(double),
                                               CopyKind::kHostToDevice, stream_));
-    STRATA_RETURN_IF_ERROR(
-        comm_->AllReduce(c_buf(), c_buf(), 1, DType::kF64, op, stream_));
-    STRATA_RETURN_IF_ERROR(device_->CopyAsync(&host, c_buf(), sizeof(double),
+    STRATA_RETURN_IF_ERROR(comm_->AllReduce(buf_.data(), buf_.data(), 1, DType::kF64, op, stream_));
+    STRATA_RETURN_IF_ERROR(device_->CopyAsync(host, buf_.data(), sizeof(double),
                                               CopyKind::kDeviceToHost, stream_));
     STRATA_RETURN_IF_ERROR(device_->StreamSynchronize(stream_));
-    return host;
+    return *host;
   }
   // How many ranks report a failure.
   Result<int> CountFailures(const Status& local) {
@@ -191,11 +192,11 @@ class Collective {
   }
 
  private:
-  void* c_buf() { return buf_.data(); }
   Communicator* comm_ = nullptr;
   Device* device_ = nullptr;
   Stream stream_;
   DeviceBuffer buf_;
+  HostAllocation host_;  // pinned: the CUDA backend copies from pinned memory only
 };
 
 // ---- Writing one data file ---------------------------------------------------
