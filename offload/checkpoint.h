@@ -32,6 +32,10 @@
 // every rank does it write the state, the counters and the hyperparameters,
 // and recompute the trainer's param tensors from the loaded master weights.
 //
+// Save writes the committed state: call it between steps, not between a
+// failed Step() and its retry (the sub-groups the failed step finished
+// already hold the next step's values).
+//
 // Errors name the file and say what to do: NotFound (no checkpoint, missing
 // file), FailedPrecondition (another model, a world size other than the
 // save's with Reshard::kForbid, an unsupported format version), DataLoss

@@ -216,6 +216,14 @@ TEST_F(ReshardTest, FourToOne) { Reshard(4, 1); }
 TEST_F(ReshardTest, ThreeToTwo) { Reshard(3, 2); }
 TEST_F(ReshardTest, TwoToTwoKeepsTheWorldSize) { Reshard(2, 2); }
 
+TEST_F(ReshardTest, AnotherAlignmentMapsTensorByTensor) {
+  OffloadConfig config = Config(2);
+  config.align_elems = 256;  // every tensor sits elsewhere in the flat buffer
+  Cluster m(2, config, seed_ + 9);
+  LoadAndCheck(m, one_.path());
+  ContinueAndCheck(m);
+}
+
 TEST_F(ReshardTest, ForbiddenReshardIsFailedPreconditionAndLoadsNothing) {
   TempDir dir;
   SaveWith(2, dir.path());
