@@ -950,8 +950,6 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
     info.ranks.push_back(std::move(rank));
     if (info.ranks.size() == info.world_size) break;
   }
-  const std::string base = fs::path(info.save_dir).filename().string();
-  (void)base;
   const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
   for (uint32_t i = 0; i < depth; ++i) impl->bufs.emplace_back(info.chunk_bytes);
   impl->reqs.resize(depth);

@@ -553,8 +553,9 @@ TEST(DurabilityTest, EverythingASaveWroteIsSyncedAndAFailedSaveLeavesThePrevious
   // unsynced bytes turn to garbage, and the first save is what loads.
   ASSERT_TRUE(c.Train(seed, 1).ok());
   for (testing::FaultOptions f : {testing::FaultOptions{.write_eio_one_in = 3},
+                                  testing::FaultOptions{.write_enospc_one_in = 5},
                                   testing::FaultOptions{.sync_eio_one_in = 2},
-                                  testing::FaultOptions{.torn_write_one_in = 2,
+                                  testing::FaultOptions{.short_io_one_in = 2,
                                                         .sync_eio_one_in = 4}}) {
     f.seed = seed;
     f.drop_unsynced = testing::DropUnsynced::kOn;
@@ -577,6 +578,41 @@ TEST(DurabilityTest, EverythingASaveWroteIsSyncedAndAFailedSaveLeavesThePrevious
       ExpectSameSnapshot(got, *TakeSnapshot(c));
     }
   }
+}
+
+// A drive that reports a write it did not finish (a torn write that is then
+// fsync'd without error) is caught by the checksums on load, and the save
+// before it, which retention keeps, still loads.
+TEST(DurabilityTest, TornWritesAreCaughtAndThePreviousSaveStillLoads) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  auto fault = testing::FaultStorage::Create(CreatePosixStorage(), {.seed = seed});
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  const SaveOptions save{.storage = fault.get(), .chunk_bytes = 8192, .queue_depth = 4};
+  ASSERT_TRUE(SaveCheckpoint(c.opt(0), dir.path(), save).ok());
+  Snapshot first = *TakeSnapshot(c);
+  const std::string first_dir = (*CheckpointReader::Open(dir.path()))->info().save_dir;
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  fault->SetOptions({.seed = seed, .torn_write_one_in = 1});
+  Status s = SaveCheckpoint(c.opt(0), dir.path(), save);
+  fault->SetOptions({});
+  ASSERT_TRUE(s.ok()) << "a torn write reports success: " << s;
+  ASSERT_GT(fault->stats().torn_writes.load(), 0u);
+
+  Cluster check(1, CkptConfig(Where::kHost), seed + 1);
+  ASSERT_TRUE(check.status().ok());
+  Snapshot before = *TakeSnapshot(check);
+  s = check.opt(0).Load(dir.path());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  // The torn file is named: a data file, a manifest or latest.json.
+  EXPECT_NE(s.message().find(dir.path() + "/"), std::string::npos) << s;
+  ExpectSameSnapshot(*TakeSnapshot(check), before);
+  ASSERT_TRUE(std::filesystem::exists(first_dir)) << "retention keeps the previous save";
+  s = check.opt(0).Load(first_dir);
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(check), first);
 }
 
 }  // namespace
