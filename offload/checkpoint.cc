@@ -828,7 +828,7 @@ Status CheckpointReader::Impl::ReadChunks(
     const uint64_t h = XXH3_64bits(data.data(), data.size());
     if (h != meta.chunk_xxh3[next]) {
       error = DataLossError(fmt::format(
-          "{}: chunk {} (bytes {}+{}) fails its checksum (XXH3 {} , manifest {}): the file is "
+          "{}: chunk {} (bytes {}+{}) fails its checksum (XXH3 {}, manifest {}): the file is "
           "corrupt; restore it from a copy or load an earlier checkpoint",
           path, next, next * cb, data.size(), Hex(h), Hex(meta.chunk_xxh3[next])));
       break;

@@ -242,6 +242,6 @@ inline void ExpectParamsAreMaster(Cluster& c, const Snapshot& snap) {
 // What the crash test's child process trains and saves (small chunks, so a
 // save is many writes and a kill lands between them).
 inline OffloadConfig CrashTestConfig() { return CkptConfig(Where::kMixed); }
-inline const SaveOptions kCrashTestSave{.chunk_bytes = 8192, .queue_depth = 2};
+inline const SaveOptions kCrashTestSave{.chunk_bytes = 4096, .queue_depth = 1};
 
 }  // namespace strata::testing
