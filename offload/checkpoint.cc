@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -554,16 +555,24 @@ CheckpointInfo InfoOf(OffloadOptimizer& opt, const std::string& save_id, uint64_
   return info;
 }
 
-std::vector<std::string> ReadHistory(Storage& storage, const std::string& dir) {
+// The saves latest.json keeps, newest first; nullopt when it exists but
+// cannot be read (then retention removes nothing: we cannot tell what is
+// still wanted).
+std::optional<std::vector<std::string>> ReadHistory(Storage& storage, const std::string& dir) {
   const std::string path = dir + "/" + std::string(kLatest);
-  if (!Exists(path)) return {};
+  if (!Exists(path)) return std::vector<std::string>{};
   auto text = ReadSmallFile(storage, path);
-  if (!text.ok()) return {};
+  if (!text.ok()) return std::nullopt;
   json j = json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("history")) return {};
-  std::vector<std::string> out;
-  for (const json& h : j["history"]) {
-    if (h.is_string()) out.push_back(h.get<std::string>());
+  if (j.is_discarded() || !j.is_object() || !j.contains("checkpoint") ||
+      !j["checkpoint"].is_string()) {
+    return std::nullopt;
+  }
+  std::vector<std::string> out = {j["checkpoint"].get<std::string>()};
+  if (j.contains("history") && j["history"].is_array()) {
+    for (const json& h : j["history"]) {
+      if (h.is_string() && h.get<std::string>() != out[0]) out.push_back(h.get<std::string>());
+    }
   }
   return out;
 }
@@ -573,7 +582,8 @@ std::vector<std::string> ReadHistory(Storage& storage, const std::string& dir) {
 Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& info,
                uint32_t keep) {
   std::vector<std::string> history = {info.save_id};
-  for (const std::string& h : ReadHistory(storage, dir)) {
+  const std::optional<std::vector<std::string>> old = ReadHistory(storage, dir);
+  for (const std::string& h : old.value_or(std::vector<std::string>{})) {
     if (history.size() >= std::max<uint32_t>(keep, 2)) break;
     if (h != info.save_id && Exists(dir + "/" + h)) history.push_back(h);
   }
@@ -588,6 +598,12 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
           .WithContext("publish " + info.save_id));
   // Retention: the published file no longer needs anything else. Failures
   // only cost disk space, so they are warnings.
+  if (!old) {
+    LogWarning(fmt::format("checkpoint retention: the previous {}/{} was unreadable, so no old "
+                           "save is removed; remove unwanted step-* directories by hand",
+                           dir, kLatest));
+    return OkStatus();
+  }
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();

@@ -615,5 +615,49 @@ TEST(DurabilityTest, TornWritesAreCaughtAndThePreviousSaveStillLoads) {
   ExpectSameSnapshot(*TakeSnapshot(check), first);
 }
 
+// ---- Retention ------------------------------------------------------------------
+
+std::vector<std::string> SaveDirs(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(RetentionTest, KeepsTheNewestSavesAndRemovesLeftovers) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  // A leftover of a save that crashed before publishing.
+  std::filesystem::create_directories(dir.File("step-0000000000-deadbeef0000"));
+  std::vector<std::string> published;
+  for (int s = 0; s < 4; ++s) {
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    published.push_back((*CheckpointReader::Open(dir.path()))->info().save_dir);
+  }
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 2u) << "the default keeps the newest and the previous";
+  EXPECT_TRUE(std::filesystem::exists(published[3]));
+  EXPECT_TRUE(std::filesystem::exists(published[2]));
+  // The previous one loads on its own.
+  Cluster other(1, CkptConfig(Where::kHost), seed + 1);
+  Status s = other.opt(0).Load(published[2]);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(other.opt(0).step_count(), 3);
+
+  ASSERT_TRUE(c.Save(dir.path(), {.keep_checkpoints = 3}).ok());
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 3u);
+
+  // An unreadable latest.json: the next save publishes but removes nothing.
+  std::ofstream(dir.File("latest.json"), std::ios::trunc) << "{\"checkp";
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 4u);
+  ASSERT_TRUE(other.opt(0).Load(dir.path()).ok());
+}
+
 }  // namespace
 }  // namespace strata
