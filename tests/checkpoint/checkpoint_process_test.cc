@@ -106,7 +106,7 @@ TEST(CrashTest, SigkillAtRandomPointsDuringSaveLeavesTheLastCompleteCheckpoint) 
   const uint64_t seed = TestSeed();
   std::mt19937_64 rng(seed);
   constexpr int kCalibrationRounds = 6;
-  constexpr int kKills = 80;
+  constexpr int kKills = 96;
   constexpr int kForever = 1000000;  // the child never finishes by itself
   const std::string helper = Sibling("checkpoint_crash_helper");
   ASSERT_TRUE(std::filesystem::exists(helper)) << helper;
