@@ -211,6 +211,7 @@ TEST(CliTest, InspectAndExport) {
 
   Ran r = RunStrata("inspect " + dir.path(), tmp);
   EXPECT_EQ(r.code, 0) << r.err;
+  std::printf("%s", r.out.c_str());
   EXPECT_NE(r.out.find("step         3"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("world size   2"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("not verified"), std::string::npos) << r.out;
