@@ -272,7 +272,7 @@ std::map<std::string, std::vector<float>> ParseSafetensors(const std::string& pa
     EXPECT_LE(off[1], data_bytes);
     ranges.push_back({off[0], off[1]});
     std::vector<float> v(shape[0]);
-    std::memcpy(v.data(), bytes.data() + 8 + n + off[0], off[1] - off[0]);
+    if (!v.empty()) std::memcpy(v.data(), bytes.data() + 8 + n + off[0], off[1] - off[0]);
     out[it.key()] = std::move(v);
   }
   std::sort(ranges.begin(), ranges.end());
