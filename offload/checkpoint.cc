@@ -9,6 +9,8 @@
 #include "offload/checkpoint.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -18,14 +20,11 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <set>
 #include <utility>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "runtime/device.h"
 #include "runtime/log.h"
@@ -178,11 +177,11 @@ class Collective {
     if (device_ == nullptr) return value;
     double* host = static_cast<double*>(host_.data());
     *host = value;
-    STRATA_RETURN_IF_ERROR(device_->CopyAsync(buf_.data(), host, sizeof(double),
-                                              CopyKind::kHostToDevice, stream_));
+    STRATA_RETURN_IF_ERROR(
+        device_->CopyAsync(buf_.data(), host, sizeof(double), CopyKind::kHostToDevice, stream_));
     STRATA_RETURN_IF_ERROR(comm_->AllReduce(buf_.data(), buf_.data(), 1, DType::kF64, op, stream_));
-    STRATA_RETURN_IF_ERROR(device_->CopyAsync(host, buf_.data(), sizeof(double),
-                                              CopyKind::kDeviceToHost, stream_));
+    STRATA_RETURN_IF_ERROR(
+        device_->CopyAsync(host, buf_.data(), sizeof(double), CopyKind::kDeviceToHost, stream_));
     STRATA_RETURN_IF_ERROR(device_->StreamSynchronize(stream_));
     return *host;
   }
@@ -207,16 +206,14 @@ class Collective {
 class ArrayWriter {
  public:
   static Result<std::unique_ptr<ArrayWriter>> Open(Storage& storage, const std::string& dir,
-                                                   const std::string& name,
-                                                   const SaveOptions& o) {
+                                                   const std::string& name, const SaveOptions& o) {
     auto w = std::unique_ptr<ArrayWriter>(new ArrayWriter());
     w->path_ = dir + "/" + name;
     w->meta_.name = name;
     w->chunk_bytes_ = o.chunk_bytes;
-    STRATA_ASSIGN_OR_RETURN(w->file_,
-                            storage.Open(w->path_, {.create = FileCreate::kCreate,
-                                                    .direct = o.direct,
-                                                    .queue_depth = o.queue_depth}));
+    STRATA_ASSIGN_OR_RETURN(w->file_, storage.Open(w->path_, {.create = FileCreate::kCreate,
+                                                              .direct = o.direct,
+                                                              .queue_depth = o.queue_depth}));
     STRATA_RETURN_IF_ERROR(w->file_->Resize(0));
     const uint32_t depth = std::max<uint32_t>(o.queue_depth, 1);
     for (uint32_t i = 0; i < depth; ++i) {
@@ -335,8 +332,10 @@ json HyperJson(const GroupHyper& h) {
 json ManifestJson(const CheckpointInfo& info, const RankManifest& rank) {
   json tensors = json::array();
   for (const CheckpointTensor& t : info.tensors) {
-    tensors.push_back(
-        {{"name", t.name}, {"group", t.group}, {"offset_elems", t.offset_elems}, {"elems", t.elems}});
+    tensors.push_back({{"name", t.name},
+                       {"group", t.group},
+                       {"offset_elems", t.offset_elems},
+                       {"elems", t.elems}});
   }
   json groups = json::array();
   for (const GroupHyper& h : info.groups) groups.push_back(HyperJson(h));
@@ -398,9 +397,10 @@ json SealManifest(json j) {
 Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
   STRATA_ASSIGN_OR_RETURN(uint64_t sealed, ParseHex(j.at("manifest_xxh3").get<std::string>()));
   if (sealed != ManifestHash(j)) {
-    return InvalidArgumentError(fmt::format("its checksum (manifest_xxh3 {}) does not match its "
-                                            "content (XXH3 {})",
-                                            Hex(sealed), Hex(ManifestHash(j))));
+    return InvalidArgumentError(
+        fmt::format("its checksum (manifest_xxh3 {}) does not match its "
+                    "content (XXH3 {})",
+                    Hex(sealed), Hex(ManifestHash(j))));
   }
   info.save_id = j.at("save_id").get<std::string>();
   info.world_size = j.at("world_size").get<uint32_t>();
@@ -485,8 +485,8 @@ Status CheckManifestGeometry(const CheckpointInfo& info, const RankManifest& ran
                                             info.world_size, want.begin, want.end));
   }
   if (rank.files.size() != info.arrays.size()) {
-    return InvalidArgumentError(fmt::format("{} files for {} arrays", rank.files.size(),
-                                            info.arrays.size()));
+    return InvalidArgumentError(
+        fmt::format("{} files for {} arrays", rank.files.size(), info.arrays.size()));
   }
   for (size_t a = 0; a < rank.files.size(); ++a) {
     const CheckpointFile& f = rank.files[a];
@@ -506,9 +506,8 @@ Status CheckManifestGeometry(const CheckpointInfo& info, const RankManifest& ran
 Status CheckLayout(const CheckpointInfo& info) {
   std::vector<TensorSpec> specs;
   for (const CheckpointTensor& t : info.tensors) specs.push_back({.elems = t.elems});
-  STRATA_ASSIGN_OR_RETURN(FlatLayout l,
-                          PlanFlatLayout(specs, {.align_elems = info.align_elems,
-                                                 .world_size = info.world_size}));
+  STRATA_ASSIGN_OR_RETURN(FlatLayout l, PlanFlatLayout(specs, {.align_elems = info.align_elems,
+                                                               .world_size = info.world_size}));
   bool same = l.total_elems == info.total_elems && l.shard_elems == info.shard_elems &&
               l.tensor_elems == info.tensor_elems;
   for (size_t t = 0; same && t < specs.size(); ++t) {
@@ -587,21 +586,20 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
     if (history.size() >= std::max<uint32_t>(keep, 2)) break;
     if (h != info.save_id && Exists(dir + "/" + h)) history.push_back(h);
   }
-  const json latest = {{"format", kCheckpointFormatName},
-                       {"format_version", kCheckpointFormatVersion},
-                       {"checkpoint", info.save_id},
-                       {"step", info.step},
-                       {"world_size", info.world_size},
-                       {"history", history}};
+  const json latest = {
+      {"format", kCheckpointFormatName}, {"format_version", kCheckpointFormatVersion},
+      {"checkpoint", info.save_id},      {"step", info.step},
+      {"world_size", info.world_size},   {"history", history}};
   STRATA_RETURN_IF_ERROR(
       (WriteFileAtomic(storage, dir, std::string(kLatest), latest.dump(2) + "\n"))
           .WithContext("publish " + info.save_id));
   // Retention: the published file no longer needs anything else. Failures
   // only cost disk space, so they are warnings.
   if (!old) {
-    LogWarning(fmt::format("checkpoint retention: the previous {}/{} was unreadable, so no old "
-                           "save is removed; remove unwanted step-* directories by hand",
-                           dir, kLatest));
+    LogWarning(
+        fmt::format("checkpoint retention: the previous {}/{} was unreadable, so no old "
+                    "save is removed; remove unwanted step-* directories by hand",
+                    dir, kLatest));
     return OkStatus();
   }
   std::error_code ec;
@@ -611,8 +609,9 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
     if (std::find(history.begin(), history.end(), name) != history.end()) continue;
     std::error_code rm;
     fs::remove_all(entry.path(), rm);
-    if (rm) LogWarning(fmt::format("checkpoint retention: remove {}: {}", entry.path().string(),
-                                   rm.message()));
+    if (rm)
+      LogWarning(
+          fmt::format("checkpoint retention: remove {}: {}", entry.path().string(), rm.message()));
   }
   return OkStatus();
 }
@@ -819,8 +818,8 @@ Status CheckpointReader::Impl::ReadChunks(
   for (uint64_t next = first; next < last && error.ok(); ++next) {
     while (next_submit < last && next_submit - next < depth) {
       const uint64_t slot = next_submit % depth;
-      reqs[slot] = IoRequest::Read(next_submit * cb, bufs[slot].span().first(chunk_len(next_submit)),
-                                   slot);
+      reqs[slot] =
+          IoRequest::Read(next_submit * cb, bufs[slot].span().first(chunk_len(next_submit)), slot);
       done[slot] = 0;
       if (Status s = file->Submit({&reqs[slot], 1}); !s.ok()) {
         error = std::move(s);
@@ -905,10 +904,10 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
   } else if (Exists(dir + "/" + RankName(0) + ".json")) {
     info.save_dir = dir;
   } else {
-    return NotFoundError(fmt::format(
-        "open checkpoint {}: no {} and no {}.json: this is not a checkpoint; pass the "
-        "directory given to Save, or one of its step-* directories",
-        dir, kLatest, RankName(0)));
+    return NotFoundError(
+        fmt::format("open checkpoint {}: no {} and no {}.json: this is not a checkpoint; pass the "
+                    "directory given to Save, or one of its step-* directories",
+                    dir, kLatest, RankName(0)));
   }
   json common0;
   for (uint32_t r = 0;; ++r) {
@@ -917,8 +916,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
       return NotFoundError(fmt::format(
           "open checkpoint: {} is missing{}: copy every rank's files into the save directory, "
           "or load an earlier checkpoint",
-          path,
-          r == 0 ? "" : fmt::format(" (the save has {} ranks)", info.world_size)));
+          path, r == 0 ? "" : fmt::format(" (the save has {} ranks)", info.world_size)));
     }
     STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(storage, path));
     json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -1006,10 +1004,10 @@ Status CheckpointReader::ReadFlat(uint32_t array, ElemRange range, std::span<flo
 Status CheckpointReader::ReadTensor(uint32_t array, uint32_t tensor, uint64_t offset_elems,
                                     std::span<float> out) {
   if (tensor >= info_.tensors.size() || offset_elems + out.size() > info_.tensors[tensor].elems) {
-    return OutOfRangeError(fmt::format("read checkpoint {}: tensor {} elems [{}, +{}) is outside "
-                                       "the save's {} tensors",
-                                       info_.save_dir, tensor, offset_elems, out.size(),
-                                       info_.tensors.size()));
+    return OutOfRangeError(
+        fmt::format("read checkpoint {}: tensor {} elems [{}, +{}) is outside "
+                    "the save's {} tensors",
+                    info_.save_dir, tensor, offset_elems, out.size(), info_.tensors.size()));
   }
   const uint64_t begin = info_.tensors[tensor].offset_elems + offset_elems;
   return ReadFlat(array, {begin, begin + out.size()}, out);
@@ -1049,11 +1047,11 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
 // ---- Save / Load ------------------------------------------------------------------------
 
 Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveOptions& o) {
-  const std::string op = fmt::format("save checkpoint {} (rank {}, step {})", dir, opt.rank(),
-                                     opt.step_count());
+  const std::string op =
+      fmt::format("save checkpoint {} (rank {}, step {})", dir, opt.rank(), opt.step_count());
   if (o.chunk_bytes == 0 || o.chunk_bytes % kFileAlign != 0) {
-    return InvalidArgumentError(fmt::format(
-        "{}: chunk_bytes {} is not a positive multiple of 4096", op, o.chunk_bytes));
+    return InvalidArgumentError(
+        fmt::format("{}: chunk_bytes {} is not a positive multiple of 4096", op, o.chunk_bytes));
   }
   STRATA_ASSIGN_OR_RETURN(StorageRef storage, StorageRef::Of(o.storage));
   STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
@@ -1097,9 +1095,9 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   std::unique_ptr<CheckpointReader> reader;
   // Phase 1, nothing changes: the checkpoint is complete, ours, and intact.
   Status local = [&]() -> Status {
-    STRATA_ASSIGN_OR_RETURN(reader, CheckpointReader::Open(dir, {.storage = o.storage,
-                                                                 .queue_depth = o.queue_depth,
-                                                                 .direct = o.direct}));
+    STRATA_ASSIGN_OR_RETURN(
+        reader, CheckpointReader::Open(
+                    dir, {.storage = o.storage, .queue_depth = o.queue_depth, .direct = o.direct}));
     const CheckpointInfo& info = reader->info();
     const std::string manifest = info.save_dir + "/" + RankName(0) + ".json";
     STRATA_RETURN_IF_ERROR(CheckSameModel(info, opt, manifest));
@@ -1160,9 +1158,8 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
       STRATA_ASSIGN_OR_RETURN(std::vector<MappedPiece> pieces, MapRange(info, opt.layout(), sg));
       for (uint32_t a = 0; a < arrays; ++a) {
         for (const MappedPiece& p : pieces) {
-          STRATA_RETURN_IF_ERROR(reader->ReadFlat(
-              a, {p.saved_begin, p.saved_begin + p.elems},
-              s.subspan(a * sg.elems() + p.at, p.elems)));
+          STRATA_RETURN_IF_ERROR(reader->ReadFlat(a, {p.saved_begin, p.saved_begin + p.elems},
+                                                  s.subspan(a * sg.elems() + p.at, p.elems)));
         }
       }
       STRATA_RETURN_IF_ERROR(opt.WriteState(i, s));
@@ -1209,9 +1206,8 @@ Status ExportSafetensors(const std::string& dir, const std::string& out_path,
           "register the params with unique names (or none)",
           op, i, name));
     }
-    header[name] = {{"dtype", "F32"},
-                    {"shape", {t.elems}},
-                    {"data_offsets", {offset, offset + t.elems * 4}}};
+    header[name] = {
+        {"dtype", "F32"}, {"shape", {t.elems}}, {"data_offsets", {offset, offset + t.elems * 4}}};
     offset += t.elems * 4;
   }
   std::string text = header.dump();

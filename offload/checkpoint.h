@@ -62,11 +62,11 @@ inline constexpr int kCheckpointFormatVersion = 1;
 inline constexpr std::string_view kCheckpointFormatName = "strata-checkpoint";
 
 struct SaveOptions {
-  Storage* storage = nullptr;        // nullptr: io_uring (posix fallback)
-  uint64_t chunk_bytes = 1 << 20;    // IO and checksum unit, a multiple of 4096
-  uint32_t queue_depth = 8;          // chunk writes in flight per file
+  Storage* storage = nullptr;         // nullptr: io_uring (posix fallback)
+  uint64_t chunk_bytes = 1 << 20;     // IO and checksum unit, a multiple of 4096
+  uint32_t queue_depth = 8;           // chunk writes in flight per file
   DirectIo direct = DirectIo::kAuto;  // data files: O_DIRECT where the filesystem allows
-  uint32_t keep_checkpoints = 2;     // saves kept after publishing (values < 2 mean 2)
+  uint32_t keep_checkpoints = 2;      // saves kept after publishing (values < 2 mean 2)
 };
 
 enum class Reshard : uint8_t {
@@ -97,11 +97,11 @@ struct CheckpointTensor {
 };
 
 struct CheckpointFile {
-  std::string array;        // "master", "exp_avg", ...
-  std::string name;         // file name inside the save directory
-  uint64_t payload_bytes = 0;  // shard_elems x 4: the fp32 values
-  uint64_t file_bytes = 0;     // payload rounded up to 4096 (zero padding)
-  uint64_t xxh3 = 0;           // XXH3-64 (seed 0) of the whole file
+  std::string array;                 // "master", "exp_avg", ...
+  std::string name;                  // file name inside the save directory
+  uint64_t payload_bytes = 0;        // shard_elems x 4: the fp32 values
+  uint64_t file_bytes = 0;           // payload rounded up to 4096 (zero padding)
+  uint64_t xxh3 = 0;                 // XXH3-64 (seed 0) of the whole file
   std::vector<uint64_t> chunk_xxh3;  // of each chunk_bytes piece of the file
 };
 

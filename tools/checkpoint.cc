@@ -1,6 +1,8 @@
 // `strata inspect DIR [--verify] [--json]`: what a checkpoint holds, and
 // whether every checksum holds. `strata export DIR OUT.safetensors`: the full
 // fp32 weights in one safetensors file. Neither needs a GPU or the model.
+#include "offload/checkpoint.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -8,7 +10,6 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "offload/checkpoint.h"
 #include "runtime/units.h"
 #include "tools/cli.h"
 
@@ -118,14 +119,14 @@ void AddCheckpointCommands(Cli& cli) {
       ->required();
   cmd->add_flag("--verify", inspect->verify, "read every data file and check every checksum");
   cmd->add_flag("--json", inspect->json, "print one JSON object");
-  cmd->callback([&cli, inspect] { RunAction(cli, "inspect", [&] { return RunInspect(*inspect); }); });
+  cmd->callback(
+      [&cli, inspect] { RunAction(cli, "inspect", [&] { return RunInspect(*inspect); }); });
 
   auto dir = std::make_shared<std::string>();
   auto out = std::make_shared<std::string>();
   CLI::App* exp = cli.app.add_subcommand(
       "export", "Write the full fp32 weights of a checkpoint as one safetensors file");
-  exp->add_option("dir", *dir, "checkpoint directory (given to Save) or a step-* save")
-      ->required();
+  exp->add_option("dir", *dir, "checkpoint directory (given to Save) or a step-* save")->required();
   exp->add_option("out", *out, "output file, e.g. model.safetensors")->required();
   exp->callback([&cli, dir, out] {
     RunAction(cli, "export", [&]() -> Status {

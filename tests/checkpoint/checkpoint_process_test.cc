@@ -2,11 +2,10 @@
 // during Save leaves the last complete checkpoint, bitwise; and the `strata
 // inspect` / `strata export` command line (exit codes and output).
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>

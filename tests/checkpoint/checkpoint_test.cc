@@ -2,18 +2,17 @@
 // resharding N -> M ranks, export to safetensors, and bad input.
 #include "offload/checkpoint.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 #include <xxhash.h>
-#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <map>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -26,8 +25,8 @@
 namespace strata {
 namespace {
 
-using testing::Cluster;
 using testing::CkptConfig;
+using testing::Cluster;
 using testing::ExpectParamsAreMaster;
 using testing::ExpectSameSnapshot;
 using testing::Snapshot;
@@ -72,18 +71,16 @@ TEST_P(RoundTripTest, LoadGivesBitwiseTheSavedStateAndParams) {
 
 INSTANTIATE_TEST_SUITE_P(
     Placements, RoundTripTest,
-    ::testing::Values(RoundTripCase{"host", Where::kHost, Where::kHost},
-                      RoundTripCase{"nvme", Where::kNvme, Where::kNvme},
-                      RoundTripCase{"mixed", Where::kMixed, Where::kMixed},
-                      RoundTripCase{"host_to_nvme", Where::kHost, Where::kNvme},
-                      RoundTripCase{"nvme_to_mixed", Where::kNvme, Where::kMixed},
-                      RoundTripCase{"mixed_to_host", Where::kMixed, Where::kHost},
-                      RoundTripCase{"lion_mixed", Where::kMixed, Where::kMixed,
-                                    OptimizerType::kLion},
-                      RoundTripCase{"adagrad_host", Where::kHost, Where::kNvme,
-                                    OptimizerType::kAdagrad}),
+    ::testing::Values(
+        RoundTripCase{"host", Where::kHost, Where::kHost},
+        RoundTripCase{"nvme", Where::kNvme, Where::kNvme},
+        RoundTripCase{"mixed", Where::kMixed, Where::kMixed},
+        RoundTripCase{"host_to_nvme", Where::kHost, Where::kNvme},
+        RoundTripCase{"nvme_to_mixed", Where::kNvme, Where::kMixed},
+        RoundTripCase{"mixed_to_host", Where::kMixed, Where::kHost},
+        RoundTripCase{"lion_mixed", Where::kMixed, Where::kMixed, OptimizerType::kLion},
+        RoundTripCase{"adagrad_host", Where::kHost, Where::kNvme, OptimizerType::kAdagrad}),
     [](const ::testing::TestParamInfo<RoundTripCase>& info) { return info.param.name; });
-
 
 // ---- Resume -------------------------------------------------------------------
 
@@ -105,8 +102,8 @@ TEST_P(ResumeTest, SaveLoadAndContinueEqualsAnUninterruptedRun) {
   config.param_dtype = c.param_dtype;
   if (c.param_dtype == DType::kF16) {
     // Dynamic loss scaling that grows every 2 steps: the scaler's state moves.
-    config.loss_scaler = {.mode = LossScaleMode::kDynamic, .initial_scale_power = 8,
-                          .growth_interval = 2};
+    config.loss_scaler = {
+        .mode = LossScaleMode::kDynamic, .initial_scale_power = 8, .growth_interval = 2};
   }
   constexpr int kBefore = 3, kAfter = 4;
   Cluster run(1, config, seed);
@@ -133,15 +130,12 @@ TEST_P(ResumeTest, SaveLoadAndContinueEqualsAnUninterruptedRun) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Placements, ResumeTest,
-                         ::testing::Values(ResumeCase{"host", Where::kHost},
-                                           ResumeCase{"nvme", Where::kNvme},
-                                           ResumeCase{"mixed", Where::kMixed},
-                                           ResumeCase{"mixed_fp16_scaled", Where::kMixed,
-                                                      DType::kF16}),
-                         [](const ::testing::TestParamInfo<ResumeCase>& info) {
-                           return info.param.name;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Placements, ResumeTest,
+    ::testing::Values(ResumeCase{"host", Where::kHost}, ResumeCase{"nvme", Where::kNvme},
+                      ResumeCase{"mixed", Where::kMixed},
+                      ResumeCase{"mixed_fp16_scaled", Where::kMixed, DType::kF16}),
+    [](const ::testing::TestParamInfo<ResumeCase>& info) { return info.param.name; });
 
 // ---- Reshard ------------------------------------------------------------------
 
@@ -493,8 +487,8 @@ TEST_F(BadInputTest, AnotherModelIsFailedPrecondition) {
 
 TEST_F(BadInputTest, FlippedByteInEachDataFileIsDataLossNamingIt) {
   std::mt19937_64 rng(seed_);
-  for (const char* name : {"rank00000.master.f32", "rank00000.exp_avg.f32",
-                           "rank00000.exp_avg_sq.f32"}) {
+  for (const char* name :
+       {"rank00000.master.f32", "rank00000.exp_avg.f32", "rank00000.exp_avg_sq.f32"}) {
     SCOPED_TRACE(name);
     const std::string f = File(name);
     const uint64_t at = rng() % std::filesystem::file_size(f);
@@ -552,11 +546,11 @@ TEST(DurabilityTest, EverythingASaveWroteIsSyncedAndAFailedSaveLeavesThePrevious
   // Saves that fail part way (a write or an fsync), then power loss: the
   // unsynced bytes turn to garbage, and the first save is what loads.
   ASSERT_TRUE(c.Train(seed, 1).ok());
-  for (testing::FaultOptions f : {testing::FaultOptions{.write_eio_one_in = 3},
-                                  testing::FaultOptions{.write_enospc_one_in = 5},
-                                  testing::FaultOptions{.sync_eio_one_in = 2},
-                                  testing::FaultOptions{.short_io_one_in = 2,
-                                                        .sync_eio_one_in = 4}}) {
+  for (testing::FaultOptions f :
+       {testing::FaultOptions{.write_eio_one_in = 3},
+        testing::FaultOptions{.write_enospc_one_in = 5},
+        testing::FaultOptions{.sync_eio_one_in = 2},
+        testing::FaultOptions{.short_io_one_in = 2, .sync_eio_one_in = 4}}) {
     f.seed = seed;
     f.drop_unsynced = testing::DropUnsynced::kOn;
     fault->SetOptions(f);

@@ -55,8 +55,8 @@ inline OffloadConfig CkptConfig(Where where, OptimizerType optimizer = Optimizer
     // DRAM, the others go to NVMe.
     std::vector<TensorSpec> specs;
     for (uint64_t n : kCkptSizes) specs.push_back({.elems = n, .dtype = config.param_dtype});
-    FlatLayout layout = *PlanFlatLayout(specs, {.align_elems = config.align_elems,
-                                                .world_size = world});
+    FlatLayout layout =
+        *PlanFlatLayout(specs, {.align_elems = config.align_elems, .world_size = world});
     auto sgs = *CutSubGroups(*ShardRange(layout, 0), config.sub_group_elems);
     std::vector<uint64_t> sizes;
     for (auto& r : sgs) sizes.push_back(r.elems());
@@ -131,7 +131,8 @@ class Cluster {
     for (uint64_t n : kCkptSizes) {
       std::vector<float> v(n);
       for (float& x : v) {
-        x = static_cast<float>(static_cast<int>(rng() % 64) - 32) / 16.0f * static_cast<float>(mult);
+        x = static_cast<float>(static_cast<int>(rng() % 64) - 32) / 16.0f *
+            static_cast<float>(mult);
       }
       g.push_back(std::move(v));
     }
@@ -182,7 +183,8 @@ inline Result<Snapshot> TakeSnapshot(Cluster& c) {
   const uint32_t arrays = o0.StateArrayCount();
   snap.state.assign(arrays, {});
   for (uint32_t a = 0; a < arrays; ++a) {
-    for (const TensorSlot& t : o0.layout().tensors) snap.state[a].emplace_back(t.elems, 0xFFFFFFFFu);
+    for (const TensorSlot& t : o0.layout().tensors)
+      snap.state[a].emplace_back(t.elems, 0xFFFFFFFFu);
   }
   for (int r = 0; r < c.world(); ++r) {
     OffloadOptimizer& o = c.opt(r);
@@ -231,7 +233,8 @@ inline void ExpectParamsAreMaster(Cluster& c, const Snapshot& snap) {
   for (int r = 0; r < c.world(); ++r) {
     for (size_t i = 0; i < order.size(); ++i) {
       std::vector<float> master(snap.state[0][i].size());
-      for (size_t k = 0; k < master.size(); ++k) master[k] = std::bit_cast<float>(snap.state[0][i][k]);
+      for (size_t k = 0; k < master.size(); ++k)
+        master[k] = std::bit_cast<float>(snap.state[0][i][k]);
       std::vector<uint8_t> want(master.size() * DTypeSize(dtype));
       StoreAs(master, want.data(), dtype);
       ASSERT_EQ(c.model(r).ParamBytes(order[i]), want) << "rank " << r << " tensor " << i;
