@@ -1147,3 +1147,66 @@ Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& sc
 }
 
 }  // namespace strata
+
+namespace strata {
+
+// The param half of RunPipeline for sub-groups that are done: master ->
+// staging -> H2D -> all-gather -> unpack, with the same buffers, events and
+// collectives (every rank issues one all-gather per sub-group, failed or not).
+Status OffloadOptimizer::UploadParams() {
+  Impl& m = *impl_;
+  // The copies overwrite params the trainer's stream may still read, and use
+  // the buckets the grad stream may still reduce into.
+  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.user_event, m.user_stream));
+  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.h2d_stream, m.user_event));
+  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.grad_event, m.grad_stream));
+  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.h2d_stream, m.grad_event));
+  Status first_error;
+  for (uint32_t i = 0; i < m.sub_groups.size(); ++i) {
+    const uint64_t elems = m.sub_groups[i].elems();
+    const uint32_t slot = i % m.buffer_count;
+    void* staging = m.param_staging[slot].data();
+    bool ok = true;
+    if (Status s = m.device->EventSynchronize(m.slot_events[slot]); !s.ok()) {
+      if (first_error.ok()) first_error = std::move(s);
+      ok = false;
+    }
+    if (ok) {
+      std::span<float> state;
+      if (m.extent_of[i] >= 0) {
+        if (Status s = m.ReadJob(i).get(); !s.ok()) {
+          if (first_error.ok()) first_error = std::move(s);
+          ok = false;
+        } else {
+          state = m.NvmeState(i);
+        }
+      } else {
+        state = m.HostState(i);
+      }
+      if (ok) ConvertOut(state.first(elems), staging, m.config.param_dtype);
+    }
+    std::byte* bucket = m.Bucket(i);
+    std::byte* mine = bucket + m.rank * elems * m.param_bytes;
+    if (ok) {
+      STRATA_RETURN_IF_ERROR(m.device->CopyAsync(mine, staging, elems * m.param_bytes,
+                                                 CopyKind::kHostToDevice, m.h2d_stream));
+    }
+    if (m.world > 1) {
+      STRATA_RETURN_IF_ERROR(
+          m.comm->AllGather(mine, bucket, elems, m.config.param_dtype, m.h2d_stream));
+    }
+    if (ok) {
+      STRATA_RETURN_IF_ERROR(kernels::UnpackParams(
+          *m.device, m.h2d_stream, {bucket, m.world * elems, m.config.param_dtype}, m.unpack[i]));
+    }
+    STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.slot_events[slot], m.h2d_stream));
+  }
+  if (Status s = m.device->StreamSynchronize(m.h2d_stream); !s.ok() && first_error.ok()) {
+    first_error = std::move(s);
+  }
+  STRATA_RETURN_IF_ERROR(first_error.WithContext("upload params"));
+  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.h2d_event, m.h2d_stream));
+  return m.device->StreamWaitEvent(m.user_stream, m.h2d_event);
+}
+
+}  // namespace strata

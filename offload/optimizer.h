@@ -233,6 +233,13 @@ class OffloadOptimizer {
   Status Save(const std::string& dir);
   Status Load(const std::string& dir);
 
+  // Recomputes the trainer's param tensors from the committed fp32 master
+  // weights (cast to param_dtype, all-gathered), as a step does after its
+  // update; for code that replaced the state with WriteState (checkpoint
+  // load). A collective. `context.stream` waits for the copies, as after
+  // Step(). Not to be called while a step is running.
+  Status UploadParams();
+
  private:
   struct Impl;
   explicit OffloadOptimizer(std::unique_ptr<Impl> impl);
