@@ -577,7 +577,9 @@ PlacementInputs PlacementInputsFor(const OffloadConfig& c,
           .nvme = c.device == OffloadDevice::kNvme && !c.nvme_paths.empty()
                       ? NvmeTier::kAvailable
                       : NvmeTier::kUnavailable,
-          .buffer_count = c.buffer_count,
+          // More buffers than sub-groups would never be used.
+          .buffer_count = std::max<uint32_t>(
+              1, static_cast<uint32_t>(std::min<uint64_t>(c.buffer_count, sub_group_elems.size()))),
           .block_bytes = c.aio.block_bytes,
           .world_size = world_size};
 }

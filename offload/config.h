@@ -120,7 +120,8 @@ std::string ConfigToJson(const OffloadConfig& config);
 // `sub_group_elems`: state bytes from the optimizer type, 4 grad bytes per
 // element (the engine reduces and keeps gradients in fp32 whatever
 // grad_dtype is), param element size from param_dtype, budgets, NVMe when
-// device is "nvme" with a path, buffer_count and aio.block_size.
+// device is "nvme" with a path, buffer_count (at most the number of
+// sub-groups: more would never be used) and aio.block_size.
 PlacementInputs PlacementInputsFor(const OffloadConfig& config,
                                    std::span<const uint64_t> sub_group_elems,
                                    uint32_t world_size = 1);

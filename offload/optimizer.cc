@@ -189,6 +189,7 @@ struct OffloadOptimizer::Impl {
   std::vector<PinnedBuffer> nvme_bufs;      // buffer_count x ExtentBufferBytes
   std::vector<PinnedBuffer> host_state;     // per sub-group (empty for NVMe ones)
   std::vector<PinnedBuffer> accum_scratch;  // buffer_count x max_sg_elems fp32, on first use
+  std::optional<PinnedPool> small_pool;     // `small` before `pool` exists (several ranks)
   PinnedBuffer small;                       // 4 KiB: statistics to and from the device
   std::vector<DeviceBuffer> buckets;        // buffer_count x world x max_sg_elems x 4 bytes
   DeviceBuffer dev_small;
@@ -242,6 +243,10 @@ struct OffloadOptimizer::Impl {
   }
 
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
+  Status InitPlan(std::span<const ParamGroup> groups);  // validation, layout, placement
+  Status AgreeOnPlan(Status planned);                   // several ranks
+  Status InitBuffers(const EngineContext& context);     // store, buffers, initial state
+  Status OtherRankFailed() const;
   Status LaunchBucket(uint32_t i);
   Status OrderAfterUser();
   Status ReduceGradients();
@@ -281,6 +286,34 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
     rank = comm->rank();
     world = comm->world_size();
   }
+  // Every rank returns from Create having failed or not together: a rank
+  // whose Create succeeded while another's failed would wait for it in the
+  // first collective of Step.
+  if (world == 1) {
+    STRATA_RETURN_IF_ERROR(InitPlan(groups));
+    return InitBuffers(context);
+  }
+  Status planned = InitPlan(groups);
+  STRATA_RETURN_IF_ERROR(AgreeOnPlan(planned));
+  Status built = InitBuffers(context);
+  double failed[1] = {built.ok() ? 0.0 : 1.0};
+  Status agreed = AllReduceDoubles(failed, ReduceOp::kMax);
+  if (!built.ok()) return built;
+  STRATA_RETURN_IF_ERROR((std::move(agreed)).WithContext(kOp));
+  if (failed[0] > 0) return OtherRankFailed();
+  comm_grad_clock = StageClock{};  // the first step's times are the step's own
+  return OkStatus();
+}
+
+Status OffloadOptimizer::Impl::OtherRankFailed() const {
+  return FailedPreconditionError(fmt::format(
+      "create offload optimizer: rank {}: another rank failed to create its optimizer (its "
+      "error says why); Create fails on every rank together",
+      rank));
+}
+
+Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
+  constexpr std::string_view kOp = "create offload optimizer";
   STRATA_RETURN_IF_ERROR((ValidateConfig(config)).WithContext(kOp));
   if (config.param_dtype != DType::kF32 && config.param_dtype != DType::kF16 &&
       config.param_dtype != DType::kBF16) {
@@ -346,32 +379,47 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
                       world, params.size(), layout.tensor_elems, shard.elems(), sub_groups.size(),
                       FormatPlan(plan)));
 
-  // Every rank must register the same tensors: compare a digest of the layout.
-  if (world > 1) {
+  buffer_count = inputs.buffer_count;  // config.buffer_count, at most one per sub-group
+  return OkStatus();
+}
+
+// Several ranks: whether every rank planned, and registered the same tensors
+// (a digest of the layout); `planned` is this rank's own outcome.
+Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
+  constexpr std::string_view kOp = "create offload optimizer";
+  const double max_digest = static_cast<double>((uint64_t{1} << 52) - 1);
+  double digest = 0;
+  if (planned.ok()) {
     uint64_t h = 1469598103934665603ull;
     auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
     for (const TensorSlot& t : layout.tensors) mix(t.elems);
     mix(static_cast<uint64_t>(config.param_dtype));
-    const double digest = static_cast<double>(h >> 12);  // exact in a double
-    const double max_digest = static_cast<double>((uint64_t{1} << 52) - 1);
-    // Everything below this point needs the streams; make them first.
-    STRATA_ASSIGN_OR_RETURN(grad_stream, device->CreateStream());
-    STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
-    STRATA_ASSIGN_OR_RETURN(PinnedPool tmp_pool, PinnedPool::Create(*device, {.budget_bytes = 4096,
-                                                                              .slab_bytes = 4096}));
-    STRATA_ASSIGN_OR_RETURN(small, tmp_pool.Allocate(4096));
-    double v[2] = {digest, max_digest - digest};
-    STRATA_RETURN_IF_ERROR((AllReduceDoubles(v, ReduceOp::kMax)).WithContext(kOp));
-    if (v[0] != digest || v[1] != max_digest - digest) {
-      return InvalidArgumentError(fmt::format(
-          "{}: rank {} registered tensors that differ from another rank's (sizes or dtype); "
-          "every rank must register the same tensors in the same order",
-          kOp, rank));
-    }
+    digest = static_cast<double>(h >> 12);  // exact in a double
   }
+  // The collectives need a stream and small buffers; the rest comes later.
+  STRATA_ASSIGN_OR_RETURN(grad_stream, device->CreateStream());
+  STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
+  STRATA_ASSIGN_OR_RETURN(PinnedPool p,
+                          PinnedPool::Create(*device, {.budget_bytes = 4096, .slab_bytes = 4096}));
+  small_pool.emplace(std::move(p));
+  STRATA_ASSIGN_OR_RETURN(small, small_pool->Allocate(4096));
+  double v[3] = {digest, max_digest - digest, planned.ok() ? 0.0 : 1.0};
+  Status reduced = AllReduceDoubles(v, ReduceOp::kMax);
+  if (!planned.ok()) return planned;
+  STRATA_RETURN_IF_ERROR((std::move(reduced)).WithContext(kOp));
+  if (v[2] > 0) return OtherRankFailed();
+  if (v[0] != digest || v[1] != max_digest - digest) {
+    return InvalidArgumentError(fmt::format(
+        "{}: rank {} registered tensors that differ from another rank's (sizes or dtype); "
+        "every rank must register the same tensors in the same order",
+        kOp, rank));
+  }
+  return OkStatus();
+}
 
+Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
+  constexpr std::string_view kOp = "create offload optimizer";
   arrays = ArrayCount(config.optimizer);
-  buffer_count = config.buffer_count;
   param_bytes = DTypeSize(config.param_dtype);
   for (const ElemRange& r : sub_groups) max_sg_elems = std::max(max_sg_elems, r.elems());
 
@@ -1096,6 +1144,69 @@ Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& sc
   impl_->step = step;
   impl_->pending.reset();
   return OkStatus();
+}
+
+}  // namespace strata
+
+namespace strata {
+
+// The param half of RunPipeline for sub-groups that are done: master ->
+// staging -> H2D -> all-gather -> unpack, with the same buffers, events and
+// collectives (every rank issues one all-gather per sub-group, failed or not).
+Status OffloadOptimizer::UploadParams() {
+  Impl& m = *impl_;
+  // The copies overwrite params the trainer's stream may still read, and use
+  // the buckets the grad stream may still reduce into.
+  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.user_event, m.user_stream));
+  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.h2d_stream, m.user_event));
+  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.grad_event, m.grad_stream));
+  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.h2d_stream, m.grad_event));
+  Status first_error;
+  for (uint32_t i = 0; i < m.sub_groups.size(); ++i) {
+    const uint64_t elems = m.sub_groups[i].elems();
+    const uint32_t slot = i % m.buffer_count;
+    void* staging = m.param_staging[slot].data();
+    bool ok = true;
+    if (Status s = m.device->EventSynchronize(m.slot_events[slot]); !s.ok()) {
+      if (first_error.ok()) first_error = std::move(s);
+      ok = false;
+    }
+    if (ok) {
+      std::span<float> state;
+      if (m.extent_of[i] >= 0) {
+        if (Status s = m.ReadJob(i).get(); !s.ok()) {
+          if (first_error.ok()) first_error = std::move(s);
+          ok = false;
+        } else {
+          state = m.NvmeState(i);
+        }
+      } else {
+        state = m.HostState(i);
+      }
+      if (ok) ConvertOut(state.first(elems), staging, m.config.param_dtype);
+    }
+    std::byte* bucket = m.Bucket(i);
+    std::byte* mine = bucket + m.rank * elems * m.param_bytes;
+    if (ok) {
+      STRATA_RETURN_IF_ERROR(m.device->CopyAsync(mine, staging, elems * m.param_bytes,
+                                                 CopyKind::kHostToDevice, m.h2d_stream));
+    }
+    if (m.world > 1) {
+      STRATA_RETURN_IF_ERROR(
+          m.comm->AllGather(mine, bucket, elems, m.config.param_dtype, m.h2d_stream));
+    }
+    if (ok) {
+      STRATA_RETURN_IF_ERROR(kernels::UnpackParams(
+          *m.device, m.h2d_stream, {bucket, m.world * elems, m.config.param_dtype}, m.unpack[i]));
+    }
+    STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.slot_events[slot], m.h2d_stream));
+  }
+  if (Status s = m.device->StreamSynchronize(m.h2d_stream); !s.ok() && first_error.ok()) {
+    first_error = std::move(s);
+  }
+  STRATA_RETURN_IF_ERROR(first_error.WithContext("upload params"));
+  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.h2d_event, m.h2d_stream));
+  return m.device->StreamWaitEvent(m.user_stream, m.h2d_event);
 }
 
 }  // namespace strata

@@ -38,7 +38,9 @@
 // called since the last Step(), Step() calls it once. GradReady(i) lets the
 // engine start reducing a bucket as soon as all its tensors' grads are
 // written, so the reduction overlaps the rest of backward; it is optional,
-// and ReduceGradients() reduces whatever is not reduced yet.
+// and ReduceGradients() reduces whatever is not reduced yet. With several
+// ranks every rank must call GradReady for the same tensors in the same order
+// (the reductions are collectives, matched by order).
 //
 // Streams: work that reads the trainer's tensors is ordered after the work
 // enqueued on `context.stream` before the call (an event, no host sync);
@@ -48,11 +50,16 @@
 //
 // Errors: Create returns InvalidArgument for bad groups (null pointers, no
 // tensors, groups that differ across ranks), and the planner's
-// ResourceExhausted when the state does not fit. Step returns the IO error of
-// the NVMe tier (with file, offset and size), FailedPrecondition when the
-// loss scaler gives up at min_scale. A failed Step leaves the state as it was
-// before the step: calling Step() again (the gradients are kept) gives the
-// result of a clean run.
+// ResourceExhausted when the state does not fit. With several ranks Create
+// fails on every rank together: the ranks whose own part worked return
+// FailedPrecondition ("another rank failed to create its optimizer"). Step
+// returns the IO error of the NVMe tier (with file, offset and size),
+// FailedPrecondition when the loss scaler gives up at min_scale. A failed
+// Step leaves the state as it was before the step: calling Step() again (the
+// gradients are kept) gives the result of a clean run. With several ranks a
+// rank whose own step worked returns Unavailable when another failed, so all
+// retry; a rank that never calls Step leaves the others waiting in a
+// collective (the local communicator's rendezvous timeout ends it).
 //
 // Thread-safety: one thread drives an optimizer. Different ranks' optimizers
 // (one per thread with the local communicator) run concurrently.
@@ -123,7 +130,7 @@ struct StageTimes {
   double h2d = 0;    // param copies pinned host -> device
   double step = 0;   // wall time of Step(), including the reduction it waited for
   double grad_stats = 0;  // part of `adam`: the norm / non-finite pass over the shard
-  double device = 0;  // device kernels: packing the grads into buckets, unpacking the params
+  double device = 0;      // device kernels: packing the grads into buckets, unpacking the params
 };
 
 // How Step() schedules its stages. kOverlapped (the default) is the
@@ -225,6 +232,13 @@ class OffloadOptimizer {
   // the same directory.
   Status Save(const std::string& dir);
   Status Load(const std::string& dir);
+
+  // Recomputes the trainer's param tensors from the committed fp32 master
+  // weights (cast to param_dtype, all-gathered), as a step does after its
+  // update; for code that replaced the state with WriteState (checkpoint
+  // load). A collective. `context.stream` waits for the copies, as after
+  // Step(). Not to be called while a step is running.
+  Status UploadParams();
 
  private:
   struct Impl;

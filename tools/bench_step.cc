@@ -18,10 +18,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -135,8 +137,7 @@ struct RankModel {
 // Small, varied, finite values; the step's speed does not depend on them.
 void Fill(void* dst, uint64_t n, DType dtype, float scale, uint64_t salt) {
   for (uint64_t i = 0; i < n; ++i) {
-    const float x =
-        (static_cast<float>(((i + salt) * 2654435761u) % 2000u) * 1e-3f - 1.0f) * scale;
+    const float x = (static_cast<float>(((i + salt) * 2654435761u) % 2000u) * 1e-3f - 1.0f) * scale;
     switch (dtype) {
       case DType::kF32:
         static_cast<float*>(dst)[i] = x;
@@ -186,8 +187,11 @@ struct Resources {
   }
   std::pair<std::string, double> Bottleneck() const {
     std::pair<std::string, double> b{"nvme", nvme};
-    for (auto [name, v] : {std::pair<const char*, double>{"cpu", cpu}, {"d2h", d2h},
-                           {"h2d", h2d}, {"comm", comm}, {"device", device}}) {
+    for (auto [name, v] : {std::pair<const char*, double>{"cpu", cpu},
+                           {"d2h", d2h},
+                           {"h2d", h2d},
+                           {"comm", comm},
+                           {"device", device}}) {
       if (v > b.second) b = {name, v};
     }
     return b;
@@ -195,9 +199,15 @@ struct Resources {
 };
 
 nlohmann::json StagesJson(const StageTimes& t) {
-  return {{"d2h", t.d2h},     {"comm", t.comm},   {"read", t.read},
-          {"adam", t.adam},   {"write", t.write}, {"h2d", t.h2d},
-          {"grad_stats", t.grad_stats}, {"device", t.device}, {"step", t.step}};
+  return {{"d2h", t.d2h},
+          {"comm", t.comm},
+          {"read", t.read},
+          {"adam", t.adam},
+          {"write", t.write},
+          {"h2d", t.h2d},
+          {"grad_stats", t.grad_stats},
+          {"device", t.device},
+          {"step", t.step}};
 }
 
 // Median over rounds, stage by stage.
@@ -305,10 +315,9 @@ Status RunStep(const StepArgs& a) {
   tensor_elems.back() += params % a.tensors;
   std::vector<TensorSpec> specs;
   for (uint64_t n : tensor_elems) specs.push_back({.elems = n, .dtype = config.param_dtype});
-  STRATA_ASSIGN_OR_RETURN(
-      FlatLayout layout,
-      PlanFlatLayout(specs, {.align_elems = config.align_elems,
-                             .world_size = static_cast<uint32_t>(a.ranks)}));
+  STRATA_ASSIGN_OR_RETURN(FlatLayout layout,
+                          PlanFlatLayout(specs, {.align_elems = config.align_elems,
+                                                 .world_size = static_cast<uint32_t>(a.ranks)}));
   STRATA_ASSIGN_OR_RETURN(ElemRange shard0, ShardRange(layout, 0));
   STRATA_ASSIGN_OR_RETURN(std::vector<ElemRange> sgs, CutSubGroups(shard0, config.sub_group_elems));
   std::vector<uint64_t> sg_sizes;
@@ -393,11 +402,10 @@ Status RunStep(const StepArgs& a) {
                                   .elems = models[r].elems[t]});
     }
     STRATA_ASSIGN_OR_RETURN(
-        opts[r],
-        OffloadOptimizer::Create({.device = device.get(),
-                                  .comm = a.ranks > 1 ? comms[r].get() : nullptr,
-                                  .stream = streams[r]},
-                                 config, groups));
+        opts[r], OffloadOptimizer::Create({.device = device.get(),
+                                           .comm = a.ranks > 1 ? comms[r].get() : nullptr,
+                                           .stream = streams[r]},
+                                          config, groups));
     return OkStatus();
   }));
 
@@ -536,13 +544,15 @@ Status RunStep(const StepArgs& a) {
       FormatCount(params).c_str(), a.ranks, std::string(DTypeName(config.param_dtype)).c_str(),
       std::string(DTypeName(config.grad_dtype)).c_str(), sub_groups,
       FormatCount(config.sub_group_elems).c_str(), nvme_sub_groups, config.buffer_count);
-  std::printf("  bytes per tier: host %s state + %s staging (budget %s), nvme %s state, device "
-              "%s tensors + %s staging\n",
-              FormatBytes(host_state).c_str(), FormatBytes(host_staging).c_str(),
-              config.host_budget_bytes ? FormatBytes(config.host_budget_bytes).c_str()
-                                       : "unlimited",
-              FormatBytes(nvme_state).c_str(), FormatBytes(a.ranks * tensor_bytes).c_str(),
-              FormatBytes(device_staging).c_str());
+  std::printf(
+      "  bytes per tier: host %s state + %s staging (budget %s%s), nvme %s state, "
+      "device %s tensors + %s staging\n",
+      FormatBytes(host_state).c_str(), FormatBytes(host_staging).c_str(),
+      config.host_budget_bytes                ? FormatBytes(config.host_budget_bytes).c_str()
+      : config.device == OffloadDevice::kNvme ? "staging only"
+                                              : "unlimited",
+      a.ranks > 1 ? " per rank" : "", FormatBytes(nvme_state).c_str(),
+      FormatBytes(a.ranks * tensor_bytes).c_str(), FormatBytes(device_staging).c_str());
   std::printf("  traffic per step: nvme read %s, write %s, d2h %s, h2d %s\n",
               FormatBytes(traffic.read_bytes).c_str(), FormatBytes(traffic.write_bytes).c_str(),
               FormatBytes(traffic.d2h_bytes).c_str(), FormatBytes(traffic.h2d_bytes).c_str());
@@ -565,9 +575,11 @@ Status RunStep(const StepArgs& a) {
               FormatSeconds(res_alone.cpu).c_str(), FormatSeconds(res_alone.d2h).c_str(),
               FormatSeconds(res_alone.h2d).c_str(), FormatSeconds(res_alone.comm).c_str(),
               FormatSeconds(res_alone.device).c_str());
-  std::printf("  bottleneck %s: %s alone; step %s; overlap_efficiency %.3f (median of %d "
-              "rounds; per round", bottleneck.c_str(), FormatSeconds(bottleneck_sec).c_str(),
-              FormatSeconds(over.step).c_str(), efficiency, a.steps);
+  std::printf(
+      "  bottleneck %s: %s alone; step %s; overlap_efficiency %.3f (median of %d "
+      "rounds; per round",
+      bottleneck.c_str(), FormatSeconds(bottleneck_sec).c_str(), FormatSeconds(over.step).c_str(),
+      efficiency, a.steps);
   for (double e : per_round) std::printf(" %.3f", e);
   std::printf(")\n");
   return OkStatus();

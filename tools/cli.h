@@ -31,5 +31,6 @@ void AddBenchAdamCommand(Cli& cli);
 void AddPlanCommand(Cli& cli);
 void AddBenchPcieCommand(Cli& cli);
 void AddBenchStepCommand(Cli& cli);
+void AddCheckpointCommands(Cli& cli);  // inspect, export
 
 }  // namespace strata::cli

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   strata::cli::AddPlanCommand(cli);
   strata::cli::AddBenchPcieCommand(cli);
   strata::cli::AddBenchStepCommand(cli);
+  strata::cli::AddCheckpointCommands(cli);
 
   try {
     cli.app.parse(argc, argv);

@@ -248,9 +248,9 @@ TEST(ConfigTest, PlacementInputsFollowTheConfig) {
     "aio": {"block_size": 8192}, "optimizer": {"type": "Lion"}, "bf16": {"enabled": true},
     "strata": {"host_budget": "1GiB", "device_budget": "2GiB", "grad_dtype": "fp32"}})");
   ASSERT_TRUE(c.ok()) << c.status();
-  const uint64_t groups[] = {10, 5};
+  const uint64_t groups[] = {10, 5, 10, 2};
   const PlacementInputs in = PlacementInputsFor(*c, groups);
-  EXPECT_EQ(in.sub_group_elems, (std::vector<uint64_t>{10, 5}));
+  EXPECT_EQ(in.sub_group_elems, (std::vector<uint64_t>{10, 5, 10, 2}));
   EXPECT_EQ(in.state_bytes_per_elem, 8u);
   EXPECT_EQ(in.grad_bytes_per_elem, 4u);
   EXPECT_EQ(in.param_bytes_per_elem, 2u);
@@ -259,6 +259,9 @@ TEST(ConfigTest, PlacementInputsFollowTheConfig) {
   EXPECT_EQ(in.nvme, NvmeTier::kAvailable);
   EXPECT_EQ(in.buffer_count, 3u);
   EXPECT_EQ(in.block_bytes, 8192u);
+  // Never more buffers than sub-groups.
+  const uint64_t two[] = {10, 5};
+  EXPECT_EQ(PlacementInputsFor(*c, two).buffer_count, 2u);
   OffloadConfig cpu = *c;
   cpu.device = OffloadDevice::kCpu;
   EXPECT_EQ(PlacementInputsFor(cpu, groups).nvme, NvmeTier::kUnavailable);

@@ -1,7 +1,7 @@
 /* The C API, compiled as C: AdamW steps on the host device (DRAM and NVMe)
  * against a scalar reference in double precision, per-group hyperparameters
- * and set_lr, stats and plan text, and the error paths (status codes and
- * strata_last_error). Exit status 0 on success; each failure prints a line. */
+ * and set_lr, stats and plan text, checkpoint save/load, and the error paths
+ * (status codes and strata_last_error). Exit status 0 on success; each failure prints a line. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -108,6 +108,48 @@ static void TrainAndCompare(strata_device* dev, const char* config) {
   strata_optimizer_free(opt);
 }
 
+/* Save, train on, then load into a fresh optimizer over other param values:
+ * the load restores params, state, counters and hyperparameters, and the
+ * same grads then give bitwise the same params. */
+static void SaveLoad(strata_device* dev, const char* dir) {
+  enum { kN = 700 };
+  static float a[kN], ga[kN], b[kN], gb[kN], after_a[kN];
+  unsigned seed = 99;
+  for (int i = 0; i < kN; ++i) a[i] = Rand(&seed), b[i] = 5.0f;
+  strata_param pa = {"w", a, ga, kN, 0}, pb = {"w", b, gb, kN, 0};
+  const char* config = "{\"gradient_clipping\": 1.0}";
+  strata_optimizer *opt_a = NULL, *opt_b = NULL;
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, config, &pa, 1, NULL, 1, &opt_a));
+  for (int step = 0; step < 3; ++step) {
+    for (int i = 0; i < kN; ++i) ga[i] = Rand(&seed);
+    CHECK_OK(strata_optimizer_step(opt_a));
+  }
+  CHECK_OK(strata_optimizer_set_lr(opt_a, 0, 2e-2));
+  CHECK_OK(strata_optimizer_save(opt_a, dir));
+  unsigned replay = seed;
+  for (int step = 0; step < 2; ++step) {
+    for (int i = 0; i < kN; ++i) ga[i] = Rand(&seed);
+    CHECK_OK(strata_optimizer_step(opt_a));
+  }
+  memcpy(after_a, a, sizeof a);
+
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, config, &pb, 1, NULL, 1, &opt_b));
+  CHECK_OK(strata_optimizer_load(opt_b, dir));
+  EXPECT(strata_optimizer_step_count(opt_b) == 3);
+  strata_hyper h;
+  CHECK_OK(strata_optimizer_get_hyper(opt_b, 0, &h));
+  EXPECT(h.lr == 2e-2);
+  for (int step = 0; step < 2; ++step) {
+    for (int i = 0; i < kN; ++i) gb[i] = Rand(&replay);
+    CHECK_OK(strata_optimizer_step(opt_b));
+  }
+  EXPECT(memcmp(after_a, b, sizeof b) == 0);
+  EXPECT(strata_optimizer_load(opt_b, "/nonexistent/strata_ckpt") != STRATA_OK);
+  EXPECT(strlen(strata_last_error()) > 0);
+  strata_optimizer_free(opt_a);
+  strata_optimizer_free(opt_b);
+}
+
 static void Errors(strata_device* dev) {
   float w[4] = {0}, g[4] = {0};
   strata_param p = {"w", w, g, 4, 0};
@@ -186,7 +228,10 @@ int main(void) {
            "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}}",
            dir);
   TrainAndCompare(dev, config);
-  char cmd[600];
+  char ckpt[600];
+  snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
+  SaveLoad(dev, ckpt);
+  char cmd[700];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
 

@@ -1,5 +1,8 @@
-// The overlapped step takes about its slowest stage, not the sum of its
-// stages. The stages are made slow by sleeping, not by work, so that the test
+// The engine's pipeline as a whole: the overlapped step takes about its
+// slowest stage, not the sum of its stages; serial and overlapped modes agree
+// bit for bit; several ranks fail Create together.
+//
+// Overlap: the stages are made slow by sleeping, not by work, so that the test
 // holds on a loaded 2-core machine and under TSan: the host device caps the
 // H2D link (runtime/device.h) and FaultStorage delays every NVMe request
 // (runtime/testing/fault_storage.h). The same optimizer runs steps in
@@ -13,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "offload/optimizer.h"
@@ -47,10 +51,11 @@ double SumOfStages(const StageTimes& t) {
 }
 
 std::string Describe(const StageTimes& t) {
-  return fmt::format("step {:.1f} ms = d2h {:.1f} + comm {:.1f} + read {:.1f} + adam {:.1f} + "
-                     "write {:.1f} + h2d {:.1f} + device {:.1f} (sum {:.1f} ms)",
-                     t.step * 1e3, t.d2h * 1e3, t.comm * 1e3, t.read * 1e3, t.adam * 1e3,
-                     t.write * 1e3, t.h2d * 1e3, t.device * 1e3, SumOfStages(t) * 1e3);
+  return fmt::format(
+      "step {:.1f} ms = d2h {:.1f} + comm {:.1f} + read {:.1f} + adam {:.1f} + "
+      "write {:.1f} + h2d {:.1f} + device {:.1f} (sum {:.1f} ms)",
+      t.step * 1e3, t.d2h * 1e3, t.comm * 1e3, t.read * 1e3, t.adam * 1e3, t.write * 1e3,
+      t.h2d * 1e3, t.device * 1e3, SumOfStages(t) * 1e3);
 }
 
 TEST(EngineOverlap, StepTakesAboutItsSlowestStageNotTheSum) {
@@ -76,8 +81,8 @@ TEST(EngineOverlap, StepTakesAboutItsSlowestStageNotTheSum) {
   config.threads = kCpuThreads;
   config.max_grad_norm = 0;
   const std::vector<GroupHyper> hypers = {{.lr = 1e-3}};
-  auto opt_or = OffloadOptimizer::Create({.device = device.get(), .storage = storage.get()},
-                                         config, model.Groups(hypers));
+  auto opt_or = OffloadOptimizer::Create({.device = device.get(), .storage = storage.get()}, config,
+                                         model.Groups(hypers));
   ASSERT_TRUE(opt_or.ok()) << opt_or.status();
   auto opt = std::move(*opt_or);
   ASSERT_EQ(opt->plan().nvme_sub_groups, kSubGroups);
@@ -171,6 +176,71 @@ TEST(EngineOverlap, SerialAndOverlappedStepsAreBitwiseEqual) {
     ASSERT_TRUE(opts[1]->ReadState(i, b).ok());
     EXPECT_EQ(0, std::memcmp(a.data(), b.data(), n * 4)) << "sub-group " << i;
   }
+}
+
+// A rank whose Create fails makes every rank's Create fail, promptly: no
+// rank is left waiting for it in the first collective of Step. The
+// rendezvous timeout is short so that a hang would show as a failure here.
+enum class FailAt : uint8_t { kPlan, kStateWrite };
+
+void RunCreateFailsOnOneRank(FailAt fail_at) {
+  const bool fail_in_plan = fail_at == FailAt::kPlan;
+  constexpr int kWorld = 2;
+  auto device = *CreateHostDevice();
+  auto comms = *CreateLocalGroup(kWorld, *device, {.rendezvous_timeout = std::chrono::seconds(20)});
+  const std::vector<uint64_t> sizes = {3000, 5000};
+  std::vector<std::unique_ptr<TestModel>> models;
+  std::vector<std::unique_ptr<Storage>> storages;
+  std::vector<Stream> streams;
+  OffloadConfig config;
+  config.param_dtype = DType::kBF16;
+  config.device = OffloadDevice::kNvme;
+  config.nvme_paths = {"/mem/agree"};
+  config.sub_group_elems = 1024;
+  config.aio.block_bytes = 8192;
+  config.threads = kCpuThreads;
+  for (int r = 0; r < kWorld; ++r) {
+    models.push_back(std::make_unique<TestModel>(*device, sizes, std::vector<uint32_t>{0, 0},
+                                                 DType::kBF16, DType::kF32));
+    streams.push_back(*device->CreateStream());
+  }
+  storages.push_back(CreateMemStorage());
+  // Rank 1: an impossible budget (the plan refuses), or a drive that fails
+  // every write (the initial state cannot be written).
+  storages.push_back(fail_in_plan ? CreateMemStorage()
+                                  : std::unique_ptr<Storage>(testing::FaultStorage::Create(
+                                        CreateMemStorage(), {.write_eio_one_in = 1})));
+  std::vector<Status> status(kWorld);
+  std::vector<std::thread> threads;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      OffloadConfig c = config;
+      if (r == 1 && fail_in_plan) c.host_budget_bytes = 4096;
+      status[r] = OffloadOptimizer::Create({.device = device.get(),
+                                            .comm = comms[r].get(),
+                                            .storage = storages[r].get(),
+                                            .stream = streams[r]},
+                                           c, models[r]->Groups(std::vector<GroupHyper>{{}}))
+                      .status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("rank 0: %s\nrank 1: %s\n", status[0].ToString().c_str(),
+              status[1].ToString().c_str());
+  EXPECT_LT(sec, 10.0) << "a rank waited for the rendezvous timeout";
+  EXPECT_EQ(status[1].code(),
+            fail_in_plan ? StatusCode::kResourceExhausted : StatusCode::kInternal);
+  EXPECT_EQ(status[0].code(), StatusCode::kFailedPrecondition) << status[0];
+  EXPECT_NE(status[0].message().find("another rank failed to create its optimizer"),
+            std::string::npos)
+      << status[0];
+}
+
+TEST(EngineCreate, PlanRefusedOnOneRankFailsEveryRank) { RunCreateFailsOnOneRank(FailAt::kPlan); }
+TEST(EngineCreate, StateWriteFailingOnOneRankFailsEveryRank) {
+  RunCreateFailsOnOneRank(FailAt::kStateWrite);
 }
 
 }  // namespace

@@ -1,0 +1,188 @@
+// Checkpoints of an OffloadOptimizer: save, load (with resharding N -> M
+// ranks), inspect and export to safetensors. The format is tier-independent
+// (the same checkpoint loads whether the state then lives in DRAM or on NVMe)
+// and is described precisely in docs/checkpoint.md; in short:
+//
+//   DIR/latest.json                      which save is current (atomic rename)
+//   DIR/step-0000000012-<id>/            one directory per save
+//     rank00000.json                     manifest of rank 0 (layout, step, scaler,
+//                                        hyperparameters, files, checksums)
+//     rank00000.master.f32               rank 0's shard of the flat fp32 master
+//     rank00000.exp_avg.f32              ... and of each optimizer moment
+//     rank00000.exp_avg_sq.f32
+//
+//   STRATA_RETURN_IF_ERROR(opt->Save("/ckpt/run1"));          // every rank
+//   ... process restarts, maybe with another world size ...
+//   STRATA_RETURN_IF_ERROR(opt->Load("/ckpt/run1"));          // every rank
+//   STRATA_RETURN_IF_ERROR(ExportSafetensors("/ckpt/run1", "/out/model.safetensors"));
+//
+// Durability: data files are written under the save's own directory (not yet
+// referenced by anything), fsync'd; each rank's manifest goes to a temporary
+// name, is fsync'd and renamed; the directory is fsync'd; after every rank
+// finished, rank 0 publishes the save by writing latest.json.tmp, fsync,
+// rename to latest.json, fsync DIR. A crash at any point leaves the previous
+// latest.json, and the save it names, intact. Retention: after publishing,
+// rank 0 keeps the newest `keep_checkpoints` saves (at least 2: the new one
+// and the one before it) and removes every other step-* directory, including
+// the leftovers of saves that crashed.
+//
+// Load verifies before it changes anything: the manifests (format version,
+// world size, one save), the model (the same tensors, sizes and groups), and
+// every checksum of every data file it reads. Only when all of that holds on
+// every rank does it write the state, the counters and the hyperparameters,
+// and recompute the trainer's param tensors from the loaded master weights.
+//
+// Save writes the committed state: call it between steps, not between a
+// failed Step() and its retry (the sub-groups the failed step finished
+// already hold the next step's values).
+//
+// Errors name the file and say what to do: NotFound (no checkpoint, missing
+// file), FailedPrecondition (another model, a world size other than the
+// save's with Reshard::kForbid, an unsupported format version), DataLoss
+// (checksum mismatch, truncated file, unreadable manifest), and the IO errors
+// of the storage. Thread-safety: Save/Load are collectives driven by each
+// rank's thread; a CheckpointReader is driven by one thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "offload/layout.h"
+#include "offload/loss_scaler.h"
+#include "offload/optimizer.h"
+#include "runtime/status.h"
+#include "runtime/storage.h"
+
+namespace strata {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+inline constexpr std::string_view kCheckpointFormatName = "strata-checkpoint";
+
+struct SaveOptions {
+  Storage* storage = nullptr;         // nullptr: io_uring (posix fallback)
+  uint64_t chunk_bytes = 1 << 20;     // IO and checksum unit, a multiple of 4096
+  uint32_t queue_depth = 8;           // chunk writes in flight per file
+  DirectIo direct = DirectIo::kAuto;  // data files: O_DIRECT where the filesystem allows
+  uint32_t keep_checkpoints = 2;      // saves kept after publishing (values < 2 mean 2)
+};
+
+enum class Reshard : uint8_t {
+  kAllow,   // a checkpoint of N ranks loads into M ranks
+  kForbid,  // FailedPrecondition when the world sizes differ
+};
+
+struct LoadOptions {
+  Storage* storage = nullptr;
+  uint32_t queue_depth = 8;
+  DirectIo direct = DirectIo::kAuto;
+  Reshard reshard = Reshard::kAllow;
+};
+
+// Save/Load with options; OffloadOptimizer::Save/Load use the defaults.
+Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir,
+                      const SaveOptions& options = {});
+Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir,
+                      const LoadOptions& options = {});
+
+// ---- Reading without an optimizer (inspect, export, reshard) ----------------
+
+struct CheckpointTensor {
+  std::string name;  // as registered; "" when none
+  uint32_t group = 0;
+  uint64_t offset_elems = 0;  // in the flat buffer of the save
+  uint64_t elems = 0;
+};
+
+struct CheckpointFile {
+  std::string array;                 // "master", "exp_avg", ...
+  std::string name;                  // file name inside the save directory
+  uint64_t payload_bytes = 0;        // shard_elems x 4: the fp32 values
+  uint64_t file_bytes = 0;           // payload rounded up to 4096 (zero padding)
+  uint64_t xxh3 = 0;                 // XXH3-64 (seed 0) of the whole file
+  std::vector<uint64_t> chunk_xxh3;  // of each chunk_bytes piece of the file
+};
+
+struct RankManifest {
+  uint32_t rank = 0;
+  ElemRange shard;
+  std::vector<CheckpointFile> files;  // one per array, in array order
+};
+
+struct CheckpointInfo {
+  std::string root;      // the directory given
+  std::string save_dir;  // the save that was opened (root/step-...)
+  std::string save_id;   // "step-0000000012-<id>"
+  int format_version = 0;
+  int64_t step = 0;
+  uint32_t world_size = 0;
+  std::string optimizer;            // "AdamW", ...
+  std::vector<std::string> arrays;  // "master", then the moments
+  std::string param_dtype;          // the trainer's dtype at save time
+  uint64_t align_elems = 0;
+  uint64_t total_elems = 0;
+  uint64_t shard_elems = 0;
+  uint64_t tensor_elems = 0;
+  uint64_t chunk_bytes = 0;
+  std::vector<CheckpointTensor> tensors;
+  std::vector<GroupHyper> groups;
+  LossScalerState scaler;
+  std::vector<RankManifest> ranks;
+  uint64_t data_bytes() const;  // sum of the data files' sizes
+};
+
+// The array names of an optimizer's state, master first.
+std::vector<std::string> StateArrayNames(OptimizerType type);
+
+struct ReaderOptions {
+  Storage* storage = nullptr;
+  uint32_t queue_depth = 8;
+  DirectIo direct = DirectIo::kAuto;
+};
+
+// Reads a checkpoint: the save latest.json names (or DIR itself when it is a
+// save directory), every rank's manifest, checked for consistency on Open.
+// Data reads verify each chunk's checksum as it arrives. Host memory:
+// queue_depth + 1 chunks.
+class CheckpointReader {
+ public:
+  static Result<std::unique_ptr<CheckpointReader>> Open(const std::string& dir,
+                                                        const ReaderOptions& options = {});
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  const CheckpointInfo& info() const { return info_; }
+
+  // Flat elements [range) of array `array` of the save's layout, across the
+  // ranks' shards. OutOfRange past total_elems.
+  Status ReadFlat(uint32_t array, ElemRange range, std::span<float> out);
+  // Elements [offset_elems, + out.size()) of tensor `tensor`.
+  Status ReadTensor(uint32_t array, uint32_t tensor, uint64_t offset_elems, std::span<float> out);
+  // Reads every byte of the data files of `ranks` (all when empty) and checks
+  // sizes, chunk checksums and whole-file checksums. DataLoss naming the file.
+  Status Verify(std::span<const uint32_t> ranks = {});
+
+ private:
+  struct Impl;
+  CheckpointReader(CheckpointInfo info, std::unique_ptr<Impl> impl);
+  CheckpointInfo info_;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ExportOptions {
+  ReaderOptions reader;
+  uint64_t buffer_bytes = 4 << 20;  // host memory for the copy
+};
+
+// Writes the full fp32 master weights of the checkpoint in `dir` as one
+// safetensors file: one 1-D F32 tensor per registered param, named as
+// registered ("param.<i>" when unnamed), in registration order, and
+// __metadata__ {"format": "pt", "step", "world_size", "source"}. Written to
+// OUT.tmp, fsync'd and renamed. FailedPrecondition for duplicate names.
+Status ExportSafetensors(const std::string& dir, const std::string& out_path,
+                         const ExportOptions& options = {});
+
+}  // namespace strata

@@ -1,0 +1,264 @@
+// Checkpoints across processes: a child killed with SIGKILL at random points
+// during Save leaves the last complete checkpoint, bitwise; and the `strata
+// inspect` / `strata export` command line (exit codes and output).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "offload/checkpoint.h"
+#include "runtime/testing/test_util.h"
+#include "tests/checkpoint/checkpoint_test_util.h"
+#include "tests/offload/test_seed.h"
+
+namespace strata {
+namespace {
+
+using testing::Cluster;
+using testing::ExpectParamsAreMaster;
+using testing::ExpectSameSnapshot;
+using testing::Snapshot;
+using testing::TakeSnapshot;
+using testing::TempDir;
+using testing::TestSeed;
+
+// A binary next to this test's own.
+std::string Sibling(const std::string& name) {
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / name).string();
+}
+
+// A child process with its stdout on a pipe.
+struct Child {
+  pid_t pid = -1;
+  int out = -1;
+  std::string buffered;
+
+  static Child Spawn(const std::vector<std::string>& args) {
+    int fds[2];
+    EXPECT_EQ(::pipe(fds), 0);
+    Child c;
+    c.pid = ::fork();
+    if (c.pid == 0) {
+      ::dup2(fds[1], 1);
+      const int devnull = ::open("/dev/null", O_WRONLY);
+      ::dup2(devnull, 2);
+      ::close(fds[0]);
+      ::close(fds[1]);
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    c.out = fds[0];
+    return c;
+  }
+  // The next line, or "" at end of output.
+  std::string ReadLine() {
+    for (;;) {
+      if (size_t nl = buffered.find('\n'); nl != std::string::npos) {
+        std::string line = buffered.substr(0, nl);
+        buffered.erase(0, nl + 1);
+        return line;
+      }
+      char buf[256];
+      const ssize_t n = ::read(out, buf, sizeof(buf));
+      if (n <= 0) return "";
+      buffered.append(buf, static_cast<size_t>(n));
+    }
+  }
+  // Exit status (or 128 + signal).
+  int Wait() {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ::close(out);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+};
+
+// Where the child was: the last "saved N" and "saving N" lines it printed.
+struct Progress {
+  int saved = 0;
+  int saving = 0;
+};
+Progress ReadProgress(Child& c, Progress p) {
+  for (std::string line = c.ReadLine(); !line.empty(); line = c.ReadLine()) {
+    if (line.rfind("saved ", 0) == 0) p.saved = std::stoi(line.substr(6));
+    if (line.rfind("saving ", 0) == 0) p.saving = std::stoi(line.substr(7));
+  }
+  return p;
+}
+
+TEST(CrashTest, SigkillAtRandomPointsDuringSaveLeavesTheLastCompleteCheckpoint) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  constexpr int kCalibrationRounds = 6;
+  constexpr int kKills = 96;
+  constexpr int kForever = 1000000;  // the child never finishes by itself
+  const std::string helper = Sibling("checkpoint_crash_helper");
+  ASSERT_TRUE(std::filesystem::exists(helper)) << helper;
+
+  // What each step's checkpoint must hold: the same training in this
+  // process, extended as far as a child got.
+  Cluster ref(1, testing::CrashTestConfig(), seed);
+  ASSERT_TRUE(ref.status().ok()) << ref.status();
+  std::vector<Snapshot> want = {*TakeSnapshot(ref)};
+  auto want_at = [&](int64_t step) -> const Snapshot& {
+    while (static_cast<int64_t>(want.size()) <= step) {
+      EXPECT_TRUE(ref.Train(seed, 1).ok());
+      want.push_back(*TakeSnapshot(ref));
+    }
+    return want[step];
+  };
+  Cluster loader(1, testing::CkptConfig(testing::Where::kNvme), seed + 1);
+  ASSERT_TRUE(loader.status().ok());
+
+  // A run to the end sets the time scale of the kills.
+  double round_sec = 0;
+  {
+    TempDir dir;
+    Child c = Child::Spawn(
+        {helper, dir.path(), std::to_string(seed), std::to_string(kCalibrationRounds)});
+    ASSERT_EQ(c.ReadLine(), "saving 1");
+    ASSERT_EQ(c.ReadLine(), "saved 1");
+    const auto t1 = std::chrono::steady_clock::now();
+    ASSERT_EQ(ReadProgress(c, {}).saved, kCalibrationRounds);
+    ASSERT_EQ(c.Wait(), 0);
+    round_sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() /
+                (kCalibrationRounds - 1);
+    Status s = loader.opt(0).Load(dir.path());
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectSameSnapshot(*TakeSnapshot(loader), want_at(kCalibrationRounds));
+  }
+  std::printf("one round (step + save) takes %.2f ms\n", round_sec * 1e3);
+
+  int inside_save = 0;
+  for (int k = 0; k < kKills; ++k) {
+    SCOPED_TRACE("kill " + std::to_string(k));
+    TempDir dir;
+    Child c = Child::Spawn({helper, dir.path(), std::to_string(seed), std::to_string(kForever)});
+    // After the first save returned there is always a complete checkpoint.
+    ASSERT_EQ(c.ReadLine(), "saving 1");
+    ASSERT_EQ(c.ReadLine(), "saved 1");
+    const auto delay = std::chrono::microseconds(
+        static_cast<int64_t>(std::uniform_real_distribution<double>(0, 3 * round_sec)(rng) * 1e6));
+    std::this_thread::sleep_for(delay);
+    ::kill(c.pid, SIGKILL);
+    const Progress p = ReadProgress(c, {.saved = 1, .saving = 1});
+    ASSERT_EQ(c.Wait(), 128 + SIGKILL);
+    if (p.saving > p.saved) ++inside_save;
+    Status s = loader.opt(0).Load(dir.path());
+    ASSERT_TRUE(s.ok()) << s;
+    Snapshot got = *TakeSnapshot(loader);
+    // A save killed after it published and before "saved" was printed
+    // counts as complete.
+    ASSERT_GE(got.step, p.saved);
+    ASSERT_LE(got.step, p.saving);
+    ExpectSameSnapshot(got, want_at(got.step));
+    ExpectParamsAreMaster(loader, want_at(got.step));
+    // Retention: the published save and at most the one before it remain,
+    // besides the leftovers of the save that was killed.
+    int saves = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+      saves += e.path().filename().string().rfind("step-", 0) == 0;
+    }
+    EXPECT_LE(saves, 3);
+  }
+  std::printf("%d of %d kills landed inside a Save\n", inside_save, kKills);
+  EXPECT_GE(inside_save, 50);
+}
+
+// ---- The command line ----------------------------------------------------------
+
+struct Ran {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+Ran RunStrata(const std::string& args, const TempDir& tmp) {
+  const std::string out = tmp.File("cli.out"), err = tmp.File("cli.err");
+  const std::string cmd = Sibling("strata") + " " + args + " >" + out + " 2>" + err;
+  const int status = std::system(cmd.c_str());
+  Ran r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream o(out), e(err);
+  r.out.assign(std::istreambuf_iterator<char>(o), std::istreambuf_iterator<char>());
+  r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+  return r;
+}
+
+TEST(CliTest, InspectAndExport) {
+  const uint64_t seed = TestSeed();
+  TempDir dir, tmp;
+  Cluster c(2, testing::CkptConfig(testing::Where::kHost, OptimizerType::kAdamW, 512, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 3).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+
+  Ran r = RunStrata("inspect " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  std::printf("%s", r.out.c_str());
+  EXPECT_NE(r.out.find("step         3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("world size   2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not verified"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("t0"), std::string::npos) << r.out;
+
+  r = RunStrata("inspect --verify " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("verified: every chunk"), std::string::npos) << r.out;
+
+  r = RunStrata("inspect --verify --json " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("step"), 3);
+  EXPECT_EQ(j.at("world_size"), 2);
+  EXPECT_EQ(j.at("verified"), true);
+  EXPECT_EQ(j.at("tensors").size(), testing::kCkptSizes.size());
+
+  const std::string out = tmp.File("model.safetensors");
+  r = RunStrata("export " + dir.path() + " " + out, tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(out));
+  EXPECT_GT(std::filesystem::file_size(out), 8u);
+
+  r = RunStrata("inspect " + dir.File("missing"), tmp);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("strata inspect: NotFound"), std::string::npos) << r.err;
+
+  r = RunStrata("inspect", tmp);
+  EXPECT_EQ(r.code, 2) << r.err;
+
+  // One flipped byte: inspect without --verify still reads the manifests,
+  // --verify fails naming the file.
+  auto reader = *CheckpointReader::Open(dir.path());
+  const std::string victim = reader->info().save_dir + "/rank00001.exp_avg_sq.f32";
+  {
+    std::fstream io(victim, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(100);
+    io.put('\x5a');
+  }
+  r = RunStrata("inspect " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = RunStrata("inspect --verify " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("DataLoss"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank00001.exp_avg_sq.f32"), std::string::npos) << r.err;
+  r = RunStrata("export " + dir.path() + " " + tmp.File("x.safetensors"), tmp);
+  EXPECT_EQ(r.code, 0) << "export reads only the master weights: " << r.err;
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,657 @@
+// Checkpoints: bitwise round trips for every placement, exact resume,
+// resharding N -> M ranks, export to safetensors, and bad input.
+#include "offload/checkpoint.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "runtime/testing/fault_storage.h"
+#include "runtime/testing/test_util.h"
+#include "tests/checkpoint/checkpoint_test_util.h"
+#include "tests/offload/test_seed.h"
+
+namespace strata {
+namespace {
+
+using testing::CkptConfig;
+using testing::Cluster;
+using testing::ExpectParamsAreMaster;
+using testing::ExpectSameSnapshot;
+using testing::Snapshot;
+using testing::TakeSnapshot;
+using testing::TempDir;
+using testing::TestSeed;
+using testing::Where;
+
+struct RoundTripCase {
+  std::string name;
+  Where save_where;
+  Where load_where;
+  OptimizerType optimizer = OptimizerType::kAdamW;
+};
+
+class RoundTripTest : public ::testing::TestWithParam<RoundTripCase> {};
+
+TEST_P(RoundTripTest, LoadGivesBitwiseTheSavedStateAndParams) {
+  const RoundTripCase& c = GetParam();
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  Cluster a(1, CkptConfig(c.save_where, c.optimizer), seed);
+  ASSERT_TRUE(a.status().ok()) << a.status();
+  ASSERT_TRUE(a.Train(seed, 3).ok());
+  ASSERT_TRUE(a.opt(0).SetGroupHyper(1, {.lr = 5e-4, .weight_decay = 0.01}).ok());
+  Status s = a.opt(0).Save(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  Snapshot saved = *TakeSnapshot(a);
+
+  Cluster b(1, CkptConfig(c.load_where, c.optimizer), seed + 1);  // other params
+  ASSERT_TRUE(b.status().ok()) << b.status();
+  s = b.opt(0).Load(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  Snapshot loaded = *TakeSnapshot(b);
+  ExpectSameSnapshot(loaded, saved);
+  ExpectParamsAreMaster(b, saved);
+  for (size_t t = 0; t < b.model(0).size(); ++t) {
+    EXPECT_EQ(b.model(0).ParamBytes(t), a.model(0).ParamBytes(t)) << "params of tensor " << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, RoundTripTest,
+    ::testing::Values(
+        RoundTripCase{"host", Where::kHost, Where::kHost},
+        RoundTripCase{"nvme", Where::kNvme, Where::kNvme},
+        RoundTripCase{"mixed", Where::kMixed, Where::kMixed},
+        RoundTripCase{"host_to_nvme", Where::kHost, Where::kNvme},
+        RoundTripCase{"nvme_to_mixed", Where::kNvme, Where::kMixed},
+        RoundTripCase{"mixed_to_host", Where::kMixed, Where::kHost},
+        RoundTripCase{"lion_mixed", Where::kMixed, Where::kMixed, OptimizerType::kLion},
+        RoundTripCase{"adagrad_host", Where::kHost, Where::kNvme, OptimizerType::kAdagrad}),
+    [](const ::testing::TestParamInfo<RoundTripCase>& info) { return info.param.name; });
+
+// ---- Resume -------------------------------------------------------------------
+
+struct ResumeCase {
+  std::string name;
+  Where where;
+  DType param_dtype = DType::kBF16;
+};
+
+class ResumeTest : public ::testing::TestWithParam<ResumeCase> {};
+
+// Save at step k, load into a fresh optimizer, run to k + j: bitwise the
+// state and params of the run that never stopped.
+TEST_P(ResumeTest, SaveLoadAndContinueEqualsAnUninterruptedRun) {
+  const ResumeCase& c = GetParam();
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  OffloadConfig config = CkptConfig(c.where);
+  config.param_dtype = c.param_dtype;
+  if (c.param_dtype == DType::kF16) {
+    // Dynamic loss scaling that grows every 2 steps: the scaler's state moves.
+    config.loss_scaler = {
+        .mode = LossScaleMode::kDynamic, .initial_scale_power = 8, .growth_interval = 2};
+  }
+  constexpr int kBefore = 3, kAfter = 4;
+  Cluster run(1, config, seed);
+  ASSERT_TRUE(run.status().ok()) << run.status();
+  ASSERT_TRUE(run.Train(seed, kBefore).ok());
+  Status s = run.opt(0).Save(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(run.Train(seed, kAfter).ok());
+  Snapshot uninterrupted = *TakeSnapshot(run);
+
+  Cluster resumed(1, config, seed ^ 0xabc);
+  ASSERT_TRUE(resumed.status().ok()) << resumed.status();
+  s = resumed.opt(0).Load(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resumed.opt(0).step_count(), kBefore);
+  ASSERT_TRUE(resumed.Train(seed, kAfter).ok());
+  Snapshot got = *TakeSnapshot(resumed);
+  EXPECT_EQ(got.step, kBefore + kAfter);
+  ExpectSameSnapshot(got, uninterrupted);
+  ASSERT_TRUE(run.device().Synchronize().ok());
+  ASSERT_TRUE(resumed.device().Synchronize().ok());
+  for (size_t t = 0; t < run.model(0).size(); ++t) {
+    EXPECT_EQ(resumed.model(0).ParamBytes(t), run.model(0).ParamBytes(t)) << "tensor " << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, ResumeTest,
+    ::testing::Values(ResumeCase{"host", Where::kHost}, ResumeCase{"nvme", Where::kNvme},
+                      ResumeCase{"mixed", Where::kMixed},
+                      ResumeCase{"mixed_fp16_scaled", Where::kMixed, DType::kF16}),
+    [](const ::testing::TestParamInfo<ResumeCase>& info) { return info.param.name; });
+
+// ---- Reshard ------------------------------------------------------------------
+
+// One rank trains k steps and saves; N-rank optimizers load it (1 -> N) and
+// save again; M-rank optimizers load that (N -> M). Every load must give the
+// single-rank state bitwise, and j more steps on M ranks the single rank's
+// k + j state.
+class ReshardTest : public ::testing::Test {
+ protected:
+  static constexpr int kBefore = 2, kAfter = 2;
+  void SetUp() override {
+    seed_ = TestSeed();
+    Cluster ref(1, Config(1), seed_);
+    ASSERT_TRUE(ref.status().ok()) << ref.status();
+    ASSERT_TRUE(ref.Train(seed_, kBefore).ok());
+    Status s = ref.Save(one_.path());
+    ASSERT_TRUE(s.ok()) << s;
+    at_k_ = *TakeSnapshot(ref);
+    ASSERT_TRUE(ref.Train(seed_, kAfter).ok());
+    at_kj_ = *TakeSnapshot(ref);
+  }
+  static OffloadConfig Config(int world) {
+    return CkptConfig(Where::kMixed, OptimizerType::kAdamW, 512, static_cast<uint32_t>(world));
+  }
+  // Loads `dir` into `world` ranks and checks them against the reference.
+  void LoadAndCheck(Cluster& c, const std::string& dir) {
+    ASSERT_TRUE(c.status().ok()) << c.status();
+    Status s = c.Load(dir);
+    ASSERT_TRUE(s.ok()) << s;
+    Snapshot got = *TakeSnapshot(c);
+    ExpectSameSnapshot(got, at_k_);
+    ExpectParamsAreMaster(c, at_k_);
+  }
+  void ContinueAndCheck(Cluster& c) {
+    ASSERT_TRUE(c.Train(seed_, kAfter).ok());
+    Snapshot got = *TakeSnapshot(c);
+    ExpectSameSnapshot(got, at_kj_);
+    ExpectParamsAreMaster(c, at_kj_);
+  }
+  // N ranks holding the reference state, saved into `dir`.
+  void SaveWith(int world, const std::string& dir) {
+    Cluster n(world, Config(world), seed_ + 7);
+    LoadAndCheck(n, one_.path());
+    Status s = n.Save(dir);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  void Reshard(int from, int to) {
+    TempDir dir;
+    if (from == 1) {
+      Cluster m(to, Config(to), seed_ + 9);
+      LoadAndCheck(m, one_.path());
+      ContinueAndCheck(m);
+      return;
+    }
+    SaveWith(from, dir.path());
+    auto reader = CheckpointReader::Open(dir.path());
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    EXPECT_EQ((*reader)->info().world_size, static_cast<uint32_t>(from));
+    Cluster m(to, Config(to), seed_ + 9);
+    LoadAndCheck(m, dir.path());
+    ContinueAndCheck(m);
+  }
+
+  uint64_t seed_ = 0;
+  TempDir one_;
+  Snapshot at_k_, at_kj_;
+};
+
+TEST_F(ReshardTest, OneToTwo) { Reshard(1, 2); }
+TEST_F(ReshardTest, TwoToFour) { Reshard(2, 4); }
+TEST_F(ReshardTest, FourToOne) { Reshard(4, 1); }
+TEST_F(ReshardTest, ThreeToTwo) { Reshard(3, 2); }
+TEST_F(ReshardTest, TwoToTwoKeepsTheWorldSize) { Reshard(2, 2); }
+
+TEST_F(ReshardTest, AnotherAlignmentMapsTensorByTensor) {
+  OffloadConfig config = Config(2);
+  config.align_elems = 256;  // every tensor sits elsewhere in the flat buffer
+  Cluster m(2, config, seed_ + 9);
+  LoadAndCheck(m, one_.path());
+  ContinueAndCheck(m);
+}
+
+TEST_F(ReshardTest, ForbiddenReshardIsFailedPreconditionAndLoadsNothing) {
+  TempDir dir;
+  SaveWith(2, dir.path());
+  Cluster m(1, Config(1), seed_ + 9);
+  ASSERT_TRUE(m.status().ok());
+  Snapshot before = *TakeSnapshot(m);
+  Status s = LoadCheckpoint(m.opt(0), dir.path(), {.reshard = Reshard::kForbid});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("saved with 2 ranks"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("rank00000.json"), std::string::npos) << s;
+  ExpectSameSnapshot(*TakeSnapshot(m), before);
+}
+
+// ---- Export -------------------------------------------------------------------
+
+std::vector<char> ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Parses a safetensors file the way the format's spec reads: u64 LE header
+// size, the JSON header, then the data; checks that every tensor is F32 and
+// the offsets tile the data with no gap. Returns name -> fp32 values.
+std::map<std::string, std::vector<float>> ParseSafetensors(const std::string& path,
+                                                           nlohmann::json* metadata) {
+  std::map<std::string, std::vector<float>> out;
+  const std::vector<char> bytes = ReadAll(path);
+  EXPECT_GE(bytes.size(), 8u);
+  uint64_t n = 0;
+  for (int k = 0; k < 8; ++k) n |= uint64_t{static_cast<uint8_t>(bytes[k])} << (8 * k);
+  EXPECT_EQ(n % 8, 0u) << "header size must keep the data 8-byte aligned";
+  EXPECT_LE(8 + n, bytes.size());
+  const nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + n);
+  const uint64_t data_bytes = bytes.size() - 8 - n;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      *metadata = it.value();
+      continue;
+    }
+    EXPECT_EQ(it.value().at("dtype"), "F32") << it.key();
+    const auto shape = it.value().at("shape").get<std::vector<uint64_t>>();
+    const auto off = it.value().at("data_offsets").get<std::vector<uint64_t>>();
+    EXPECT_EQ(shape.size(), 1u);
+    EXPECT_EQ(off[1] - off[0], shape[0] * 4) << it.key();
+    EXPECT_LE(off[1], data_bytes);
+    ranges.push_back({off[0], off[1]});
+    std::vector<float> v(shape[0]);
+    if (!v.empty()) std::memcpy(v.data(), bytes.data() + 8 + n + off[0], off[1] - off[0]);
+    out[it.key()] = std::move(v);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t at = 0;
+  for (auto [b, e] : ranges) {
+    EXPECT_EQ(b, at) << "the tensors must tile the data section";
+    at = e;
+  }
+  EXPECT_EQ(at, data_bytes);
+  return out;
+}
+
+TEST(ExportTest, SafetensorsHoldsEveryMasterTensorByName) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  // Two ranks: the export consolidates the shards.
+  Cluster c(2, CkptConfig(Where::kMixed, OptimizerType::kAdamW, 512, 2), seed);
+  ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  Snapshot snap = *TakeSnapshot(c);
+  const std::string out = dir.File("model.safetensors");
+  Status s = ExportSafetensors(dir.path(), out);
+  ASSERT_TRUE(s.ok()) << s;
+  nlohmann::json meta;
+  auto tensors = ParseSafetensors(out, &meta);
+  EXPECT_EQ(meta.at("format"), "pt");
+  EXPECT_EQ(meta.at("step"), "2");
+  EXPECT_EQ(meta.at("world_size"), "2");
+  ASSERT_EQ(tensors.size(), c.opt(0).params().size());
+  for (size_t i = 0; i < c.opt(0).params().size(); ++i) {
+    const std::string name = c.opt(0).params()[i].name;
+    ASSERT_TRUE(tensors.count(name)) << name;
+    const std::vector<float>& v = tensors[name];
+    ASSERT_EQ(v.size(), snap.state[0][i].size()) << name;
+    for (size_t k = 0; k < v.size(); ++k) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(v[k]), snap.state[0][i][k]) << name << " elem " << k;
+    }
+  }
+  // PyTorch, where the system Python has it, reads the same bytes.
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0) {
+    const std::string script = dir.File("check.py");
+    std::ofstream(script) << R"PY(
+import json, struct, sys, torch
+raw = open(sys.argv[1], 'rb').read()
+n = struct.unpack('<Q', raw[:8])[0]
+header = json.loads(raw[8:8 + n])
+total = 0.0
+for name, t in header.items():
+    if name == '__metadata__':
+        continue
+    b, e = t['data_offsets']
+    x = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]), dtype=torch.float32) if e > b else torch.zeros(0)
+    assert list(x.shape) == t['shape'], name
+    total += float(x.double().sum())
+print(repr(total))
+)PY";
+    const std::string cmd = "/usr/bin/python3 " + script + " " + out + " > " + dir.File("sum.txt");
+    ASSERT_EQ(std::system(cmd.c_str()), 0);
+    double want = 0;
+    for (const auto& a : snap.state[0]) {
+      for (uint32_t bits : a) want += static_cast<double>(std::bit_cast<float>(bits));
+    }
+    double got = 0;
+    std::ifstream(dir.File("sum.txt")) >> got;
+    EXPECT_NEAR(got, want, 1e-6 * (1 + std::fabs(want)));
+  }
+}
+
+TEST(ExportTest, UnnamedParamsAreNumbered) {
+  // A manifest whose names are empty: export falls back to param.<i>.
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  auto reader = *CheckpointReader::Open(dir.path());
+  const std::string manifest = reader->info().save_dir + "/rank00000.json";
+  nlohmann::json j = nlohmann::json::parse(ReadAll(manifest));
+  for (auto& t : j["tensors"]) t["name"] = "";
+  j.erase("manifest_xxh3");
+  j["manifest_xxh3"] = fmt::format("{:016x}", XXH3_64bits(j.dump().data(), j.dump().size()));
+  std::ofstream(manifest) << j.dump(1);
+  const std::string out = dir.File("unnamed.safetensors");
+  Status s = ExportSafetensors(dir.path(), out);
+  ASSERT_TRUE(s.ok()) << s;
+  nlohmann::json meta;
+  auto tensors = ParseSafetensors(out, &meta);
+  EXPECT_TRUE(tensors.count("param.0"));
+  EXPECT_TRUE(tensors.count("param.7"));
+}
+
+// ---- Bad input ------------------------------------------------------------------
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = TestSeed();
+    saved_ = std::make_unique<Cluster>(1, CkptConfig(Where::kMixed), seed_);
+    ASSERT_TRUE(saved_->status().ok());
+    ASSERT_TRUE(saved_->Train(seed_, 2).ok());
+    ASSERT_TRUE(saved_->Save(dir_.path()).ok());
+    save_dir_ = (*CheckpointReader::Open(dir_.path()))->info().save_dir;
+    target_ = std::make_unique<Cluster>(1, CkptConfig(Where::kMixed), seed_ + 1);
+    ASSERT_TRUE(target_->status().ok());
+    ASSERT_TRUE(target_->Train(seed_ + 5, 1).ok());
+    before_ = *TakeSnapshot(*target_);
+    ASSERT_TRUE(target_->device().Synchronize().ok());
+    for (size_t t = 0; t < target_->model(0).size(); ++t) {
+      params_before_.push_back(target_->model(0).ParamBytes(t));
+    }
+  }
+  // Loads into the target and checks that the failure changed nothing.
+  Status LoadExpectingFailure(const std::string& dir) {
+    Status s = target_->opt(0).Load(dir);
+    EXPECT_FALSE(s.ok());
+    ExpectSameSnapshot(*TakeSnapshot(*target_), before_);
+    EXPECT_TRUE(target_->device().Synchronize().ok());
+    for (size_t t = 0; t < target_->model(0).size(); ++t) {
+      EXPECT_EQ(target_->model(0).ParamBytes(t), params_before_[t]) << "params of tensor " << t;
+    }
+    return s;
+  }
+  std::string File(const std::string& name) const { return save_dir_ + "/" + name; }
+
+  uint64_t seed_ = 0;
+  TempDir dir_;
+  std::string save_dir_;
+  std::unique_ptr<Cluster> saved_, target_;
+  Snapshot before_;
+  std::vector<std::vector<uint8_t>> params_before_;
+};
+
+void ExpectMentions(const Status& s, const std::string& what) {
+  EXPECT_NE(s.message().find(what), std::string::npos) << "'" << what << "' not in: " << s;
+}
+
+TEST_F(BadInputTest, NoCheckpointIsNotFound) {
+  Status s = LoadExpectingFailure(dir_.File("nothing-here"));
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  ExpectMentions(s, "nothing-here");
+  TempDir empty;
+  s = LoadExpectingFailure(empty.path());
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  ExpectMentions(s, "latest.json");
+}
+
+TEST_F(BadInputTest, MissingDataFileIsNotFoundNamingIt) {
+  std::filesystem::remove(File("rank00000.exp_avg.f32"));
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  ExpectMentions(s, "rank00000.exp_avg.f32");
+}
+
+TEST_F(BadInputTest, MissingManifestIsNotFound) {
+  std::filesystem::remove(File("rank00000.json"));
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  ExpectMentions(s, "rank00000.json");
+}
+
+TEST_F(BadInputTest, TruncatedDataFileIsDataLoss) {
+  const std::string f = File("rank00000.master.f32");
+  std::filesystem::resize_file(f, std::filesystem::file_size(f) - 4096);
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  ExpectMentions(s, "rank00000.master.f32");
+  ExpectMentions(s, "truncated");
+}
+
+TEST_F(BadInputTest, TruncatedManifestIsDataLoss) {
+  const std::string f = File("rank00000.json");
+  std::filesystem::resize_file(f, std::filesystem::file_size(f) / 2);
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  ExpectMentions(s, "rank00000.json");
+}
+
+TEST_F(BadInputTest, EditedManifestFailsItsChecksum) {
+  const std::string f = File("rank00000.json");
+  nlohmann::json j = nlohmann::json::parse(ReadAll(f));
+  j["groups"][0]["lr"] = 0.5;
+  std::ofstream(f) << j.dump(1);
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  ExpectMentions(s, "manifest_xxh3");
+}
+
+TEST_F(BadInputTest, NewerFormatVersionIsFailedPrecondition) {
+  const std::string f = File("rank00000.json");
+  nlohmann::json j = nlohmann::json::parse(ReadAll(f));
+  j["format_version"] = kCheckpointFormatVersion + 1;
+  std::ofstream(f) << j.dump(1);
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, "format version 2");
+  ExpectMentions(s, "newer strata");
+}
+
+TEST_F(BadInputTest, AnotherModelIsFailedPrecondition) {
+  std::vector<uint64_t> sizes = testing::kCkptSizes;
+  sizes[2] += 1;
+  Cluster other(1, CkptConfig(Where::kHost), seed_, sizes);
+  ASSERT_TRUE(other.status().ok());
+  Snapshot before = *TakeSnapshot(other);
+  Status s = other.opt(0).Load(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, "another model");
+  ExpectMentions(s, "rank00000.json");
+  ExpectSameSnapshot(*TakeSnapshot(other), before);
+
+  Cluster lion(1, CkptConfig(Where::kHost, OptimizerType::kLion), seed_);
+  ASSERT_TRUE(lion.status().ok());
+  s = lion.opt(0).Load(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, "AdamW");
+}
+
+TEST_F(BadInputTest, FlippedByteInEachDataFileIsDataLossNamingIt) {
+  std::mt19937_64 rng(seed_);
+  for (const char* name :
+       {"rank00000.master.f32", "rank00000.exp_avg.f32", "rank00000.exp_avg_sq.f32"}) {
+    SCOPED_TRACE(name);
+    const std::string f = File(name);
+    const uint64_t at = rng() % std::filesystem::file_size(f);
+    auto flip = [&] {
+      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekg(static_cast<std::streamoff>(at));
+      char b = 0;
+      io.read(&b, 1);
+      b = static_cast<char>(b ^ (1 << (rng() % 8)));
+      io.seekp(static_cast<std::streamoff>(at));
+      io.write(&b, 1);
+    };
+    flip();
+    Status s = LoadExpectingFailure(dir_.path());
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+    ExpectMentions(s, name);
+    // The same file fails `inspect --verify`'s check too.
+    auto reader = CheckpointReader::Open(dir_.path());
+    ASSERT_TRUE(reader.ok());
+    Status v = (*reader)->Verify();
+    EXPECT_EQ(v.code(), StatusCode::kDataLoss) << v;
+    ExpectMentions(v, name);
+    // A fresh save of the same state for the next file.
+    ASSERT_TRUE(saved_->Save(dir_.path()).ok());
+    save_dir_ = (*CheckpointReader::Open(dir_.path()))->info().save_dir;
+  }
+  // After all of that the newest save loads.
+  Status s = target_->opt(0).Load(dir_.path());
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(*target_), *TakeSnapshot(*saved_));
+}
+
+// ---- Durability: the fault storage's "drop unsynced writes" -------------------------
+
+TEST(DurabilityTest, EverythingASaveWroteIsSyncedAndAFailedSaveLeavesThePreviousOne) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  auto fault = testing::FaultStorage::Create(
+      CreatePosixStorage(), {.seed = seed, .drop_unsynced = testing::DropUnsynced::kOn});
+  Cluster c(1, CkptConfig(Where::kMixed), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  const SaveOptions save{.storage = fault.get(), .chunk_bytes = 8192, .queue_depth = 4};
+  Status s = SaveCheckpoint(c.opt(0), dir.path(), save);
+  ASSERT_TRUE(s.ok()) << s;
+  Snapshot first = *TakeSnapshot(c);
+  // Power loss right after the save: every byte of it was fsync'd.
+  ASSERT_TRUE(fault->SimulateCrash().ok());
+  {
+    Cluster check(1, CkptConfig(Where::kHost), seed + 1);
+    s = LoadCheckpoint(check.opt(0), dir.path(), {.storage = fault.get()});
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectSameSnapshot(*TakeSnapshot(check), first);
+  }
+  // Saves that fail part way (a write or an fsync), then power loss: the
+  // unsynced bytes turn to garbage, and the first save is what loads.
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  for (testing::FaultOptions f :
+       {testing::FaultOptions{.write_eio_one_in = 3},
+        testing::FaultOptions{.write_enospc_one_in = 5},
+        testing::FaultOptions{.sync_eio_one_in = 2},
+        testing::FaultOptions{.short_io_one_in = 2, .sync_eio_one_in = 4}}) {
+    f.seed = seed;
+    f.drop_unsynced = testing::DropUnsynced::kOn;
+    fault->SetOptions(f);
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      s = SaveCheckpoint(c.opt(0), dir.path(), save);
+      if (!s.ok()) break;
+    }
+    fault->SetOptions({.drop_unsynced = testing::DropUnsynced::kOn});
+    ASSERT_TRUE(fault->SimulateCrash().ok());
+    Cluster check(1, CkptConfig(Where::kHost), seed + 1);
+    s = LoadCheckpoint(check.opt(0), dir.path(), {.storage = fault.get()});
+    ASSERT_TRUE(s.ok()) << s;
+    Snapshot got = *TakeSnapshot(check);
+    // Either the faults spared a whole save (then it is the newest state)
+    // or the first save is still the current one.
+    if (got.step == first.step) {
+      ExpectSameSnapshot(got, first);
+    } else {
+      ExpectSameSnapshot(got, *TakeSnapshot(c));
+    }
+  }
+}
+
+// A drive that reports a write it did not finish (a torn write that is then
+// fsync'd without error) is caught by the checksums on load, and the save
+// before it, which retention keeps, still loads.
+TEST(DurabilityTest, TornWritesAreCaughtAndThePreviousSaveStillLoads) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  auto fault = testing::FaultStorage::Create(CreatePosixStorage(), {.seed = seed});
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  const SaveOptions save{.storage = fault.get(), .chunk_bytes = 8192, .queue_depth = 4};
+  ASSERT_TRUE(SaveCheckpoint(c.opt(0), dir.path(), save).ok());
+  Snapshot first = *TakeSnapshot(c);
+  const std::string first_dir = (*CheckpointReader::Open(dir.path()))->info().save_dir;
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  fault->SetOptions({.seed = seed, .torn_write_one_in = 1});
+  Status s = SaveCheckpoint(c.opt(0), dir.path(), save);
+  fault->SetOptions({});
+  ASSERT_TRUE(s.ok()) << "a torn write reports success: " << s;
+  ASSERT_GT(fault->stats().torn_writes.load(), 0u);
+
+  Cluster check(1, CkptConfig(Where::kHost), seed + 1);
+  ASSERT_TRUE(check.status().ok());
+  Snapshot before = *TakeSnapshot(check);
+  s = check.opt(0).Load(dir.path());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  // The torn file is named: a data file, a manifest or latest.json.
+  EXPECT_NE(s.message().find(dir.path() + "/"), std::string::npos) << s;
+  ExpectSameSnapshot(*TakeSnapshot(check), before);
+  ASSERT_TRUE(std::filesystem::exists(first_dir)) << "retention keeps the previous save";
+  s = check.opt(0).Load(first_dir);
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(check), first);
+}
+
+// ---- Retention ------------------------------------------------------------------
+
+std::vector<std::string> SaveDirs(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(RetentionTest, KeepsTheNewestSavesAndRemovesLeftovers) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  // A leftover of a save that crashed before publishing.
+  std::filesystem::create_directories(dir.File("step-0000000000-deadbeef0000"));
+  std::vector<std::string> published;
+  for (int s = 0; s < 4; ++s) {
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    published.push_back((*CheckpointReader::Open(dir.path()))->info().save_dir);
+  }
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 2u) << "the default keeps the newest and the previous";
+  EXPECT_TRUE(std::filesystem::exists(published[3]));
+  EXPECT_TRUE(std::filesystem::exists(published[2]));
+  // The previous one loads on its own.
+  Cluster other(1, CkptConfig(Where::kHost), seed + 1);
+  Status s = other.opt(0).Load(published[2]);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(other.opt(0).step_count(), 3);
+
+  ASSERT_TRUE(c.Save(dir.path(), {.keep_checkpoints = 3}).ok());
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 3u);
+
+  // An unreadable latest.json: the next save publishes but removes nothing.
+  std::ofstream(dir.File("latest.json"), std::ios::trunc) << "{\"checkp";
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 4u);
+  ASSERT_TRUE(other.opt(0).Load(dir.path()).ok());
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,140 @@
+// `strata inspect DIR [--verify] [--json]`: what a checkpoint holds, and
+// whether every checksum holds. `strata export DIR OUT.safetensors`: the full
+// fp32 weights in one safetensors file. Neither needs a GPU or the model.
+#include "offload/checkpoint.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "runtime/units.h"
+#include "tools/cli.h"
+
+namespace strata::cli {
+namespace {
+
+struct InspectArgs {
+  std::string dir;
+  bool verify = false;
+  bool json = false;
+};
+
+constexpr size_t kListedTensors = 50;
+
+Status RunInspect(const InspectArgs& args) {
+  STRATA_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(args.dir));
+  const CheckpointInfo& info = reader->info();
+  Status verified;
+  if (args.verify) verified = reader->Verify();
+  uint64_t files = 0;
+  for (const RankManifest& r : info.ranks) files += r.files.size();
+  if (args.json) {
+    nlohmann::json tensors = nlohmann::json::array();
+    for (const CheckpointTensor& t : info.tensors) {
+      tensors.push_back({{"name", t.name},
+                         {"group", t.group},
+                         {"offset_elems", t.offset_elems},
+                         {"elems", t.elems}});
+    }
+    nlohmann::json groups = nlohmann::json::array();
+    for (const GroupHyper& h : info.groups) {
+      groups.push_back({{"lr", h.lr},
+                        {"beta1", h.beta1},
+                        {"beta2", h.beta2},
+                        {"eps", h.eps},
+                        {"weight_decay", h.weight_decay}});
+    }
+    nlohmann::json out = {
+        {"dir", info.root},
+        {"save_dir", info.save_dir},
+        {"save_id", info.save_id},
+        {"format_version", info.format_version},
+        {"step", info.step},
+        {"world_size", info.world_size},
+        {"optimizer", info.optimizer},
+        {"arrays", info.arrays},
+        {"param_dtype", info.param_dtype},
+        {"tensor_elems", info.tensor_elems},
+        {"total_elems", info.total_elems},
+        {"loss_scale", info.scaler.scale},
+        {"files", files},
+        {"data_bytes", info.data_bytes()},
+        {"verified", args.verify ? nlohmann::json(verified.ok()) : nlohmann::json(nullptr)},
+        {"tensors", tensors},
+        {"groups", groups}};
+    if (!verified.ok()) out["error"] = verified.ToString();
+    std::printf("%s\n", out.dump(2).c_str());
+    return verified;
+  }
+  std::printf("checkpoint %s\n", info.root.c_str());
+  std::printf("  save         %s\n", info.save_dir.c_str());
+  std::printf("  format       %s version %d\n", std::string(kCheckpointFormatName).c_str(),
+              info.format_version);
+  std::printf("  step         %lld\n", static_cast<long long>(info.step));
+  std::printf("  world size   %u\n", info.world_size);
+  std::printf("  optimizer    %s (%s), params %s\n", info.optimizer.c_str(),
+              fmt::format("{}", fmt::join(info.arrays, ", ")).c_str(), info.param_dtype.c_str());
+  std::printf("  params       %zu tensors, %llu elems (%llu with padding), %zu groups\n",
+              info.tensors.size(), static_cast<unsigned long long>(info.tensor_elems),
+              static_cast<unsigned long long>(info.total_elems), info.groups.size());
+  std::printf("  loss scale   %g (iteration %lld)\n", info.scaler.scale,
+              static_cast<long long>(info.scaler.iteration));
+  std::printf("  data         %llu files, %s\n", static_cast<unsigned long long>(files),
+              FormatBytes(info.data_bytes()).c_str());
+  if (!args.verify) {
+    std::printf("  checksums    not verified (--verify reads every byte)\n");
+  } else if (verified.ok()) {
+    std::printf("  checksums    verified: every chunk and file matches its XXH3\n");
+  } else {
+    std::printf("  checksums    FAILED (below)\n");
+  }
+  for (uint32_t g = 0; g < info.groups.size(); ++g) {
+    const GroupHyper& h = info.groups[g];
+    std::printf("  group %u      lr %g, betas (%g, %g), eps %g, weight decay %g\n", g, h.lr,
+                h.beta1, h.beta2, h.eps, h.weight_decay);
+  }
+  std::printf("  tensors:\n");
+  for (size_t i = 0; i < info.tensors.size() && i < kListedTensors; ++i) {
+    const CheckpointTensor& t = info.tensors[i];
+    std::printf("    %4zu  %-32s group %u  %llu elems\n", i,
+                t.name.empty() ? fmt::format("param.{}", i).c_str() : t.name.c_str(), t.group,
+                static_cast<unsigned long long>(t.elems));
+  }
+  if (info.tensors.size() > kListedTensors) {
+    std::printf("    ... %zu more (--json lists all)\n", info.tensors.size() - kListedTensors);
+  }
+  return verified;
+}
+
+}  // namespace
+
+void AddCheckpointCommands(Cli& cli) {
+  auto inspect = std::make_shared<InspectArgs>();
+  CLI::App* cmd = cli.app.add_subcommand(
+      "inspect", "Print what a checkpoint holds (step, world size, params, bytes, checksums)");
+  cmd->add_option("dir", inspect->dir, "checkpoint directory (given to Save) or a step-* save")
+      ->required();
+  cmd->add_flag("--verify", inspect->verify, "read every data file and check every checksum");
+  cmd->add_flag("--json", inspect->json, "print one JSON object");
+  cmd->callback(
+      [&cli, inspect] { RunAction(cli, "inspect", [&] { return RunInspect(*inspect); }); });
+
+  auto dir = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  CLI::App* exp = cli.app.add_subcommand(
+      "export", "Write the full fp32 weights of a checkpoint as one safetensors file");
+  exp->add_option("dir", *dir, "checkpoint directory (given to Save) or a step-* save")->required();
+  exp->add_option("out", *out, "output file, e.g. model.safetensors")->required();
+  exp->callback([&cli, dir, out] {
+    RunAction(cli, "export", [&]() -> Status {
+      STRATA_RETURN_IF_ERROR(ExportSafetensors(*dir, *out));
+      std::printf("wrote %s\n", out->c_str());
+      return OkStatus();
+    });
+  });
+}
+
+}  // namespace strata::cli
