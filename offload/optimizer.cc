@@ -1146,10 +1146,6 @@ Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& sc
   return OkStatus();
 }
 
-}  // namespace strata
-
-namespace strata {
-
 // The param half of RunPipeline for sub-groups that are done: master ->
 // staging -> H2D -> all-gather -> unpack, with the same buffers, events and
 // collectives (every rank issues one all-gather per sub-group, failed or not).

@@ -230,19 +230,11 @@ StageTimes MedianTimes(const std::vector<StepSample>& v) {
   return t;
 }
 
-Result<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFoundError(fmt::format("read config {}: cannot open it", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 Status RunStep(const StepArgs& a) {
   // ---- configuration ----
   OffloadConfig config;
   if (!a.config_path.empty()) {
-    STRATA_ASSIGN_OR_RETURN(std::string text, ReadFile(a.config_path));
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadConfigFile(a.config_path));
     Result<OffloadConfig> parsed = ParseConfigJson(text);
     if (!parsed.ok()) return parsed.status().WithContext(a.config_path);
     config = *std::move(parsed);

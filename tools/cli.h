@@ -7,6 +7,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <string>
+
 #include "runtime/status.h"
 
 namespace strata::cli {
@@ -24,6 +26,9 @@ struct Cli {
 // Runs `body` as a subcommand's action: prints a failed Status as
 // "strata <name>: <status>" and records the exit code.
 void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& body);
+
+// The whole text of a config file; NotFound naming it when it cannot be read.
+Result<std::string> ReadConfigFile(const std::string& path);
 
 void AddInfoCommand(Cli& cli);
 void AddBenchNvmeCommand(Cli& cli);

@@ -1,8 +1,20 @@
+#include <fmt/format.h>
+
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "tools/cli.h"
 
 namespace strata::cli {
+
+Result<std::string> ReadConfigFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFoundError(fmt::format("read config {}: cannot open it", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
 
 void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& body) {
   Status s = body();

@@ -28,14 +28,6 @@ struct PlanArgs {
   bool json = false;
 };
 
-Result<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFoundError(fmt::format("read config {}: cannot open it", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 Status RunPlan(const PlanArgs& args) {
   if (args.rank >= args.world_size) {
     return InvalidArgumentError(
@@ -43,7 +35,7 @@ Status RunPlan(const PlanArgs& args) {
   }
   OffloadConfig config;
   if (!args.config_path.empty()) {
-    STRATA_ASSIGN_OR_RETURN(std::string text, ReadFile(args.config_path));
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadConfigFile(args.config_path));
     Result<OffloadConfig> parsed = ParseConfigJson(text);
     if (!parsed.ok()) return parsed.status().WithContext(args.config_path);
     config = *std::move(parsed);
