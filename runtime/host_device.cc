@@ -17,6 +17,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -71,16 +72,17 @@ class Link {
 
   bool modeled() const { return bytes_per_sec_ > 0 || latency_sec_ > 0; }
 
-  // The time at which a copy of `bytes` starting now completes.
-  Clock::time_point Reserve(size_t bytes) {
-    const auto now = Clock::now();
+  // The time at which a copy of `bytes` completes when it may start at
+  // `ready` (once it is enqueued and its stream's previous work is done):
+  // like a DMA engine, the link does not wait for the worker thread to wake.
+  Clock::time_point Reserve(size_t bytes, Clock::time_point ready) {
     Clock::duration busy{0};
     if (bytes_per_sec_ > 0) {
       busy = std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double>(static_cast<double>(bytes) / bytes_per_sec_));
     }
     std::lock_guard lock(mu_);
-    const auto start = std::max(now, next_free_);
+    const auto start = std::max(ready, next_free_);
     next_free_ = start + busy;
     return next_free_ +
            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(latency_sec_));
@@ -115,6 +117,12 @@ class StreamCore {
   ~StreamCore() { Shutdown(); }
 
   const std::string& name() const { return name_; }
+
+  // Worker thread only: when the previous op completed, in the link model's
+  // time (a modelled copy's deadline; otherwise when the op returned). A
+  // modelled copy reports its deadline with SetModelEnd.
+  Clock::time_point previous_end() const { return previous_end_; }
+  void SetModelEnd(Clock::time_point end) { model_end_ = end; }
 
   void Enqueue(Op op) {
     {
@@ -168,6 +176,8 @@ class StreamCore {
           s = InternalError("host task threw a non-standard exception");
         }
       }
+      previous_end_ = model_end_ ? *model_end_ : Clock::now();
+      model_end_.reset();
       lock.lock();
       if (!s.ok() && error_.ok()) error_ = std::move(s).WithContext("async work on " + name_);
       ++done_;
@@ -184,6 +194,8 @@ class StreamCore {
   uint64_t done_ = 0;
   bool stop_ = false;
   Status error_;
+  Clock::time_point previous_end_{};                // worker thread only
+  std::optional<Clock::time_point> model_end_;      // worker thread only
   std::thread worker_;  // last: starts after the members it uses exist
 };
 
@@ -318,13 +330,21 @@ class HostDevice final : public Device {
                  : kind == CopyKind::kDeviceToHost ? &d2h_
                                                    : nullptr;
     if (link != nullptr && !link->modeled()) link = nullptr;
-    s->core().Enqueue({[dst, src, bytes, link] {
-                         const auto done = link ? link->Reserve(bytes) : Clock::time_point{};
-                         std::memcpy(dst, src, bytes);
-                         if (link) std::this_thread::sleep_until(done);
-                         return OkStatus();
-                       },
-                       false});
+    StreamCore* core = &s->core();
+    const auto enqueued = Clock::now();
+    core->Enqueue({[dst, src, bytes, link, core, enqueued] {
+                     if (link == nullptr) {
+                       std::memcpy(dst, src, bytes);
+                       return OkStatus();
+                     }
+                     const auto done =
+                         link->Reserve(bytes, std::max(enqueued, core->previous_end()));
+                     std::memcpy(dst, src, bytes);
+                     core->SetModelEnd(done);
+                     std::this_thread::sleep_until(done);
+                     return OkStatus();
+                   },
+                   false});
     return OkStatus();
   }
 
