@@ -39,24 +39,6 @@ _BUFFER_DTYPES = {
 _STATE_DICT_VERSION = 1
 
 
-def _parse_bytes(value, what):
-    """An int, or a string like "8GiB", "512MiB", "1e9"; returns bytes."""
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} = {value}: must be >= 0")
-        return value
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", str(value))
-    if not m:
-        raise ValueError(f"{what} = {value!r}: use bytes (int) or a size like '8GiB' or '512MiB'")
-    units = {None: 1, "B": 1}
-    for i, p in enumerate("KMGT", start=1):
-        for suffix in (p, p + "B", p + "i", p + "iB"):
-            units[suffix] = 1024 ** i
-    return int(float(m.group(1)) * units[m.group(2)])
-
-
 def _merge(base, override):
     """Deep merge of two config dicts; `override` wins."""
     out = dict(base)
@@ -268,7 +250,8 @@ class OffloadAdam(torch.optim.Optimizer):
                           "params": {"lr": lr, "betas": list(betas), "eps": eps,
                                      "weight_decay": weight_decay}},
             "gradient_clipping": float(max_grad_norm or 0.0),
-            "strata": {"host_budget": _parse_bytes(host_budget, "host_budget")},
+            # Bytes or a size string ("8GiB"): the engine's config parser checks it.
+            "strata": {"host_budget": 0 if host_budget is None else host_budget},
         }
         if not adamw:
             base["optimizer"]["params"]["adam_w_mode"] = False
