@@ -246,6 +246,14 @@ size_t GradStatsBufferBytes(size_t elems) {
   return sizeof(DeviceGradStats) + blocks * sizeof(DeviceGradStats);
 }
 
+Result<DeviceGradStats> GradStatsOnHost(ConstDeviceTensor grad, float grad_scale) {
+  STRATA_RETURN_IF_ERROR(CheckTensor("grad stats on host", "grad", grad.data, grad.elems,
+                                     grad.dtype));
+  std::vector<DeviceGradStats> buffer(GradStatsBufferBytes(grad.elems) / sizeof(DeviceGradStats));
+  internal::GradStatsHost(grad, grad_scale, buffer.data());
+  return buffer[0];
+}
+
 Status GradStats(Device& device, StreamRef stream, ConstDeviceTensor grad, float grad_scale,
                  void* stats_buffer, size_t stats_buffer_bytes) {
   constexpr std::string_view kOp = "grad stats";

@@ -139,6 +139,12 @@ size_t GradStatsBufferBytes(size_t elems);
 Status GradStats(Device& device, StreamRef stream, ConstDeviceTensor grad, float grad_scale,
                  void* stats_buffer, size_t stats_buffer_bytes);
 
+// GradStats's host twin run synchronously on the calling thread, over host
+// memory: the same result bit for bit as GradStats on any backend. For
+// gradients that already are on the host (the engine's fp32 accumulation
+// buffer) and for references in tests. InvalidArgument as GradStats.
+Result<DeviceGradStats> GradStatsOnHost(ConstDeviceTensor grad, float grad_scale);
+
 // The fp32 Adam state of `elems` elements in device memory.
 struct DeviceAdamState {
   float* params = nullptr;

@@ -36,7 +36,6 @@ constexpr std::string_view kIgnoredKeys[] = {
     "prescale_gradients",
     "gradient_predivide_factor",
     "sparse_gradients",
-    "communication_data_type",
     "seq_parallel_communication_data_type",
     "activation_checkpointing",
     "flops_profiler",
@@ -570,7 +569,8 @@ PlacementInputs PlacementInputsFor(const OffloadConfig& c,
                                    std::span<const uint64_t> sub_group_elems, uint32_t world_size) {
   return {.sub_group_elems = {sub_group_elems.begin(), sub_group_elems.end()},
           .state_bytes_per_elem = StateBytesPerElem(c.optimizer),
-          .grad_bytes_per_elem = 4,  // the flat buckets and the pinned grad buffer are fp32
+          .grad_bytes_per_elem = static_cast<uint32_t>(
+              DTypeSize(world_size == 1 ? c.grad_dtype : c.comm_dtype)),
           .param_bytes_per_elem = static_cast<uint32_t>(DTypeSize(c.param_dtype)),
           .host_budget_bytes = c.host_budget_bytes,
           .device_budget_bytes = c.device_budget_bytes,
@@ -603,7 +603,8 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
   OffloadConfig c;
   STRATA_RETURN_IF_ERROR(CheckKeys(
       doc, "",
-      {"zero_optimization", "aio", "optimizer", "gradient_clipping", "fp16", "bf16", "strata"}));
+      {"zero_optimization", "aio", "optimizer", "gradient_clipping", "fp16", "bf16",
+       "communication_data_type", "strata"}));
   STRATA_ASSIGN_OR_RETURN(const Json* zero, Section(doc, "", "zero_optimization"));
   if (zero != nullptr) STRATA_RETURN_IF_ERROR(ParseZero(*zero, c));
   STRATA_ASSIGN_OR_RETURN(const Json* aio, Section(doc, "", "aio"));
@@ -616,6 +617,16 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
   if (fp16 != nullptr) STRATA_RETURN_IF_ERROR(ParseFp16(*fp16, c));
   STRATA_ASSIGN_OR_RETURN(const Json* bf16, Section(doc, "", "bf16"));
   if (bf16 != nullptr) STRATA_RETURN_IF_ERROR(ParseBf16(*bf16, c));
+  STRATA_ASSIGN_OR_RETURN(auto comm_type, GetString(doc, "", "communication_data_type"));
+  if (comm_type) {
+    Result<DType> t = ParseDType(*comm_type == "bfp16" ? "bf16" : *comm_type);
+    if (!t.ok() || (*t != DType::kF32 && *t != DType::kF16 && *t != DType::kBF16)) {
+      return InvalidArgumentError(fmt::format(
+          "communication_data_type = \"{}\": must be \"fp32\", \"fp16\" or \"bf16\"",
+          *comm_type));
+    }
+    c.comm_dtype = *t;
+  }
   // After fp16/bf16, so an explicit strata.grad_dtype wins.
   STRATA_ASSIGN_OR_RETURN(const Json* strata, Section(doc, "", "strata"));
   if (strata != nullptr) STRATA_RETURN_IF_ERROR(ParseStrata(*strata, c));
@@ -732,6 +743,7 @@ std::string ConfigToJson(const OffloadConfig& c) {
                 {"use_gds", on(c.aio.use_gds)}}},
               {"optimizer", {{"type", OptimizerTypeName(c.optimizer)}, {"params", params}}},
               {"gradient_clipping", c.max_grad_norm},
+              {"communication_data_type", DTypeName(c.comm_dtype)},
               {"fp16",
                {{"enabled", c.param_dtype == DType::kF16},
                 {"loss_scale", s.mode == LossScaleMode::kStatic ? s.static_scale : 0.0},

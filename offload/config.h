@@ -96,6 +96,11 @@ struct OffloadConfig {
   LossScalerOptions loss_scaler{.mode = LossScaleMode::kNone};
   // strata
   DType grad_dtype = DType::kF32;    // dtype of the gradients handed to the engine
+  // communication_data_type: with several ranks, the dtype gradients are
+  // reduce-scattered in and copied to the host in. fp32 (the default) sums
+  // exactly as one rank would see the average; fp16/bf16 halve the bytes on
+  // the interconnect and over PCIe, summing in that precision.
+  DType comm_dtype = DType::kF32;
   uint64_t host_budget_bytes = 0;    // pinned DRAM; 0: unlimited (cpu) or staging only (nvme)
   uint64_t device_budget_bytes = 0;  // device staging; 0: not limited
   int threads = 0;                   // CPU optimizer threads; 0: every hardware thread
@@ -117,9 +122,9 @@ Status ValidateConfig(const OffloadConfig& config);
 std::string ConfigToJson(const OffloadConfig& config);
 
 // The planner's inputs for a rank of `world_size` whose shard is cut into
-// `sub_group_elems`: state bytes from the optimizer type, 4 grad bytes per
-// element (the engine reduces and keeps gradients in fp32 whatever
-// grad_dtype is), param element size from param_dtype, budgets, NVMe when
+// `sub_group_elems`: state bytes from the optimizer type, gradient bytes per
+// element as they cross PCIe (grad_dtype with one rank, comm_dtype with
+// several), param element size from param_dtype, budgets, NVMe when
 // device is "nvme" with a path, buffer_count (at most the number of
 // sub-groups: more would never be used) and aio.block_size.
 PlacementInputs PlacementInputsFor(const OffloadConfig& config,

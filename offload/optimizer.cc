@@ -1,40 +1,60 @@
 // The engine: OffloadOptimizer. docs/offload.md ("The engine") has the whole
 // story; the comments here say why the pieces are shaped as they are.
 //
+// A step, as its stages (Impl::Step):
+//   hand-over  GradPath: statistics on the device as each sub-group's grads
+//              complete (GradReady during backward, or at the step), with
+//              several ranks after pack + reduce-scatter + D2H.
+//   decide     the statistics of every rank -> loss scaler, clip coefficient,
+//              one gradient multiplier (DecideStep).
+//   pipeline   per sub-group in schedule order (MakeSchedule): fetch the
+//              gradient into a pinned slot (D2H), acquire the state (DRAM, or
+//              an NVMe read queued ahead), CPU Adam reading the 16-bit
+//              gradient and writing 16-bit params into a staging slot, NVMe
+//              write-behind, publish the params (H2D, all-gather, unpack).
+//
 // Streams and threads of one optimizer:
-//   calling thread   CPU optimizer (CpuAdam over its TBB arena), drives the step
-//   grad stream      pack grads -> reduce-scatter -> D2H (+ host add for accumulation),
-//                    and the small all-reduces of the statistics
-//   h2d stream       H2D of the param staging -> all-gather -> unpack into the tensors
-//   IO thread        every StateStore call (internal::IoQueue), FIFO
+//   calling thread   drives the step; CPU Adam over its TBB arena
+//   grad stream      GradPath: statistics, pack, reduce-scatter, D2H; the
+//                    small all-reduces of the decision
+//   publish stream   ParamPublisher: H2D, all-gather, unpack
+//   IO thread        StateTiers: every state store call
+//
+// Note on overlap: the D2H of gradient slots runs ahead of the update by the
+// ring's depth and the NVMe reads by the extent buffers'; the update of
+// sub-group i frees both its gradient slot (the fetch of i + slots starts)
+// and, for NVMe, its extent buffer (its write, then the read that reuses the
+// buffer); its params go up while i + 1 is updated. So on a GPU the step
+// costs its slowest resource, CPU Adam or the drive, plus one sub-group's
+// D2H at the head and one H2D at the tail.
 //
 // Retry: each sub-group of a step is "done" once its update is in the state
-// that Read/WriteState see: a host sub-group when its update ran (in place),
-// an NVMe sub-group when its write committed. A failed step keeps its
-// decision (step number, grad multiplier, loss scale) and its gradients;
-// Step() again redoes only the sub-groups that are not done, so the result is
-// the one of a clean run. Done sub-groups are still uploaded again (their
-// params are recomputed from the committed master weights, bitwise what the
-// update wrote) because every rank must issue the same collectives.
+// the tiers return: a DRAM sub-group when its update ran (in place), an NVMe
+// sub-group when its write committed. A failed step keeps its decision and
+// the gradients it did not apply (GradPath::Keep for the streamed ones);
+// RetryStep redoes only the sub-groups not done, so the result is the one of
+// a clean run. Done sub-groups are still published again (their params are
+// recomputed from the committed master weights, bitwise what the update
+// wrote) because every rank must issue the same collectives.
 #include "offload/optimizer.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
-#include <future>
-#include <mutex>
-#include <numeric>
 #include <optional>
 #include <unordered_map>
 #include <utility>
 
 #include "cpu_adam/cpu_adam.h"
 #include "kernels/kernels.h"
-#include "offload/engine_io.h"
-#include "offload/state_store.h"
+#include "offload/engine_internal.h"
+#include "offload/grad_path.h"
+#include "offload/param_publisher.h"
+#include "offload/state_tiers.h"
+#include "offload/step_plan.h"
+#include "offload/tensor_map.h"
 #include "runtime/log.h"
 #include "runtime/pinned.h"
 #include "runtime/units.h"
@@ -42,24 +62,14 @@
 namespace strata {
 namespace {
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Busy time of one stage on one stream: host tasks before and after its work
-// take timestamps on the stream's own thread, so the figure is the time the
-// stream spent on the work, not the time it waited in the queue.
-struct StageClock {
-  double start = 0;
-  double busy = 0;
-};
-
-template <typename F>
-Status Timed(Device& device, StreamRef stream, StageClock* clock, F&& enqueue) {
-  STRATA_RETURN_IF_ERROR(device.LaunchHostFunc(stream, [clock] { clock->start = Now(); }));
-  STRATA_RETURN_IF_ERROR(enqueue());
-  return device.LaunchHostFunc(stream, [clock] { clock->busy += Now() - clock->start; });
-}
+using internal::GradPath;
+using internal::HostSlice;
+using internal::NowSec;
+using internal::ParamPublisher;
+using internal::PublishMode;
+using internal::StateTiers;
+using internal::StepDecision;
+using internal::TensorMap;
 
 Status ValidateHyper(const GroupHyper& h, std::string_view what) {
   auto bad = [&](std::string_view field, double v, std::string_view allowed) {
@@ -94,7 +104,19 @@ void ConvertOut(std::span<const float> src, void* dst, DType dtype) {
   }
 }
 
-OutView MakeOut(DType dtype, void* data, size_t elems) { return OutView{dtype, data, elems}; }
+// param dtype -> fp32 (exact).
+void ConvertIn(const std::byte* src, DType dtype, std::span<float> dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst.data(), src, dst.size_bytes());
+    return;
+  }
+  const auto* in = reinterpret_cast<const uint16_t*>(src);
+  if (dtype == DType::kBF16) {
+    for (size_t i = 0; i < dst.size(); ++i) dst[i] = BF16ToF32(in[i]);
+  } else {
+    for (size_t i = 0; i < dst.size(); ++i) dst[i] = F16ToF32(in[i]);
+  }
+}
 
 // A run of a sub-group whose elements all take one group's hyperparameters
 // (padding joins the run it sits in: its state and grad are zero and stay zero).
@@ -102,15 +124,6 @@ struct Run {
   uint64_t begin = 0;  // relative to the sub-group
   uint64_t end = 0;
   uint32_t group = 0;
-};
-
-struct Pending {
-  int64_t step = 0;
-  float grad_scale = 1.0f;
-  double loss_scale = 1.0;
-  double grad_norm = 0.0;
-  float clip_coef = 1.0f;
-  uint32_t micro_steps = 0;
 };
 
 }  // namespace
@@ -157,6 +170,7 @@ struct OffloadOptimizer::Impl {
   // ---- set up once ----
   Device* device = nullptr;
   Communicator* comm = nullptr;
+  Storage* storage = nullptr;
   StreamRef user_stream;
   OffloadConfig config;
   int rank = 0;
@@ -169,36 +183,20 @@ struct OffloadOptimizer::Impl {
   std::vector<ElemRange> sub_groups;
   PlacementPlan plan;
   uint32_t arrays = 3;
-  uint64_t max_sg_elems = 0;
-  uint32_t buffer_count = 1;
+  uint32_t slots = 1;  // gradient ring and param staging slots
   size_t param_bytes = 2;
-  std::vector<std::vector<Run>> runs;                     // per sub-group
-  std::vector<std::vector<kernels::PackEntry>> pack;      // per sub-group, every rank's block
-  std::vector<std::vector<kernels::UnpackEntry>> unpack;  // per sub-group, every rank's block
-  std::vector<std::vector<uint32_t>> tensor_buckets;      // per tensor: sub-groups it touches
-  std::vector<uint32_t> bucket_need;                      // per sub-group: tensors touching it
-  std::vector<int32_t> extent_of;                         // per sub-group: NVMe extent or -1
-  std::vector<uint32_t> nvme_order;                       // sub-groups on NVMe, in order
+  std::vector<std::vector<Run>> runs;  // per sub-group
+  TensorMap map;
+  internal::TraceContext trace;
 
-  std::unique_ptr<Storage> owned_storage;
-  std::unique_ptr<StateStore> store;
-  std::unique_ptr<internal::IoQueue> io;
-  std::optional<PinnedPool> pool;
-  PinnedBuffer grad_buf;                    // shard_elems fp32
-  std::vector<PinnedBuffer> param_staging;  // buffer_count x max_sg_elems x param dtype
-  std::vector<PinnedBuffer> nvme_bufs;      // buffer_count x ExtentBufferBytes
-  std::vector<PinnedBuffer> host_state;     // per sub-group (empty for NVMe ones)
-  std::vector<PinnedBuffer> accum_scratch;  // buffer_count x max_sg_elems fp32, on first use
-  std::optional<PinnedPool> small_pool;     // `small` before `pool` exists (several ranks)
-  PinnedBuffer small;                       // 4 KiB: statistics to and from the device
-  std::vector<DeviceBuffer> buckets;        // buffer_count x world x max_sg_elems x 4 bytes
+  Stream grad_stream;  // GradPath's, and the decision's all-reduces
+  std::optional<PinnedPool> small_pool;
+  PinnedBuffer small;  // 4 KiB: all-reduced values to and from the device
   DeviceBuffer dev_small;
-  Stream grad_stream;
-  Stream h2d_stream;
-  Event user_event;
-  Event grad_event;
-  Event h2d_event;
-  std::vector<Event> slot_events;  // one per param staging buffer
+  internal::StageClock control_clock;  // the all-reduces of doubles
+  std::unique_ptr<GradPath> grads;
+  std::unique_ptr<ParamPublisher> publisher;
+  std::unique_ptr<StateTiers> tiers;
   std::unique_ptr<CpuAdam> cpu;
   std::optional<LossScaler> scaler;
   PipelineMode mode = PipelineMode::kOverlapped;
@@ -206,76 +204,36 @@ struct OffloadOptimizer::Impl {
   // ---- per step ----
   int64_t step = 0;
   StepStats last;
-  uint32_t micro_steps = 0;
-  std::vector<uint8_t> reduced;  // per bucket: reduced in the current micro-step
-  uint32_t reduced_count = 0;
-  std::vector<uint8_t> has_grad;  // per bucket: the grad buffer holds this step's grads
-  std::vector<uint32_t> ready_count;
+  std::vector<uint32_t> ready_count;  // per sub-group: its tensors reported this micro-step
   std::vector<uint8_t> tensor_ready;
-  std::optional<Pending> pending;  // a step that failed part way (StepState::kFailed)
-  Status failure;                  // its error
-  std::vector<uint8_t> done;               // per sub-group, for the pending step
-  std::vector<std::future<Status>> reads;  // per NVMe extent: its read in flight
-  StageClock d2h_clock, comm_grad_clock, comm_h2d_clock, h2d_clock;
-  StageClock pack_clock, unpack_clock;  // device kernels, one clock per stream
-  std::mutex io_mu;  // guards the IO counters below
-  double read_sec = 0, write_sec = 0;
-  uint64_t read_bytes = 0, write_bytes = 0;
-
-  std::span<float> GradShard() const { return grad_buf.as<float>().first(shard.elems()); }
-  uint64_t Rel(uint32_t i) const { return sub_groups[i].begin - shard.begin; }
-  std::byte* Bucket(uint32_t i) const {
-    return static_cast<std::byte*>(buckets[i % buffer_count].data());
-  }
-  std::span<std::byte> NvmeBuf(uint32_t i) const {
-    return nvme_bufs[static_cast<uint32_t>(extent_of[i]) % buffer_count].bytes().first(
-        store->ExtentBufferBytes());
-  }
-  std::span<float> NvmeState(uint32_t i) const {
-    auto payload = store->Payload(NvmeBuf(i));
-    return {reinterpret_cast<float*>(payload.data()), sub_groups[i].elems() * arrays};
-  }
-  std::span<float> HostState(uint32_t i) const {
-    return host_state[i].as<float>().first(sub_groups[i].elems() * arrays);
-  }
-  std::string SubGroupName(uint32_t i) const {
-    return extent_of[i] >= 0 ? fmt::format("sub-group {} (nvme extent {})", i, extent_of[i])
-                             : fmt::format("sub-group {} (host)", i);
-  }
+  std::optional<StepDecision> pending;  // a step that failed part way (StepState::kFailed)
+  Status failure;                       // its error
+  std::vector<uint8_t> done;            // per sub-group, for the pending step
+  size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
+  bool host_stats = false;              // the statistics were a host pass (accumulation)
 
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
   Status InitPlan(std::span<const ParamGroup> groups);  // validation, layout, placement
   Status AgreeOnPlan(Status planned);                   // several ranks
-  Status InitBuffers(const EngineContext& context);     // store, buffers, initial state
+  Status InitUnits(const EngineContext& context);       // buffers, store, initial state
+  Status InitState();
   Status OtherRankFailed() const;
-  Status LaunchBucket(uint32_t i);
-  Status OrderAfterUser();
-  Status ReduceGradients();
   Status AllReduceDoubles(std::span<double> values, ReduceOp op);
-  Status Update(uint32_t i, std::span<float> state, void* out, const Pending& p);
-  std::future<Status> ReadJob(uint32_t i);
-  std::future<Status> WriteJob(uint32_t i);
+  Status Update(uint32_t i, std::span<float> state, GradView grad, void* out,
+                const StepDecision& d);
   Status Step();
-  Status RunPipeline(const Pending& p);
+  Status HandOverAndDecide();
+  Status RunPipeline(const StepDecision& d);
+  void FillStats(const StepDecision& d, double t0);
   Status FailedStepError(std::string_view op) const;
   void EndFailedStep() {
     pending.reset();
     failure = OkStatus();
   }
-  Status BuildEntries();  // pack/unpack entries from the params' pointers
-  // Queues the reads of the first buffer_count NVMe extents (not yet queued).
-  void StartReads() {
-    reads.resize(nvme_order.size());
-    for (uint32_t k = 0; k < nvme_order.size() && k < buffer_count; ++k) {
-      if (!reads[k].valid()) reads[k] = ReadJob(nvme_order[k]);
-    }
+  void ResetReadiness() {
+    std::fill(ready_count.begin(), ready_count.end(), 0);
+    std::fill(tensor_ready.begin(), tensor_ready.end(), 0);
   }
-  void DrainReads() {
-    for (auto& r : reads) {
-      if (r.valid()) r.get().IgnoreError();
-    }
-  }
-  void ConsumeGrads();
 };
 
 // ---- Create -----------------------------------------------------------------
@@ -288,27 +246,30 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
   }
   device = context.device;
   comm = context.comm;
+  storage = context.storage;
   user_stream = context.stream ? context.stream : device->DefaultStream();
   if (comm != nullptr) {
     rank = comm->rank();
     world = comm->world_size();
   }
+  trace.recorder = context.trace;
+  trace.rank = rank;
   // Every rank returns from Create having failed or not together: a rank
   // whose Create succeeded while another's failed would wait for it in the
   // first collective of Step.
   if (world == 1) {
     STRATA_RETURN_IF_ERROR(InitPlan(groups));
-    return InitBuffers(context);
+    return InitUnits(context);
   }
   Status planned = InitPlan(groups);
   STRATA_RETURN_IF_ERROR(AgreeOnPlan(planned));
-  Status built = InitBuffers(context);
+  Status built = InitUnits(context);
   double failed[1] = {built.ok() ? 0.0 : 1.0};
   Status agreed = AllReduceDoubles(failed, ReduceOp::kMax);
   if (!built.ok()) return built;
   STRATA_RETURN_IF_ERROR((std::move(agreed)).WithContext(kOp));
   if (failed[0] > 0) return OtherRankFailed();
-  comm_grad_clock = StageClock{};  // the first step's times are the step's own
+  control_clock = {};  // the first step's times are the step's own
   return OkStatus();
 }
 
@@ -385,8 +346,7 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
   LogInfo(fmt::format("rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups)\n{}", rank,
                       world, params.size(), layout.tensor_elems, shard.elems(), sub_groups.size(),
                       FormatPlan(plan)));
-
-  buffer_count = inputs.buffer_count;  // config.buffer_count, at most one per sub-group
+  slots = inputs.buffer_count;  // config.buffer_count, at most one per sub-group
   return OkStatus();
 }
 
@@ -403,13 +363,6 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
     mix(static_cast<uint64_t>(config.param_dtype));
     digest = static_cast<double>(h >> 12);  // exact in a double
   }
-  // The collectives need a stream and small buffers; the rest comes later.
-  STRATA_ASSIGN_OR_RETURN(grad_stream, device->CreateStream());
-  STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
-  STRATA_ASSIGN_OR_RETURN(PinnedPool p,
-                          PinnedPool::Create(*device, {.budget_bytes = 4096, .slab_bytes = 4096}));
-  small_pool.emplace(std::move(p));
-  STRATA_ASSIGN_OR_RETURN(small, small_pool->Allocate(4096));
   double v[3] = {digest, max_digest - digest, planned.ok() ? 0.0 : 1.0};
   Status reduced = AllReduceDoubles(v, ReduceOp::kMax);
   if (!planned.ok()) return planned;
@@ -424,22 +377,18 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
   return OkStatus();
 }
 
-Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
+Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
   constexpr std::string_view kOp = "create offload optimizer";
   arrays = ArrayCount(config.optimizer);
   param_bytes = DTypeSize(config.param_dtype);
-  for (const ElemRange& r : sub_groups) max_sg_elems = std::max(max_sg_elems, r.elems());
 
-  // Runs, pack/unpack entries and the tensors each bucket waits for.
-  tensor_buckets.assign(params.size(), {});
-  bucket_need.assign(sub_groups.size(), 0);
-  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
-    const uint64_t elems = sub_groups[i].elems();
-    STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> own, PiecesInRange(layout, sub_groups[i]));
+  // Runs of one group's hyperparameters per sub-group.
+  for (const ElemRange& sg : sub_groups) {
+    STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> own, PiecesInRange(layout, sg));
     std::vector<Run> rs;
     for (const TensorPiece& piece : own) {
       const uint32_t g = param_group[piece.tensor];
-      const uint64_t at = piece.flat_offset_elems - sub_groups[i].begin;
+      const uint64_t at = piece.flat_offset_elems - sg.begin;
       if (rs.empty()) {
         rs.push_back({0, 0, g});
       } else if (rs.back().group != g) {
@@ -448,262 +397,112 @@ Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
       }
     }
     if (rs.empty()) rs.push_back({0, 0, 0});  // all padding
-    rs.back().end = elems;
+    rs.back().end = sg.elems();
     runs.push_back(std::move(rs));
-    for (int r = 0; r < world; ++r) {
-      const ElemRange range{r * layout.shard_elems + Rel(i),
-                            r * layout.shard_elems + Rel(i) + elems};
-      STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> pieces, PiecesInRange(layout, range));
-      for (const TensorPiece& piece : pieces) {
-        auto& tb = tensor_buckets[piece.tensor];
-        if (tb.empty() || tb.back() != i) {
-          tb.push_back(i);
-          ++bucket_need[i];
-        }
-      }
-    }
   }
-  STRATA_RETURN_IF_ERROR(BuildEntries());
-
-  // NVMe store.
-  extent_of.assign(sub_groups.size(), -1);
-  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
-    if (plan.sub_groups[i].tier == Tier::kNvme) {
-      extent_of[i] = static_cast<int32_t>(nvme_order.size());
-      nvme_order.push_back(i);
-    }
-  }
-  Storage* storage = context.storage;
-  if (!nvme_order.empty()) {
-    if (storage == nullptr) {
-      STRATA_ASSIGN_OR_RETURN(owned_storage, CreateStorage({}));
-      storage = owned_storage.get();
-    }
-    STRATA_ASSIGN_OR_RETURN(
-        store,
-        StateStore::Create(*storage, {.paths = config.nvme_paths,
-                                      .rank = static_cast<uint32_t>(rank),
-                                      .extent_bytes = max_sg_elems * arrays * 4,
-                                      .num_extents = static_cast<uint32_t>(nvme_order.size()),
-                                      .block_bytes = config.aio.block_bytes,
-                                      .queue_depth = config.aio.queue_depth}));
-    io = std::make_unique<internal::IoQueue>();
-  }
-
-  // Pinned memory: one slab holding every buffer (all are taken here and
-  // kept, so first fit packs them with no gap), plus the accumulation scratch.
-  auto round = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
-  uint64_t need = round(shard.elems() * 4) + buffer_count * round(max_sg_elems * param_bytes) +
-                  4096 + buffer_count * round(max_sg_elems * 4);
-  if (store) need += buffer_count * round(store->ExtentBufferBytes());
-  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
-    if (extent_of[i] < 0) need += round(sub_groups[i].elems() * arrays * 4);
-  }
-  STRATA_ASSIGN_OR_RETURN(pool,
-                          PinnedPool::Create(*device, {.budget_bytes = need, .slab_bytes = need}));
-  STRATA_ASSIGN_OR_RETURN(grad_buf, pool->Allocate(shard.elems() * 4));
-  std::memset(grad_buf.data(), 0, grad_buf.size_bytes());
-  for (uint32_t b = 0; b < buffer_count; ++b) {
-    STRATA_ASSIGN_OR_RETURN(PinnedBuffer pb, pool->Allocate(max_sg_elems * param_bytes));
-    param_staging.push_back(std::move(pb));
-  }
-  STRATA_ASSIGN_OR_RETURN(small, pool->Allocate(4096));
-  if (store) {
-    std::vector<std::span<std::byte>> spans;
-    for (uint32_t b = 0; b < buffer_count; ++b) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer nb, pool->Allocate(store->ExtentBufferBytes()));
-      std::memset(nb.data(), 0, nb.size_bytes());
-      spans.push_back(nb.bytes().first(store->ExtentBufferBytes()));
-      nvme_bufs.push_back(std::move(nb));
-    }
-    STRATA_RETURN_IF_ERROR((store->RegisterBuffers(spans)).WithContext(kOp));
-  }
-  host_state.resize(sub_groups.size());
-  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
-    if (extent_of[i] >= 0) continue;
-    STRATA_ASSIGN_OR_RETURN(host_state[i], pool->Allocate(sub_groups[i].elems() * arrays * 4));
-  }
-
-  // Device side.
-  for (uint32_t b = 0; b < buffer_count; ++b) {
-    STRATA_ASSIGN_OR_RETURN(
-        DeviceBuffer db, device->Allocate(world * max_sg_elems * std::max<size_t>(4, param_bytes)));
-    buckets.push_back(std::move(db));
-  }
-  if (!dev_small.data()) {
-    STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
-  }
+  STRATA_ASSIGN_OR_RETURN(map, TensorMap::Build({.layout = &layout,
+                                                 .shard = shard,
+                                                 .sub_groups = sub_groups,
+                                                 .rank = rank,
+                                                 .world = world,
+                                                 .params = params,
+                                                 .grad_dtype = config.grad_dtype,
+                                                 .param_dtype = config.param_dtype}));
   if (!grad_stream) {
     STRATA_ASSIGN_OR_RETURN(grad_stream, device->CreateStream());
   }
-  STRATA_ASSIGN_OR_RETURN(h2d_stream, device->CreateStream());
-  STRATA_ASSIGN_OR_RETURN(user_event, device->CreateEvent());
-  STRATA_ASSIGN_OR_RETURN(grad_event, device->CreateEvent());
-  STRATA_ASSIGN_OR_RETURN(h2d_event, device->CreateEvent());
-  for (uint32_t b = 0; b < buffer_count; ++b) {
-    STRATA_ASSIGN_OR_RETURN(Event e, device->CreateEvent());
-    slot_events.push_back(std::move(e));
+  if (!small.data()) {
+    STRATA_ASSIGN_OR_RETURN(small, internal::AllocatePinned(*device, 4096));
+    STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
   }
+  STRATA_ASSIGN_OR_RETURN(grads, GradPath::Create({.device = device,
+                                                   .comm = comm,
+                                                   .rank = rank,
+                                                   .world = world,
+                                                   .stream = grad_stream,
+                                                   .user_stream = user_stream,
+                                                   .map = &map,
+                                                   .params = &params,
+                                                   .sub_groups = sub_groups,
+                                                   .shard = shard,
+                                                   .grad_dtype = config.grad_dtype,
+                                                   .wire_dtype = config.comm_dtype,
+                                                   .slots = slots,
+                                                   .trace = &trace}));
+  STRATA_ASSIGN_OR_RETURN(publisher, ParamPublisher::Create({.device = device,
+                                                             .comm = comm,
+                                                             .rank = rank,
+                                                             .world = world,
+                                                             .user_stream = user_stream,
+                                                             .map = &map,
+                                                             .params = &params,
+                                                             .sub_groups = sub_groups,
+                                                             .param_dtype = config.param_dtype,
+                                                             .slots = slots,
+                                                             .trace = &trace}));
+  STRATA_ASSIGN_OR_RETURN(tiers, StateTiers::Create({.device = device,
+                                                     .storage = context.storage,
+                                                     .config = &config,
+                                                     .rank = static_cast<uint32_t>(rank),
+                                                     .sub_groups = sub_groups,
+                                                     .plan = &plan,
+                                                     .arrays = arrays,
+                                                     .nvme_buffers = plan.nvme_buffers,
+                                                     .trace = &trace}));
   STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
   STRATA_ASSIGN_OR_RETURN(LossScaler s, LossScaler::Create(config.loss_scaler));
   scaler.emplace(std::move(s));
-
-  reduced.assign(sub_groups.size(), 0);
-  has_grad.assign(sub_groups.size(), 0);
   ready_count.assign(sub_groups.size(), 0);
   tensor_ready.assign(params.size(), 0);
   done.assign(sub_groups.size(), 0);
+  if (trace.recorder != nullptr) {
+    // Per sub-group: statistics, D2H, update, read, write, H2D (+ pack,
+    // reduce-scatter, all-gather, unpack with several ranks); a few per step.
+    trace.recorder->ReserveSteps(sub_groups.size() * (world > 1 ? 10 : 6) + 16);
+  }
+  STRATA_RETURN_IF_ERROR((InitState()).WithContext(kOp));
+  tiers->TakeFigures();  // the initial writes are not a step's
+  return OkStatus();
+}
 
-  // Master weights from the params (exact: fp16/bf16 -> fp32), moments zero.
-  STRATA_RETURN_IF_ERROR((OrderAfterUser()).WithContext(kOp));
+// The master weights start as the params (exact: fp16/bf16 -> fp32); the
+// moments and the padding as zero.
+Status OffloadOptimizer::Impl::InitState() {
   for (uint32_t i = 0; i < sub_groups.size(); ++i) {
+    STRATA_RETURN_IF_ERROR((publisher->ReadParams(i, 0))
+                               .WithContext(fmt::format("read the initial params of {}",
+                                                        tiers->Name(i))));
+    const std::byte* staging = publisher->Staging(0);
     const uint64_t elems = sub_groups[i].elems();
-    std::vector<kernels::PackEntry> own;
-    for (const kernels::UnpackEntry& e : unpack[i]) {
-      if (e.offset_elems >= rank * elems && e.offset_elems < (rank + 1) * elems) {
-        own.push_back(
-            {{e.tensor.data, e.tensor.elems, e.tensor.dtype}, e.offset_elems - rank * elems});
-      }
-    }
-    std::span<float> state = extent_of[i] >= 0 ? NvmeState(i) : HostState(i);
     STRATA_RETURN_IF_ERROR(
-        kernels::PackGrads(*device, grad_stream, own, {Bucket(0), elems, DType::kF32}));
-    STRATA_RETURN_IF_ERROR(device->CopyAsync(state.data(), Bucket(0), elems * 4,
-                                             CopyKind::kDeviceToHost, grad_stream));
-    std::fill(state.begin() + elems, state.end(), 0.0f);
-    STRATA_RETURN_IF_ERROR(
-        (device->StreamSynchronize(grad_stream))
-            .WithContext(fmt::format("{}: read the initial params of {}", kOp, SubGroupName(i))));
-    if (extent_of[i] >= 0) {
-      STRATA_RETURN_IF_ERROR(
-          (WriteJob(i).get())
-              .WithContext(fmt::format("{}: write the initial state of {}", kOp, SubGroupName(i))));
-    }
+        (tiers->Fill(i,
+                     [&](std::span<float> s) {
+                       ConvertIn(staging, config.param_dtype, s.first(elems));
+                     }))
+            .WithContext(fmt::format("write the initial state of {}", tiers->Name(i))));
   }
-  {
-    std::lock_guard<std::mutex> lock(io_mu);
-    read_sec = write_sec = 0;
-    read_bytes = write_bytes = 0;
-  }
+  publisher->TakeTimes();
   return OkStatus();
-}
-
-// Every rank's block of each bucket, as pieces of the registered tensors.
-Status OffloadOptimizer::Impl::BuildEntries() {
-  const size_t grad_size = DTypeSize(config.grad_dtype);
-  pack.assign(sub_groups.size(), {});
-  unpack.assign(sub_groups.size(), {});
-  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
-    const uint64_t elems = sub_groups[i].elems();
-    for (int r = 0; r < world; ++r) {
-      const ElemRange range{r * layout.shard_elems + Rel(i),
-                            r * layout.shard_elems + Rel(i) + elems};
-      STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> pieces, PiecesInRange(layout, range));
-      for (const TensorPiece& piece : pieces) {
-        const Param& t = params[piece.tensor];
-        const size_t off = r * elems + (piece.flat_offset_elems - range.begin);
-        pack[i].push_back(
-            {{static_cast<const std::byte*>(t.grad) + piece.tensor_offset_elems * grad_size,
-              piece.elems, config.grad_dtype},
-             off});
-        unpack[i].push_back(
-            {{static_cast<std::byte*>(t.data) + piece.tensor_offset_elems * param_bytes,
-              piece.elems, config.param_dtype},
-             off});
-      }
-    }
-  }
-  return OkStatus();
-}
-
-Status OffloadOptimizer::Impl::FailedStepError(std::string_view op) const {
-  return FailedPreconditionError(fmt::format(
-      "{}: step {} failed part way and is not finished ({}); its update reached some "
-      "sub-groups only. RetryStep() finishes it with the gradients it kept; loading a "
-      "checkpoint or a state_dict replaces the state",
-      op, pending->step, failure.ToString()));
-}
-
-Status OffloadOptimizer::Impl::OrderAfterUser() {
-  STRATA_RETURN_IF_ERROR(device->RecordEvent(user_event, user_stream));
-  return device->StreamWaitEvent(grad_stream, user_event);
-}
-
-// ---- Gradients ----------------------------------------------------------------
-
-Status OffloadOptimizer::Impl::LaunchBucket(uint32_t i) {
-  const uint64_t elems = sub_groups[i].elems();
-  std::byte* bucket = Bucket(i);
-  std::byte* mine = bucket + rank * elems * 4;
-  STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &pack_clock, [&] {
-    return kernels::PackGrads(*device, grad_stream, pack[i], {bucket, world * elems, DType::kF32},
-                              1.0f / static_cast<float>(world));
-  }));
-  if (world > 1) {
-    STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &comm_grad_clock, [&] {
-      return comm->ReduceScatter(bucket, mine, elems, DType::kF32, ReduceOp::kSum, grad_stream);
-    }));
-  }
-  float* dst = GradShard().data() + Rel(i);
-  if (!has_grad[i]) {
-    STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &d2h_clock, [&] {
-      return device->CopyAsync(dst, mine, elems * 4, CopyKind::kDeviceToHost, grad_stream);
-    }));
-    has_grad[i] = 1;
-  } else {
-    // Accumulation: the micro-step's grads land in a scratch buffer and are
-    // added on the host in stream order (fp32, one add per micro-step).
-    if (accum_scratch.empty()) {
-      for (uint32_t b = 0; b < buffer_count; ++b) {
-        STRATA_ASSIGN_OR_RETURN(PinnedBuffer sb, pool->Allocate(max_sg_elems * 4));
-        accum_scratch.push_back(std::move(sb));
-      }
-    }
-    float* scratch = accum_scratch[i % buffer_count].as<float>().data();
-    STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &d2h_clock, [&] {
-      return device->CopyAsync(scratch, mine, elems * 4, CopyKind::kDeviceToHost, grad_stream);
-    }));
-    STRATA_RETURN_IF_ERROR(device->LaunchHostFunc(grad_stream, [dst, scratch, elems] {
-      for (uint64_t k = 0; k < elems; ++k) dst[k] += scratch[k];
-    }));
-  }
-  reduced[i] = 1;
-  ++reduced_count;
-  return OkStatus();
-}
-
-Status OffloadOptimizer::Impl::ReduceGradients() {
-  if (reduced_count < sub_groups.size()) {
-    STRATA_RETURN_IF_ERROR(OrderAfterUser());
-    for (uint32_t i = 0; i < sub_groups.size(); ++i) {
-      if (!reduced[i]) STRATA_RETURN_IF_ERROR(LaunchBucket(i));
-    }
-  }
-  STRATA_RETURN_IF_ERROR(device->RecordEvent(grad_event, grad_stream));
-  std::fill(reduced.begin(), reduced.end(), 0);
-  std::fill(ready_count.begin(), ready_count.end(), 0);
-  std::fill(tensor_ready.begin(), tensor_ready.end(), 0);
-  reduced_count = 0;
-  ++micro_steps;
-  return OkStatus();
-}
-
-void OffloadOptimizer::Impl::ConsumeGrads() {
-  std::fill(has_grad.begin(), has_grad.end(), 0);
-  micro_steps = 0;
 }
 
 Status OffloadOptimizer::Impl::AllReduceDoubles(std::span<double> values, ReduceOp op) {
+  if (!grad_stream) {
+    STRATA_ASSIGN_OR_RETURN(grad_stream, device->CreateStream());
+    STRATA_ASSIGN_OR_RETURN(small, internal::AllocatePinned(*device, 4096));
+    STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
+  }
   auto* host = small.as<double>().data();
   std::copy(values.begin(), values.end(), host);
-  STRATA_RETURN_IF_ERROR(Timed(*device, grad_stream, &comm_grad_clock, [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(device->CopyAsync(dev_small.data(), host, values.size_bytes(),
-                                             CopyKind::kHostToDevice, grad_stream));
-    STRATA_RETURN_IF_ERROR(comm->AllReduce(dev_small.data(), dev_small.data(), values.size(),
-                                           DType::kF64, op, grad_stream));
-    return device->CopyAsync(host, dev_small.data(), values.size_bytes(), CopyKind::kDeviceToHost,
-                             grad_stream);
-  }));
+  STRATA_RETURN_IF_ERROR(internal::TimedOnStream(
+      *device, grad_stream, &control_clock, trace, {TraceTrack::kComm, "all-reduce"},
+      [&]() -> Status {
+        STRATA_RETURN_IF_ERROR(device->CopyAsync(dev_small.data(), host, values.size_bytes(),
+                                                 CopyKind::kHostToDevice, grad_stream));
+        STRATA_RETURN_IF_ERROR(comm->AllReduce(dev_small.data(), dev_small.data(), values.size(),
+                                               DType::kF64, op, grad_stream));
+        return device->CopyAsync(host, dev_small.data(), values.size_bytes(),
+                                 CopyKind::kDeviceToHost, grad_stream);
+      }));
   STRATA_RETURN_IF_ERROR(device->StreamSynchronize(grad_stream));
   std::copy(host, host + values.size(), values.begin());
   return OkStatus();
@@ -711,18 +510,18 @@ Status OffloadOptimizer::Impl::AllReduceDoubles(std::span<double> values, Reduce
 
 // ---- The update -----------------------------------------------------------------
 
-Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, void* out,
-                                      const Pending& p) {
+Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, GradView grad,
+                                      void* out, const StepDecision& d) {
   const uint64_t elems = sub_groups[i].elems();
-  const float* grad = GradShard().data() + Rel(i);
+  const size_t grad_bytes = DTypeSize(grad.dtype);
   for (const Run& run : runs[i]) {
     const size_t n = run.end - run.begin;
     const GroupHyper& h = hypers[run.group];
     std::span<float> master = state.subspan(run.begin, n);
     std::span<float> m1 = state.subspan(elems + run.begin, n);
-    const GradView g{DType::kF32, grad + run.begin, n};
-    const OutView o =
-        MakeOut(config.param_dtype, static_cast<std::byte*>(out) + run.begin * param_bytes, n);
+    const GradView g{grad.dtype, static_cast<const std::byte*>(grad.data) + run.begin * grad_bytes,
+                     n};
+    const OutView o{config.param_dtype, static_cast<std::byte*>(out) + run.begin * param_bytes, n};
     switch (config.optimizer) {
       case OptimizerType::kAdam:
       case OptimizerType::kAdamW: {
@@ -735,8 +534,8 @@ Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, void* 
                                                     ? WeightDecayMode::kL2
                                                     : WeightDecayMode::kDecoupled,
                            .bias_correction = config.adam.bias_correction,
-                           .step = p.step,
-                           .grad_scale = p.grad_scale};
+                           .step = d.step,
+                           .grad_scale = d.grad_scale};
         std::span<float> m2 = state.subspan(2 * elems + run.begin, n);
         STRATA_RETURN_IF_ERROR(cpu->Step(ah, {master, m1, m2}, g, o));
         break;
@@ -746,8 +545,8 @@ Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, void* 
                               .lr_decay = config.adagrad.lr_decay,
                               .eps = h.eps,
                               .weight_decay = h.weight_decay,
-                              .step = p.step,
-                              .grad_scale = p.grad_scale};
+                              .step = d.step,
+                              .grad_scale = d.grad_scale};
         STRATA_RETURN_IF_ERROR(cpu->StepAdagrad(ah, {master, m1}, g, o));
         break;
       }
@@ -756,7 +555,7 @@ Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, void* 
                            .beta1 = h.beta1,
                            .beta2 = h.beta2,
                            .weight_decay = h.weight_decay,
-                           .grad_scale = p.grad_scale};
+                           .grad_scale = d.grad_scale};
         STRATA_RETURN_IF_ERROR(cpu->StepLion(lh, {master, m1}, g, o));
         break;
       }
@@ -765,240 +564,240 @@ Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, void* 
   return OkStatus();
 }
 
-std::future<Status> OffloadOptimizer::Impl::ReadJob(uint32_t i) {
-  const uint32_t id = static_cast<uint32_t>(extent_of[i]);
-  std::span<std::byte> buf = NvmeBuf(i);
-  return io->Submit([this, id, buf, i]() -> Status {
-    const double t0 = Now();
-    Status s = [&]() -> Status {
-      STRATA_ASSIGN_OR_RETURN(StateStore::Ticket t, store->ReadExtent(id, buf));
-      return store->Wait(t);
-    }();
-    std::lock_guard<std::mutex> lock(io_mu);
-    read_sec += Now() - t0;
-    if (s.ok()) read_bytes += buf.size();
-    return std::move(s).WithContext(fmt::format("read the state of {}", SubGroupName(i)));
-  });
+// Stages 1 and 2: the gradients handed over, their statistics over every
+// rank, the decision. A skipped step ends here.
+Status OffloadOptimizer::Impl::HandOverAndDecide() {
+  // A micro-step after accumulated ones that was partly reported is one more
+  // micro-step: it joins the accumulation.
+  if (grads->micro_steps() > 0 && grads->reduced_count() > 0) {
+    STRATA_RETURN_IF_ERROR(grads->Accumulate());
+  }
+  const double ts = NowSec();
+  GradStats st;
+  {
+    HostSlice slice(trace, {TraceTrack::kStep, "decide"});
+    STRATA_ASSIGN_OR_RETURN(st, grads->LocalStats());
+    if (world > 1) {
+      double v[2] = {st.sum_sq, static_cast<double>(st.nonfinite_elems)};
+      STRATA_RETURN_IF_ERROR((AllReduceDoubles(v, ReduceOp::kSum))
+                                 .WithContext("all-reduce the gradient statistics"));
+      st.sum_sq = v[0];
+      st.nonfinite_elems = static_cast<uint64_t>(v[1]);
+    }
+  }
+  last.times.grad_stats = NowSec() - ts;
+  STRATA_ASSIGN_OR_RETURN(StepDecision d, internal::DecideStep(*scaler, st, config.max_grad_norm, step));
+  d.micro_steps = std::max<uint32_t>(grads->micro_steps(), 1);
+  grad_read_bytes = grads->micro_steps() > 0 ? 4 : DTypeSize(grads->wire_dtype());
+  host_stats = grads->micro_steps() > 0;
+  pending = d;
+  return OkStatus();
 }
 
-std::future<Status> OffloadOptimizer::Impl::WriteJob(uint32_t i) {
-  const uint32_t id = static_cast<uint32_t>(extent_of[i]);
-  std::span<std::byte> buf = NvmeBuf(i);
-  return io->Submit([this, id, buf, i]() -> Status {
-    const double t0 = Now();
-    Status s = [&]() -> Status {
-      STRATA_ASSIGN_OR_RETURN(StateStore::Ticket t, store->WriteExtent(id, buf));
-      return store->Wait(t);
-    }();
-    std::lock_guard<std::mutex> lock(io_mu);
-    write_sec += Now() - t0;
-    if (s.ok()) write_bytes += buf.size();
-    return std::move(s).WithContext(fmt::format("write the state of {}", SubGroupName(i)));
-  });
-}
-
-// The pipeline over sub-groups, in index order: NVMe reads run ahead up to
-// buffer_count extents (the IO queue is FIFO, so the read into a buffer is
-// queued after the write that last used it), CPU update into a param staging
-// buffer, write-behind, then H2D + all-gather + unpack on the h2d stream.
-// Errors of one sub-group do not stop the others (every rank must issue every
-// collective); the first one is returned. PipelineMode::kSerial runs the same
-// code with each stage waited for before the next starts and no read-ahead,
-// so that its stage times are those of each stage alone.
-Status OffloadOptimizer::Impl::RunPipeline(const Pending& p) {
+// Stage 3: the pipeline (see the note at the top). Errors of one sub-group
+// do not stop the others (every rank must issue every collective); the first
+// one is returned.
+Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   const uint32_t n = static_cast<uint32_t>(sub_groups.size());
   const bool serial = mode == PipelineMode::kSerial;
-  std::vector<std::future<Status>> writes(nvme_order.size());
-  reads.resize(nvme_order.size());
-  if (!serial) StartReads();
+  std::vector<int32_t> extents(n);
+  for (uint32_t i = 0; i < n; ++i) extents[i] = tiers->extent(i);
+  const internal::PipelineSchedule schedule =
+      internal::MakeSchedule(extents, slots, tiers->nvme_buffers(), mode);
   Status first_error;
   auto fail = [&](Status s) {
     if (first_error.ok()) first_error = std::move(s);
   };
+  STRATA_RETURN_IF_ERROR(publisher->OrderAfterUser());
+  for (uint32_t r : schedule.initial_reads) tiers->StartRead(r);
   double adam_sec = 0;
-  // The h2d stream reuses the buckets the grads were reduced in.
-  STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(h2d_stream, grad_event));
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint64_t elems = sub_groups[i].elems();
-    const uint32_t slot = i % buffer_count;
-    void* staging = param_staging[slot].data();
+  for (const internal::ScheduledUpdate& u : schedule.updates) {
+    const uint32_t i = u.sub_group;
+    for (uint32_t q : u.fetch) {
+      const uint32_t f = schedule.updates[q].sub_group;
+      if (done[f]) continue;
+      if (Status s = grads->Fetch(f, schedule.updates[q].slot); !s.ok()) {
+        fail(std::move(s).WithContext(fmt::format("fetch the gradient of {}", tiers->Name(f))));
+      }
+    }
     bool ok = true;
-    if (Status s = device->EventSynchronize(slot_events[slot]); !s.ok()) {
+    if (Status s = publisher->WaitSlot(u.slot); !s.ok()) {
       fail(std::move(s).WithContext("upload params"));
       ok = false;
     }
     std::span<float> state;
-    const int32_t k = extent_of[i];
-    if (k >= 0) {
-      if (!reads[k].valid()) reads[k] = ReadJob(i);  // serial: read on demand
-      if (Status s = reads[k].get(); !s.ok()) {
-        fail(std::move(s));
+    if (ok) {
+      Result<std::span<float>> acquired = tiers->Acquire(i);
+      if (!acquired.ok()) {
+        fail(acquired.status());
         ok = false;
       } else {
-        state = NvmeState(i);
+        state = *acquired;
       }
-    } else {
-      state = HostState(i);
     }
-    if (ok) {
-      const double t0 = Now();
-      if (done[i]) {
-        ConvertOut(state.first(elems), staging, config.param_dtype);
-      } else if (Status s = Update(i, state, staging, p); !s.ok()) {
-        fail(std::move(s).WithContext(fmt::format("update {}", SubGroupName(i))));
+    void* staging = publisher->Staging(u.slot);
+    if (!ok && !done[i]) {
+      // The slot's gradient copy is still in flight and the slot is reused
+      // by a later fetch: wait for it (this step already failed).
+      (void)grads->Wait(i, u.slot);
+    }
+    if (ok && done[i]) {
+      ConvertOut(state.first(sub_groups[i].elems()), staging, config.param_dtype);
+    } else if (ok) {
+      Result<GradView> grad = grads->Wait(i, u.slot);
+      const double t0 = NowSec();
+      Status s = grad.status();
+      if (s.ok()) {
+        HostSlice slice(trace, {TraceTrack::kCpu, "adam", static_cast<int32_t>(i),
+                                sub_groups[i].elems() * (2 * 4 * arrays + param_bytes +
+                                                         DTypeSize(grad->dtype)),
+                                tiers->on_nvme(i) ? "nvme" : "host"});
+        s = Update(i, state, *grad, staging, d);
+      }
+      adam_sec += NowSec() - t0;
+      if (!s.ok()) {
+        fail(std::move(s).WithContext(fmt::format("update {}", tiers->Name(i))));
         ok = false;
-      } else if (k < 0) {
+      } else if (!tiers->on_nvme(i)) {
         done[i] = 1;
       } else {
-        writes[k] = WriteJob(i);
+        tiers->StartWrite(i);
+        if (serial) {
+          if (Status w = tiers->WaitWrite(i); !w.ok()) {
+            fail(std::move(w));
+          } else {
+            done[i] = 1;
+          }
+        }
       }
-      adam_sec += Now() - t0;
-      if (serial && k >= 0 && writes[k].valid()) writes[k].wait();
     }
-    if (!serial && k >= 0 && k + buffer_count < nvme_order.size()) {
-      reads[k + buffer_count] = ReadJob(nvme_order[k + buffer_count]);
-    }
+    for (uint32_t r : u.read_after) tiers->StartRead(r);
     // Params up. A sub-group that failed here still joins the all-gather
-    // (collectives must match) but is not unpacked on this rank.
-    std::byte* bucket = Bucket(i);
-    std::byte* mine = bucket + rank * elems * param_bytes;
-    if (ok) {
-      STRATA_RETURN_IF_ERROR(Timed(*device, h2d_stream, &h2d_clock, [&] {
-        return device->CopyAsync(mine, staging, elems * param_bytes, CopyKind::kHostToDevice,
-                                 h2d_stream);
-      }));
-    }
-    if (world > 1) {
-      STRATA_RETURN_IF_ERROR(Timed(*device, h2d_stream, &comm_h2d_clock, [&] {
-        return comm->AllGather(mine, bucket, elems, config.param_dtype, h2d_stream);
-      }));
-    }
-    if (ok) {
-      STRATA_RETURN_IF_ERROR(Timed(*device, h2d_stream, &unpack_clock, [&] {
-        return kernels::UnpackParams(*device, h2d_stream,
-                                     {bucket, world * elems, config.param_dtype}, unpack[i]);
-      }));
-    }
-    STRATA_RETURN_IF_ERROR(device->RecordEvent(slot_events[slot], h2d_stream));
+    // (collectives must match) but is not uploaded on this rank.
+    STRATA_RETURN_IF_ERROR(publisher->Publish(i, u.slot, ok ? PublishMode::kUpload
+                                                            : PublishMode::kJoin));
     if (serial) {
-      if (Status s = device->StreamSynchronize(h2d_stream); !s.ok()) {
-        fail(std::move(s).WithContext(fmt::format("upload the params of {}", SubGroupName(i))));
+      if (Status s = publisher->WaitSlot(u.slot); !s.ok()) {
+        fail(std::move(s).WithContext(fmt::format("upload the params of {}", tiers->Name(i))));
       }
     }
   }
-  for (uint32_t k = 0; k < nvme_order.size(); ++k) {
-    if (!writes[k].valid()) continue;
-    if (Status s = writes[k].get(); !s.ok()) {
-      fail(std::move(s));
-    } else {
-      done[nvme_order[k]] = 1;
+  if (Status s = tiers->FinishWrites([&](uint32_t i, const Status& w) {
+        if (w.ok()) done[i] = 1;
+      });
+      !s.ok()) {
+    fail(std::move(s));
+  }
+  tiers->DrainReads();  // reads queued and never consumed (only after an error above)
+  if (Status s = publisher->Finish(); !s.ok()) fail(std::move(s));
+  last.times.adam += adam_sec;
+  if (!first_error.ok()) {
+    // The trainer may zero or reuse its grad tensors before the retry: keep
+    // what this step did not apply.
+    for (uint32_t i = 0; i < n; ++i) {
+      if (done[i]) continue;
+      if (Status s = grads->Keep(i); !s.ok()) {
+        return std::move(first_error)
+            .WithContext(fmt::format(
+                "the gradients of {} could not be kept for a retry ({}); load a checkpoint",
+                tiers->Name(i), s.ToString()));
+      }
     }
   }
-  DrainReads();  // reads queued and never consumed (only after an error above)
-  if (Status s = device->StreamSynchronize(h2d_stream); !s.ok()) fail(std::move(s));
-  last.times.adam += adam_sec;
   return first_error;
 }
 
 Status OffloadOptimizer::Impl::Step() {
-  const double t0 = Now();
+  const double t0 = NowSec();
   last = StepStats{};
-  Pending p;
-  if (pending) {
-    p = *pending;
-  } else {
-    // The first reads do not depend on the grads: start them now. The
-    // pipeline finds them already queued.
-    if (mode == PipelineMode::kOverlapped) StartReads();
-    if (micro_steps == 0 || reduced_count > 0) {
-      STRATA_RETURN_IF_ERROR((ReduceGradients()).WithContext(fmt::format("step {}", step + 1)));
-    }
-    STRATA_RETURN_IF_ERROR(
-        (device->StreamSynchronize(grad_stream))
-            .WithContext(fmt::format("step {}: reduce the gradients", step + 1)));
-    const double ts = Now();
-    STRATA_ASSIGN_OR_RETURN(GradStats st, cpu->ComputeGradStats(GradView::F32(GradShard()), 1.0f));
-    last.times.grad_stats = Now() - ts;
-    last.times.adam += last.times.grad_stats;
-    if (world > 1) {
-      double v[2] = {st.sum_sq, static_cast<double>(st.nonfinite_elems)};
-      STRATA_RETURN_IF_ERROR(
-          (AllReduceDoubles(v, ReduceOp::kSum))
-              .WithContext(fmt::format("step {}: all-reduce the gradient statistics", step + 1)));
-      st.sum_sq = v[0];
-      st.nonfinite_elems = static_cast<uint64_t>(v[1]);
-    }
-    STRATA_ASSIGN_OR_RETURN(LossScaleDecision d, scaler->Update(st.nonfinite_elems));
-    p.step = step + 1;
-    p.loss_scale = d.scale_used;
-    p.micro_steps = micro_steps;
-    p.grad_norm = std::sqrt(st.sum_sq) / d.scale_used;
-    if (d.skip_step) {
-      last.skipped = true;
-    } else {
-      p.grad_scale = GradMultiplier(d.scale_used, st.sum_sq, config.max_grad_norm);
-      p.clip_coef =
-          ClipCoefficient(st.sum_sq / (d.scale_used * d.scale_used), config.max_grad_norm);
-      pending = p;
-      std::fill(done.begin(), done.end(), 0);
-    }
-  }
-  Status result;
-  if (!last.skipped) {
-    result = RunPipeline(p);
-    if (world > 1) {
-      double failed[1] = {result.ok() ? 0.0 : 1.0};
-      if (Status s = AllReduceDoubles(failed, ReduceOp::kSum); !s.ok() && result.ok()) result = s;
-      if (result.ok() && failed[0] > 0) {
-        result = UnavailableError(fmt::format(
-            "{} other rank(s) failed this step; call Step() again on every rank", failed[0]));
+  trace.step = pending ? pending->step : step + 1;
+  HostSlice whole(trace, {TraceTrack::kStep, "step"});
+  if (!pending) {
+    // The first reads do not depend on the gradients: start them now.
+    if (mode == PipelineMode::kOverlapped) {
+      for (uint32_t k = 0; k < tiers->nvme_count() && k < tiers->nvme_buffers(); ++k) {
+        tiers->StartRead(tiers->nvme_order()[k]);
       }
     }
-    if (result.ok()) {
-      step = p.step;
-      pending.reset();
-      ConsumeGrads();
-      STRATA_RETURN_IF_ERROR(device->RecordEvent(h2d_event, h2d_stream));
-      STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(user_stream, h2d_event));
+    Status decided = HandOverAndDecide();
+    if (!decided.ok()) {
+      tiers->DrainReads();
+      return std::move(decided).WithContext(fmt::format("step {}", step + 1));
     }
-  } else {
-    DrainReads();
-    ConsumeGrads();
+    std::fill(done.begin(), done.end(), 0);
+    if (pending->skip) {
+      const StepDecision d = *pending;
+      pending.reset();
+      tiers->DrainReads();
+      grads->Consume();
+      ResetReadiness();
+      last.skipped = true;
+      FillStats(d, t0);
+      return OkStatus();
+    }
   }
-  last.step = step;
-  last.loss_scale = p.loss_scale;
-  last.grad_norm = p.grad_norm;
-  last.clip_coef = p.clip_coef;
-  last.micro_steps = p.micro_steps;
-  last.times.d2h = d2h_clock.busy;
-  last.times.h2d = h2d_clock.busy;
-  last.times.comm = comm_grad_clock.busy + comm_h2d_clock.busy;
-  last.times.device = pack_clock.busy + unpack_clock.busy;
-  {
-    std::lock_guard<std::mutex> lock(io_mu);
-    last.times.read = read_sec;
-    last.times.write = write_sec;
-    last.read_bytes = read_bytes;
-    last.write_bytes = write_bytes;
-    read_sec = write_sec = 0;
-    read_bytes = write_bytes = 0;
+  const StepDecision d = *pending;
+  Status result = RunPipeline(d);
+  if (world > 1) {
+    double failed[1] = {result.ok() ? 0.0 : 1.0};
+    if (Status s = AllReduceDoubles(failed, ReduceOp::kSum); !s.ok() && result.ok()) result = s;
+    if (result.ok() && failed[0] > 0) {
+      result = UnavailableError(fmt::format(
+          "{} other rank(s) failed this step; call RetryStep() on every rank", failed[0]));
+    }
   }
-  d2h_clock = h2d_clock = comm_grad_clock = comm_h2d_clock = StageClock{};
-  pack_clock = unpack_clock = StageClock{};
-  last.d2h_bytes = 0;
-  last.h2d_bytes = 0;
-  for (const ElemRange& r : sub_groups) {
-    last.d2h_bytes += r.elems() * 4 * std::max<uint32_t>(p.micro_steps, 1);
-    if (!last.skipped) last.h2d_bytes += r.elems() * param_bytes;
+  if (result.ok()) {
+    step = d.step;
+    EndFailedStep();
+    grads->Consume();
+    ResetReadiness();
   }
-  last.times.step = Now() - t0;
+  FillStats(d, t0);
   if (!result.ok()) {
-    result = std::move(result).WithContext(fmt::format("step {}", p.step));
-    if (pending) failure = result;
+    result = std::move(result).WithContext(fmt::format("step {}", d.step));
+    failure = result;
     return result;
   }
-  failure = OkStatus();
   return OkStatus();
+}
+
+void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
+  last.step = step;
+  last.loss_scale = d.loss_scale;
+  last.grad_norm = d.grad_norm;
+  last.clip_coef = d.clip_coef;
+  last.micro_steps = d.micro_steps;
+  const internal::GradPathTimes g = grads->TakeTimes();
+  const internal::PublisherTimes p = publisher->TakeTimes();
+  const internal::TierFigures io = tiers->TakeFigures();
+  last.times.d2h = g.d2h;
+  last.times.h2d = p.h2d;
+  last.times.comm = g.comm + p.comm + control_clock.busy;
+  last.times.device = g.device + p.device;
+  last.times.adam += g.host_stats;
+  last.times.read = io.read_sec;
+  last.times.write = io.write_sec;
+  last.read_bytes = io.read_bytes;
+  last.write_bytes = io.write_bytes;
+  last.d2h_bytes = g.d2h_bytes;
+  last.h2d_bytes = p.h2d_bytes;
+  control_clock = {};
+  // The CPU's own pass over host DRAM: the optimizer reads the gradient and
+  // the state and writes the state and the params (the copy engines' DMA is
+  // in d2h/h2d_bytes); accumulation reads its fp32 buffer for the statistics.
+  if (!last.skipped) {
+    last.host_dram_bytes = shard.elems() * (grad_read_bytes + 2 * 4 * arrays + param_bytes);
+  }
+  if (host_stats) last.host_dram_bytes += shard.elems() * 4;
+  last.times.step = NowSec() - t0;
+}
+
+Status OffloadOptimizer::Impl::FailedStepError(std::string_view op) const {
+  return FailedPreconditionError(fmt::format(
+      "{}: step {} failed part way and is not finished ({}); its update reached some "
+      "sub-groups only. RetryStep() finishes it with the gradients it kept; loading a "
+      "checkpoint or a state_dict replaces the state",
+      op, pending->step, failure.ToString()));
 }
 
 // ---- OffloadOptimizer -------------------------------------------------------------
@@ -1009,8 +808,9 @@ OffloadOptimizer::~OffloadOptimizer() {
   if (!impl_) return;
   // Work in flight uses the buffers: let it finish (errors are the steps' business).
   if (impl_->grad_stream) impl_->device->StreamSynchronize(impl_->grad_stream).IgnoreError();
-  if (impl_->h2d_stream) impl_->device->StreamSynchronize(impl_->h2d_stream).IgnoreError();
-  impl_->io.reset();
+  impl_->tiers.reset();
+  impl_->publisher.reset();
+  impl_->grads.reset();
 }
 
 Result<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
@@ -1028,24 +828,28 @@ Status OffloadOptimizer::GradReady(uint32_t index) {
     return OutOfRangeError(
         fmt::format("grad ready: param {} of {} registered", index, m.params.size()));
   }
+  if (m.pending) return m.FailedStepError(fmt::format("grad ready {}", index));
   if (m.tensor_ready[index]) return OkStatus();
   m.tensor_ready[index] = 1;
-  bool ordered = false;
-  for (uint32_t b : m.tensor_buckets[index]) {
-    if (++m.ready_count[b] == m.bucket_need[b] && !m.reduced[b]) {
-      if (!ordered) {
-        STRATA_RETURN_IF_ERROR(m.OrderAfterUser());
-        ordered = true;
-      }
+  m.trace.step = m.step + 1;  // the hand-over belongs to the next step
+  for (uint32_t b : m.map.buckets_of(index)) {
+    if (++m.ready_count[b] == m.map.tensors_in(b) && !m.grads->reduced(b)) {
       STRATA_RETURN_IF_ERROR(
-          (m.LaunchBucket(b))
+          (m.grads->Reduce(b))
               .WithContext(fmt::format("grad ready {}: reduce sub-group {}", index, b)));
     }
   }
   return OkStatus();
 }
 
-Status OffloadOptimizer::ReduceGradients() { return impl_->ReduceGradients(); }
+Status OffloadOptimizer::ReduceGradients() {
+  Impl& m = *impl_;
+  if (m.pending) return m.FailedStepError("reduce gradients");
+  m.trace.step = m.step + 1;
+  STRATA_RETURN_IF_ERROR(m.grads->Accumulate());
+  m.ResetReadiness();
+  return OkStatus();
+}
 
 Status OffloadOptimizer::Step() {
   if (impl_->pending) return impl_->FailedStepError("step");
@@ -1095,43 +899,38 @@ Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
   }
   // Queued work may still read or write the old tensors.
   STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.grad_stream)).WithContext(kOp));
-  STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.h2d_stream)).WithContext(kOp));
+  STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.publisher->stream())).WithContext(kOp));
   p.data = data;
   p.grad = grad;
-  return m.BuildEntries();
+  m.map.Rebind(m.params);
+  return OkStatus();
 }
 
 Status OffloadOptimizer::ZeroGrad() {
   Impl& m = *impl_;
-  // The grad stream may still read the tensors, and bucket 0 serves as the
-  // zero source: order the trainer's stream after both engine streams.
-  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.grad_event, m.grad_stream));
-  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.user_stream, m.grad_event));
-  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.h2d_event, m.h2d_stream));
-  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.user_stream, m.h2d_event));
-  const size_t gsize = DTypeSize(m.config.grad_dtype);
-  const size_t zero_bytes = m.buckets[0].bytes();
-  STRATA_RETURN_IF_ERROR(kernels::PackGrads(*m.device, m.user_stream, {},
-                                            {m.buckets[0].data(), zero_bytes / 4, DType::kF32}));
+  Device& dev = *m.device;
+  // The engine's streams may still read the grad tensors (hand-over) or
+  // write the params: the zeroing on the trainer's stream comes after both.
+  for (StreamRef s : {StreamRef(m.grad_stream), m.publisher->stream()}) {
+    STRATA_ASSIGN_OR_RETURN(Event e, dev.CreateEvent());
+    STRATA_RETURN_IF_ERROR(dev.RecordEvent(e, s));
+    STRATA_RETURN_IF_ERROR(dev.StreamWaitEvent(m.user_stream, e));
+  }
   for (const Param& p : m.params) {
-    const size_t bytes = p.elems * gsize;
-    for (size_t off = 0; off < bytes; off += zero_bytes) {
-      STRATA_RETURN_IF_ERROR(m.device->CopyAsync(
-          static_cast<std::byte*>(p.grad) + off, m.buckets[0].data(),
-          std::min(zero_bytes, bytes - off), CopyKind::kDeviceToDevice, m.user_stream));
-    }
+    if (p.elems == 0) continue;
+    // A pack with no entries sets the whole "bucket" to +0.
+    STRATA_RETURN_IF_ERROR(
+        kernels::PackGrads(dev, m.user_stream, {}, {p.grad, p.elems, m.config.grad_dtype}));
   }
-  // The next reduction must come after the zeroing: it is, since every
-  // reduction is ordered after the trainer's stream. Grads handed over and
-  // not consumed are dropped, except those of a failed step awaiting retry.
+  // Grads handed over and not consumed are dropped, except those of a
+  // failed step awaiting retry (kept by the gradient path).
   if (!m.pending) {
-    STRATA_RETURN_IF_ERROR(m.device->StreamSynchronize(m.grad_stream));
-    m.ConsumeGrads();
+    STRATA_RETURN_IF_ERROR(dev.StreamSynchronize(m.grad_stream));
+    m.grads->Consume();
+  } else {
+    m.grads->ResetMicroStep();
   }
-  std::fill(m.reduced.begin(), m.reduced.end(), 0);
-  std::fill(m.ready_count.begin(), m.ready_count.end(), 0);
-  std::fill(m.tensor_ready.begin(), m.tensor_ready.end(), 0);
-  m.reduced_count = 0;
+  m.ResetReadiness();
   return OkStatus();
 }
 
@@ -1186,17 +985,9 @@ Status OffloadOptimizer::ReadState(uint32_t index, std::span<float> out) {
   if (out.size() != want) {
     return InvalidArgumentError(fmt::format(
         "read state of {}: the output has {} floats; it needs {} ({} arrays of {} elems)",
-        m.SubGroupName(index), out.size(), want, m.arrays, m.sub_groups[index].elems()));
+        m.tiers->Name(index), out.size(), want, m.arrays, m.sub_groups[index].elems()));
   }
-  if (m.extent_of[index] < 0) {
-    std::span<float> s = m.HostState(index);
-    std::copy(s.begin(), s.end(), out.begin());
-    return OkStatus();
-  }
-  STRATA_RETURN_IF_ERROR((m.ReadJob(index).get()).WithContext("read state"));
-  std::span<float> s = m.NvmeState(index);
-  std::copy(s.begin(), s.end(), out.begin());
-  return OkStatus();
+  return m.tiers->Read(index, out).WithContext("read state");
 }
 
 Status OffloadOptimizer::WriteState(uint32_t index, std::span<const float> state) {
@@ -1209,17 +1000,14 @@ Status OffloadOptimizer::WriteState(uint32_t index, std::span<const float> state
   if (state.size() != want) {
     return InvalidArgumentError(fmt::format(
         "write state of {}: the input has {} floats; it needs {} ({} arrays of {} elems)",
-        m.SubGroupName(index), state.size(), want, m.arrays, m.sub_groups[index].elems()));
+        m.tiers->Name(index), state.size(), want, m.arrays, m.sub_groups[index].elems()));
   }
   // New state: a failed step awaiting retry no longer applies.
-  m.EndFailedStep();
-  if (m.extent_of[index] < 0) {
-    std::copy(state.begin(), state.end(), m.HostState(index).begin());
-    return OkStatus();
+  if (m.pending) {
+    m.EndFailedStep();
+    m.grads->Consume();
   }
-  std::span<float> s = m.NvmeState(index);
-  std::copy(state.begin(), state.end(), s.begin());
-  return m.WriteJob(index).get().WithContext("write state");
+  return m.tiers->Write(index, state).WithContext("write state");
 }
 
 LossScalerState OffloadOptimizer::loss_scaler_state() const { return impl_->scaler->state(); }
@@ -1230,67 +1018,45 @@ Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& sc
   }
   STRATA_RETURN_IF_ERROR((impl_->scaler->Restore(scaler)).WithContext("restore counters"));
   impl_->step = step;
-  impl_->EndFailedStep();
+  if (impl_->pending) {
+    impl_->EndFailedStep();
+    impl_->grads->Consume();
+  }
   return OkStatus();
 }
 
-// The param half of RunPipeline for sub-groups that are done: master ->
-// staging -> H2D -> all-gather -> unpack, with the same buffers, events and
-// collectives (every rank issues one all-gather per sub-group, failed or not).
+// The param half of the pipeline for every sub-group, from the committed
+// master weights, with the same slots, events and collectives (every rank
+// issues one all-gather per sub-group, failed or not).
 Status OffloadOptimizer::UploadParams() {
   Impl& m = *impl_;
-  // The copies overwrite params the trainer's stream may still read, and use
-  // the buckets the grad stream may still reduce into.
-  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.user_event, m.user_stream));
-  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.h2d_stream, m.user_event));
-  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.grad_event, m.grad_stream));
-  STRATA_RETURN_IF_ERROR(m.device->StreamWaitEvent(m.h2d_stream, m.grad_event));
+  STRATA_RETURN_IF_ERROR(m.publisher->OrderAfterUser());
   Status first_error;
-  for (uint32_t i = 0; i < m.sub_groups.size(); ++i) {
-    const uint64_t elems = m.sub_groups[i].elems();
-    const uint32_t slot = i % m.buffer_count;
-    void* staging = m.param_staging[slot].data();
+  const uint32_t n = static_cast<uint32_t>(m.sub_groups.size());
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t slot = i % m.slots;
     bool ok = true;
-    if (Status s = m.device->EventSynchronize(m.slot_events[slot]); !s.ok()) {
+    if (Status s = m.publisher->WaitSlot(slot); !s.ok()) {
       if (first_error.ok()) first_error = std::move(s);
       ok = false;
     }
     if (ok) {
-      std::span<float> state;
-      if (m.extent_of[i] >= 0) {
-        if (Status s = m.ReadJob(i).get(); !s.ok()) {
-          if (first_error.ok()) first_error = std::move(s);
-          ok = false;
-        } else {
-          state = m.NvmeState(i);
-        }
+      Result<std::span<float>> state = m.tiers->Acquire(i);
+      if (!state.ok()) {
+        if (first_error.ok()) first_error = state.status();
+        ok = false;
       } else {
-        state = m.HostState(i);
+        ConvertOut(state->first(m.sub_groups[i].elems()), m.publisher->Staging(slot),
+                   m.config.param_dtype);
       }
-      if (ok) ConvertOut(state.first(elems), staging, m.config.param_dtype);
     }
-    std::byte* bucket = m.Bucket(i);
-    std::byte* mine = bucket + m.rank * elems * m.param_bytes;
-    if (ok) {
-      STRATA_RETURN_IF_ERROR(m.device->CopyAsync(mine, staging, elems * m.param_bytes,
-                                                 CopyKind::kHostToDevice, m.h2d_stream));
-    }
-    if (m.world > 1) {
-      STRATA_RETURN_IF_ERROR(
-          m.comm->AllGather(mine, bucket, elems, m.config.param_dtype, m.h2d_stream));
-    }
-    if (ok) {
-      STRATA_RETURN_IF_ERROR(kernels::UnpackParams(
-          *m.device, m.h2d_stream, {bucket, m.world * elems, m.config.param_dtype}, m.unpack[i]));
-    }
-    STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.slot_events[slot], m.h2d_stream));
+    STRATA_RETURN_IF_ERROR(
+        m.publisher->Publish(i, slot, ok ? PublishMode::kUpload : PublishMode::kJoin));
   }
-  if (Status s = m.device->StreamSynchronize(m.h2d_stream); !s.ok() && first_error.ok()) {
-    first_error = std::move(s);
-  }
-  STRATA_RETURN_IF_ERROR(first_error.WithContext("upload params"));
-  STRATA_RETURN_IF_ERROR(m.device->RecordEvent(m.h2d_event, m.h2d_stream));
-  return m.device->StreamWaitEvent(m.user_stream, m.h2d_event);
+  if (Status s = m.publisher->Finish(); !s.ok() && first_error.ok()) first_error = std::move(s);
+  m.publisher->TakeTimes();
+  m.tiers->TakeFigures();
+  return first_error.WithContext("upload params");
 }
 
 }  // namespace strata

@@ -86,6 +86,7 @@
 #include "runtime/device.h"
 #include "runtime/status.h"
 #include "runtime/storage.h"
+#include "runtime/trace.h"
 
 namespace strata {
 
@@ -96,6 +97,9 @@ struct EngineContext {
   Communicator* comm = nullptr;  // nullptr: one rank (world size 1)
   Storage* storage = nullptr;    // NVMe IO; nullptr: the engine opens io_uring (POSIX fallback)
   StreamRef stream;              // the trainer's compute stream; {}: the device's default stream
+  // Where the engine records its timeline while the recorder is enabled
+  // (runtime/trace.h); nullptr: no trace. Several optimizers may share one.
+  TraceRecorder* trace = nullptr;
 };
 
 // One trainer tensor.
@@ -126,18 +130,21 @@ GroupHyper DefaultGroupHyper(const OffloadConfig& config);
 
 // Seconds each stage of the last step kept its resource busy, and the step's
 // wall time. Stages overlap, so they add up to more than `step`. On a GPU the
-// device kernels take milliseconds; on the host device they are the scalar
-// reference code (kernels/kernels_host.cc) and show up.
+// device kernels take milliseconds; on the host device they are host twins
+// (kernels/kernels_host.cc) and show up.
 struct StageTimes {
   double d2h = 0;    // gradient copies device -> pinned host
   double comm = 0;   // reduce-scatter, all-reduce of the statistics, all-gather
   double read = 0;   // NVMe reads of optimizer state
-  double adam = 0;   // CPU optimizer (and gradient statistics)
+  double adam = 0;   // CPU optimizer (and, after accumulation, the host statistics pass)
   double write = 0;  // NVMe writes of optimizer state
   double h2d = 0;    // param copies pinned host -> device
-  double step = 0;   // wall time of Step(), including the reduction it waited for
-  double grad_stats = 0;  // part of `adam`: the norm / non-finite pass over the shard
-  double device = 0;      // device kernels: packing the grads into buckets, unpacking the params
+  double step = 0;   // wall time of Step(), including the hand-over it waited for
+  // Wall time from the start of the step until the decision: waiting for the
+  // gradient statistics (computed on the device, during backward when the
+  // trainer reports GradReady), the all-reduce over ranks, the loss scaler.
+  double grad_stats = 0;
+  double device = 0;  // device kernels: statistics, packs and unpacks (several ranks)
 };
 
 // How Step() schedules its stages. kOverlapped (the default) is the
@@ -159,8 +166,13 @@ struct StepStats {
   StageTimes times;
   uint64_t read_bytes = 0;    // NVMe
   uint64_t write_bytes = 0;   // NVMe
-  uint64_t d2h_bytes = 0;
-  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;      // PCIe, device to host (gradients)
+  uint64_t h2d_bytes = 0;      // PCIe, host to device (params)
+  // Host DRAM bytes the CPU itself reads and writes: the optimizer's one pass
+  // (gradient, state in and out, params out: 28 per element for bf16 Adam)
+  // and, after accumulation, the statistics pass over the fp32 gradient. The
+  // copy engines' DMA is counted in d2h/h2d_bytes, NVMe in read/write_bytes.
+  uint64_t host_dram_bytes = 0;
 };
 
 // kFailed: the last Step()/RetryStep() returned an error after part of its

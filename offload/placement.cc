@@ -84,20 +84,32 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
     all_state += sb;
   }
 
-  plan.buffers.push_back({"grad", Tier::kHost, 1, shard_elems * in.grad_bytes_per_elem});
+  const bool one_rank = in.world_size == 1;
+  if (one_rank) {
+    plan.buffers.push_back(
+        {"grad ring", Tier::kHost, in.buffer_count, max_elems * in.grad_bytes_per_elem});
+  } else {
+    plan.buffers.push_back({"grad shard", Tier::kHost, 1, shard_elems * in.grad_bytes_per_elem});
+  }
   plan.buffers.push_back(
       {"param", Tier::kHost, in.buffer_count, max_elems * in.param_bytes_per_elem});
-  plan.buffers.push_back({"device bucket", Tier::kDevice, in.buffer_count,
-                          uint64_t{in.world_size} * max_elems *
-                              std::max(in.grad_bytes_per_elem, in.param_bytes_per_elem)});
-  plan.device_staging_bytes = plan.buffers.back().total_bytes();
+  const size_t first_device = plan.buffers.size();
+  if (one_rank) {
+    plan.buffers.push_back({"grad stats", Tier::kDevice, 1,
+                            16 * ((shard_elems + 4095) / 4096 + in.sub_group_elems.size())});
+  } else {
+    const uint64_t block = uint64_t{in.world_size} * max_elems;
+    plan.buffers.push_back({"grad bucket", Tier::kDevice, 1, block * in.grad_bytes_per_elem});
+    plan.buffers.push_back({"param bucket", Tier::kDevice, 1, block * in.param_bytes_per_elem});
+  }
+  for (size_t b = first_device; b < plan.buffers.size(); ++b) {
+    plan.device_staging_bytes += plan.buffers[b].total_bytes();
+  }
   if (in.device_budget_bytes != 0 && plan.device_staging_bytes > in.device_budget_bytes) {
     return ResourceExhaustedError(fmt::format(
-        "{}: device staging needs {} ({} buckets x {}) but strata.device_budget is {}; raise "
-        "strata.device_budget to {} or lower zero_optimization.sub_group_size or "
-        "offload_optimizer.buffer_count",
-        kOp, FormatBytes(plan.device_staging_bytes), in.buffer_count,
-        FormatBytes(plan.buffers.back().bytes_each), FormatBytes(in.device_budget_bytes),
+        "{}: device staging needs {} but strata.device_budget is {}; raise "
+        "strata.device_budget to {} or lower zero_optimization.sub_group_size",
+        kOp, FormatBytes(plan.device_staging_bytes), FormatBytes(in.device_budget_bytes),
         FormatBytes(plan.device_staging_bytes)));
   }
   const uint64_t fixed_host = plan.buffers[0].total_bytes() + plan.buffers[1].total_bytes();
@@ -120,6 +132,7 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
                     FormatBytes(in.host_budget_bytes), FormatBytes(fixed_host + all_state)));
   }
   plan.nvme_buffer_bytes = NvmeBufferBytes(max_elems * in.state_bytes_per_elem);
+  plan.nvme_buffers = in.buffer_count;
   plan.buffers.push_back({"nvme", Tier::kHost, in.buffer_count, plan.nvme_buffer_bytes});
   const uint64_t staging = fixed_host + plan.buffers.back().total_bytes();
   plan.host_staging_bytes = staging;
@@ -127,12 +140,13 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
     return ResourceExhaustedError(fmt::format(
         "{}: with all state on NVMe the pinned staging alone needs {} (grad {}, param {} x "
         "{}, nvme {} x {}) but strata.host_budget is {}; raise strata.host_budget to {}, or "
-        "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count, or shard "
-        "over more ranks (the grad buffer holds the rank's whole shard)",
-        kOp, FormatBytes(staging), FormatBytes(plan.buffers[0].bytes_each), in.buffer_count,
+        "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count{}",
+        kOp, FormatBytes(staging), FormatBytes(plan.buffers[0].total_bytes()), in.buffer_count,
         FormatBytes(plan.buffers[1].bytes_each), in.buffer_count,
         FormatBytes(plan.nvme_buffer_bytes), FormatBytes(in.host_budget_bytes),
-        FormatBytes(staging)));
+        FormatBytes(staging),
+        one_rank ? "" : ", or shard over more ranks (the grad shard holds the rank's reduced "
+                        "gradient)"));
   }
   // Host budget 0 with NVMe: staging only, every sub-group on NVMe.
   uint64_t room = in.host_budget_bytes == 0 ? 0 : in.host_budget_bytes - staging;

@@ -13,15 +13,20 @@
 //   LogInfo(FormatPlan(plan));
 //
 // How it decides (docs/offload.md has the whole story):
-//   1. Staging that is always needed, in pinned host memory: the gradient
-//      buffer of the whole shard (grad_bytes_per_elem x shard elems; the clip
-//      coefficient needs the global norm before any sub-group is updated) and
-//      buffer_count param buffers of the largest sub-group (param dtype) for
-//      the H2D uploads. On the device: buffer_count flat buckets of
-//      world_size x the largest sub-group (the larger of the grad and param
-//      element sizes): a bucket holds every rank's block of one sub-group
-//      index, for the reduce-scatter of grads and the all-gather of params;
-//      0 device budget means "not limited".
+//   1. Staging that is always needed, in pinned host memory: the gradients
+//      as they arrive over PCIe (grad_bytes_per_elem: the trainer's dtype
+//      with one rank) — with one rank a ring of buffer_count slots of the
+//      largest sub-group, with several the rank's whole reduced shard (it
+//      waits on the host for the decision) — and buffer_count param
+//      buffers of the largest sub-group (param dtype) for the H2D uploads.
+//      On the device: with one rank only the gradient statistics (16 bytes
+//      per 4096 elements and per tensor); with several a grad bucket and a
+//      param bucket of world_size x the largest sub-group, each holding
+//      every rank's block of one sub-group index for the reduce-scatter and
+//      the all-gather. 0 device budget means "not limited". No fp32
+//      gradient of the shard is planned: it exists only when a trainer
+//      accumulates micro-steps (ReduceGradients), in pageable memory
+//      outside the pinned budget (4 bytes per shard element).
 //   2. If all state fits in what is left of the host budget, everything is
 //      host-resident. A host budget of 0 means "not limited" when NVMe is not
 //      available, and "staging only" when it is (DeepSpeed's device: nvme).
@@ -60,7 +65,7 @@ std::string_view TierName(Tier tier);  // "host", "nvme", "device"
 struct PlacementInputs {
   std::vector<uint64_t> sub_group_elems;  // the rank's sub-groups, in update order
   uint32_t state_bytes_per_elem = 12;     // Adam/AdamW 12, Adagrad 8, Lion 8
-  uint32_t grad_bytes_per_elem = 4;       // pinned grad buffer element (fp32 after reduce)
+  uint32_t grad_bytes_per_elem = 2;       // gradient element as it crosses PCIe
   uint32_t param_bytes_per_elem = 2;      // fp16/bf16 params uploaded H2D
   uint64_t host_budget_bytes = 0;         // pinned DRAM for state + staging
   uint64_t device_budget_bytes = 0;       // device bytes for staging; 0: not limited
@@ -96,6 +101,7 @@ struct PlacementPlan {
   uint64_t host_budget_bytes = 0;  // as given (0: see PlacementInputs)
   uint64_t device_budget_bytes = 0;
   uint64_t nvme_buffer_bytes = 0;  // bytes of one NVMe buffer (0 when no NVMe)
+  uint32_t nvme_buffers = 0;       // NVMe extent buffers: the read-ahead depth (0 when no NVMe)
   uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }
 };
 

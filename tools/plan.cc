@@ -52,7 +52,7 @@ Status RunPlan(const PlanArgs& args) {
                           CutSubGroups(shard, config.sub_group_elems));
   std::vector<uint64_t> sizes;
   for (const ElemRange& g : groups) sizes.push_back(g.elems());
-  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(PlacementInputsFor(config, sizes)));
+  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(PlacementInputsFor(config, sizes, args.world_size)));
   if (args.json) {
     nlohmann::json tiers = nlohmann::json::array();
     for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <thread>
@@ -122,6 +123,99 @@ TEST(EngineOverlap, StepTakesAboutItsSlowestStageNotTheSum) {
   // machine.
   EXPECT_LT(best_overlapped_ratio, 0.75);
   EXPECT_LT(best_overlapped_step, 0.75 * best_serial_step);
+}
+
+// The timeline of one overlapped step (runtime/trace.h), with every stage
+// made slow by sleeping (capped PCIe links both ways, delayed NVMe requests):
+// each sub-group's stages are recorded once with the bytes they moved, and
+// stages of different sub-groups run at the same time on different
+// resources, as the pipeline is designed to. Also the backward overlap: the
+// statistics of a sub-group whose grads were all reported during a simulated
+// backward are computed before that backward ends.
+TEST(EngineTrace, TheTimelineShowsTheStagesOfDifferentSubGroupsOverlapping) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice(
+      {.h2d_bytes_per_sec = kH2dBytesPerSec, .d2h_bytes_per_sec = kH2dBytesPerSec});
+  auto storage = testing::FaultStorage::Create(
+      CreateMemStorage(), {.seed = seed, .latency_one_in = 1, .latency = kRequestLatency});
+  const std::vector<uint64_t> sizes = {20032, 4096, 30016, 11392};  // 16 x 4096
+  TestModel model(*device, sizes, std::vector<uint32_t>(sizes.size(), 0), DType::kBF16,
+                  DType::kBF16);
+  model.SetParams(rng);
+  OffloadConfig config;
+  config.param_dtype = DType::kBF16;
+  config.grad_dtype = DType::kBF16;
+  config.device = OffloadDevice::kNvme;
+  config.nvme_paths = {"/mem/trace"};
+  config.host_budget_bytes = 0;
+  config.sub_group_elems = kSubGroupElems;
+  config.buffer_count = 4;
+  config.aio.block_bytes = kBlockBytes;
+  config.threads = kCpuThreads;
+  auto trace = *TraceRecorder::Create({.steps = 2});
+  const std::vector<GroupHyper> hypers = {{.lr = 1e-3}};
+  auto opt = *OffloadOptimizer::Create(
+      {.device = device.get(), .storage = storage.get(), .trace = trace.get()}, config,
+      model.Groups(hypers));
+  trace->SetEnabled(true);
+  model.SetGrads(model.RandomGrads(rng, 0.1f));
+  // Backward: the last tensors' grads come first, some compute between.
+  for (uint32_t t = sizes.size(); t-- > 0;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_TRUE(opt->GradReady(t).ok());
+  }
+  const uint64_t backward_end = TraceRecorder::Now();
+  ASSERT_TRUE(opt->Step().ok());
+  trace->SetEnabled(false);
+  const std::vector<TraceEvent> events = trace->Events();
+  ASSERT_EQ(trace->dropped(), 0u);
+
+  std::map<std::pair<TraceTrack, int32_t>, TraceEvent> slice;  // (track, sub-group)
+  for (const TraceEvent& e : events) {
+    if (e.kind != TraceKind::kSlice || e.sub_group < 0) continue;
+    if (std::string_view(e.name) == "grad stats" || e.track != TraceTrack::kDevice) {
+      EXPECT_TRUE(slice.emplace(std::make_pair(e.track, e.sub_group), e).second)
+          << e.name << " of sub-group " << e.sub_group << " recorded twice";
+    }
+    EXPECT_EQ(e.step, 1);
+    EXPECT_LE(e.begin_ns, e.end_ns);
+  }
+  for (int32_t i = 0; i < static_cast<int32_t>(kSubGroups); ++i) {
+    for (TraceTrack t : {TraceTrack::kDevice, TraceTrack::kD2H, TraceTrack::kCpu,
+                         TraceTrack::kH2D, TraceTrack::kNvmeRead, TraceTrack::kNvmeWrite}) {
+      ASSERT_TRUE(slice.count({t, i})) << TraceTrackName(t) << " of sub-group " << i;
+    }
+    EXPECT_EQ((slice[{TraceTrack::kD2H, i}].bytes), kSubGroupElems * 2);  // bf16 over PCIe
+    EXPECT_EQ((slice[{TraceTrack::kH2D, i}].bytes), kSubGroupElems * 2);
+  }
+  // Sub-groups whose tensors were all reported before the last one had
+  // their statistics done before backward ended (sub-groups 0-4 hold part of
+  // tensor 0, reported last).
+  for (int32_t i = 5; i < static_cast<int32_t>(kSubGroups); ++i) {
+    EXPECT_LT((slice[{TraceTrack::kDevice, i}].end_ns), backward_end) << "sub-group " << i;
+  }
+  // Some stage of one sub-group overlaps another stage of another sub-group,
+  // for each pair of resources the pipeline runs side by side.
+  auto overlapping = [&](TraceTrack a, TraceTrack b) {
+    for (const auto& [ka, ea] : slice) {
+      if (ka.first != a) continue;
+      for (const auto& [kb, eb] : slice) {
+        if (kb.first != b || kb.second == ka.second) continue;
+        if (ea.begin_ns < eb.end_ns && eb.begin_ns < ea.end_ns) return true;
+      }
+    }
+    return false;
+  };
+  EXPECT_TRUE(overlapping(TraceTrack::kD2H, TraceTrack::kCpu));
+  EXPECT_TRUE(overlapping(TraceTrack::kCpu, TraceTrack::kH2D));
+  EXPECT_TRUE(overlapping(TraceTrack::kD2H, TraceTrack::kH2D));
+  EXPECT_TRUE(overlapping(TraceTrack::kNvmeRead, TraceTrack::kH2D));
+  EXPECT_TRUE(overlapping(TraceTrack::kNvmeWrite, TraceTrack::kD2H));
+  // And the file opens as Chrome trace JSON.
+  const std::string path = ::testing::TempDir() + "/engine_trace.json";
+  ASSERT_TRUE(trace->WriteChromeTrace(path, R"({"test": "engine"})").ok());
+  std::printf("trace: %zu events in %s\n", events.size(), path.c_str());
 }
 
 // Both modes give the same params and state, bit for bit.

@@ -13,6 +13,7 @@
 
 #include "cpu_adam/cpu_adam.h"
 #include "cpu_adam/cpu_adam_reference.h"
+#include "kernels/kernels.h"
 #include "offload/layout.h"
 #include "offload/loss_scaler.h"
 #include "offload/optimizer.h"
@@ -230,16 +231,32 @@ class ReferenceOptimizer {
   int64_t step_ = 0;
 };
 
-// The squared norm and non-finite count the engine computes for one rank
-// (world 1): cpu_adam's statistic over the padded flat fp32 gradient.
-inline GradStats FlatStats(const FlatLayout& layout, const std::vector<size_t>& flat_order,
-                           const std::vector<std::vector<float>>& grads) {
-  std::vector<float> flat(layout.total_elems, 0.0f);
-  for (size_t k = 0; k < flat_order.size(); ++k) {
-    const auto& g = grads[flat_order[k]];
-    std::copy(g.begin(), g.end(), flat.begin() + layout.tensors[k].offset_elems);
+// The squared norm and non-finite count the engine computes over one rank's
+// sub-groups, as GradPath defines them: for each sub-group in order, for
+// each tensor piece in it in order, kernels::GradStats's order over the
+// piece, the piece sums added in that order. `grads` are the values the
+// engine reads (float of the trainer's dtype; the reduced average with
+// several ranks).
+inline GradStats ShardStats(const FlatLayout& layout, std::span<const ElemRange> sub_groups,
+                            const std::vector<size_t>& flat_order,
+                            const std::vector<std::vector<float>>& grads) {
+  GradStats total;
+  for (const ElemRange& sg : sub_groups) {
+    const std::vector<TensorPiece> pieces = *PiecesInRange(layout, sg);
+    for (const TensorPiece& p : pieces) {
+      if (p.elems == 0) continue;
+      const float* g = grads[flat_order[p.tensor]].data() + p.tensor_offset_elems;
+      const kernels::DeviceGradStats s =
+          *kernels::GradStatsOnHost({g, p.elems, DType::kF32}, 1.0f);
+      total.sum_sq += s.sum_sq;
+      total.nonfinite_elems += s.nonfinite_elems;
+    }
   }
-  return *ComputeGradStats(GradView::F32(flat), 1.0f);
+  return total;
+}
+inline GradStats FlatStats(const OffloadOptimizer& opt, const std::vector<size_t>& flat_order,
+                           const std::vector<std::vector<float>>& grads) {
+  return ShardStats(opt.layout(), opt.sub_groups(), flat_order, grads);
 }
 
 // Compares the engine's params (device tensors) and state (ReadState) with

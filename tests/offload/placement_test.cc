@@ -27,12 +27,12 @@ PlacementInputs Small() {
           .block_bytes = 4096};
 }
 
-// grad 350 x 4 + param 4 x 100 x 2 = 2200.
-constexpr uint64_t kFixed = 1400 + 800;
+// One rank: a grad ring of 4 x 100 x 4 + param 4 x 100 x 2 = 2400.
+constexpr uint64_t kFixed = 1600 + 800;
 constexpr uint64_t kAllState = 350 * 12;
 
 // Ten sub-groups of 2048 elems and one of 1024, two buffers, with NVMe:
-// grad 21504 x 4 = 86016, param 2 x 2048 x 2 = 8192, nvme 2 x (24576 + 4096).
+// grad ring 2 x 2048 x 4 = 16384, param 2 x 2048 x 2 = 8192, nvme 2 x (24576 + 4096).
 PlacementInputs Large() {
   PlacementInputs in{.sub_group_elems = {},
                      .state_bytes_per_elem = 12,
@@ -45,7 +45,7 @@ PlacementInputs Large() {
   in.sub_group_elems.push_back(1024);
   return in;
 }
-constexpr uint64_t kLargeStaging = 86016 + 8192 + 2 * 28672;
+constexpr uint64_t kLargeStaging = 16384 + 8192 + 2 * 28672;
 
 TEST(PlacementTest, EverythingFitsInHost) {
   PlacementInputs in = Small();
@@ -58,11 +58,35 @@ TEST(PlacementTest, EverythingFitsInHost) {
   EXPECT_EQ(p->host_staging_bytes, kFixed);
   EXPECT_EQ(p->host_total_bytes(), in.host_budget_bytes);
   EXPECT_EQ(p->nvme_buffer_bytes, 0u);
-  ASSERT_EQ(p->buffers.size(), 3u);  // grad, param, device bucket: no nvme buffers
-  EXPECT_EQ(p->buffers[0].total_bytes(), 1400u);
+  ASSERT_EQ(p->buffers.size(), 3u);  // grad ring, param, grad stats: no nvme buffers
+  EXPECT_EQ(p->buffers[0].name, "grad ring");
+  EXPECT_EQ(p->buffers[0].count, 4u);
+  EXPECT_EQ(p->buffers[0].total_bytes(), 1600u);
   EXPECT_EQ(p->buffers[1].count, 4u);
   EXPECT_EQ(p->buffers[1].bytes_each, 200u);
-  EXPECT_EQ(p->device_staging_bytes, 4u * 100 * 4);
+  // One rank: the device holds only the statistics (16 bytes per 4096
+  // elements and per sub-group), no bucket.
+  EXPECT_EQ(p->buffers[2].name, "grad stats");
+  EXPECT_EQ(p->device_staging_bytes, 16u * (1 + 4));
+}
+
+// Several ranks: the reduced shard waits on the host for the decision (in
+// the wire dtype), and the device holds one grad and one param bucket of
+// every rank's block of the largest sub-group.
+TEST(PlacementTest, SeveralRanksStageTheShardAndTwoBuckets) {
+  PlacementInputs in = Small();
+  in.world_size = 2;
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->buffers.size(), 4u);
+  EXPECT_EQ(p->buffers[0].name, "grad shard");
+  EXPECT_EQ(p->buffers[0].total_bytes(), 350u * 4);
+  EXPECT_EQ(p->buffers[2].name, "grad bucket");
+  EXPECT_EQ(p->buffers[2].total_bytes(), 2u * 100 * 4);
+  EXPECT_EQ(p->buffers[3].name, "param bucket");
+  EXPECT_EQ(p->buffers[3].total_bytes(), 2u * 100 * 2);
+  EXPECT_EQ(p->host_staging_bytes, 1400u + 800);
+  EXPECT_EQ(p->device_staging_bytes, 800u + 400);
 }
 
 TEST(PlacementTest, ZeroHostBudgetWithoutNvmeIsUnlimited) {
@@ -128,11 +152,13 @@ TEST(PlacementTest, RefusesWhenStagingAloneDoesNotFit) {
 
 TEST(PlacementTest, RefusesWhenDeviceStagingExceedsDeviceBudget) {
   PlacementInputs in = Small();
-  in.device_budget_bytes = 1599;  // needs 4 x 100 x 4 = 1600
+  in.world_size = 2;
+  in.device_budget_bytes = 1199;  // needs 2 x 100 x 4 + 2 x 100 x 2 = 1200
   Result<PlacementPlan> p = PlanPlacement(in);
   ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
   EXPECT_TRUE(Contains(p.status().message(), "strata.device_budget")) << p.status();
-  in.device_budget_bytes = 1600;
+  EXPECT_TRUE(Contains(p.status().message(), "needs " + FormatBytes(1200))) << p.status();
+  in.device_budget_bytes = 1200;
   EXPECT_TRUE(PlanPlacement(in).ok());
 }
 
@@ -193,8 +219,10 @@ TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
     // Reference: the fixed staging, then the longest suffix that fits.
     uint64_t shard = 0, max_elems = 0;
     for (uint64_t e : in.sub_group_elems) shard += e, max_elems = std::max(max_elems, e);
-    const uint64_t fixed =
-        shard * in.grad_bytes_per_elem + uint64_t{in.buffer_count} * max_elems * 2;
+    // One rank: a ring of buffer_count gradient slots and as many param slots.
+    const uint64_t fixed = uint64_t{in.buffer_count} * max_elems * in.grad_bytes_per_elem +
+                           uint64_t{in.buffer_count} * max_elems * 2;
+    (void)shard;
     uint64_t all_state = shard * in.state_bytes_per_elem;
     const bool unlimited = in.host_budget_bytes == 0 && in.nvme == NvmeTier::kUnavailable;
     size_t want_host = 0;

@@ -127,9 +127,10 @@ def test_mixed_placement_host_and_nvme(tmp_path):
                                    torch.nn.Linear(160, 160), torch.nn.Tanh(),
                                    torch.nn.Linear(160, 5))
     m_ours, m_ref = wide(), wide()
-    # 28.6k params in 8 sub-groups: 500 KiB holds the NVMe staging and 3 sub-groups.
+    # 28.6k params in 8 sub-groups (335 KiB of state): 450 KiB holds the NVMe
+    # staging (340 KiB) and 2 sub-groups of 48 KiB.
     ours = OffloadAdam(m_ours.parameters(), lr=1e-3, offload="nvme", nvme_path=str(tmp_path),
-                       sub_group_size=4096, host_budget="500KiB")
+                       sub_group_size=4096, host_budget="450KiB")
     ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-3, weight_decay=0.0)
     plan = ours.plan()
     assert plan["host_sub_groups"] > 0 and plan["nvme_sub_groups"] > 0, plan["text"]

@@ -1,0 +1,191 @@
+#include "offload/state_tiers.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace strata::internal {
+
+Result<std::unique_ptr<StateTiers>> StateTiers::Create(const StateTiersOptions& options) {
+  std::unique_ptr<StateTiers> t(new StateTiers(options));
+  STRATA_RETURN_IF_ERROR(t->Init());
+  return t;
+}
+
+StateTiers::~StateTiers() {
+  DrainReads();
+  for (auto& w : writes_) {
+    if (w.valid()) w.get().IgnoreError();
+  }
+  io_.reset();
+}
+
+Status StateTiers::Init() {
+  constexpr std::string_view kOp = "create offload optimizer";
+  Device& dev = *o_.device;
+  const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
+  uint64_t max_elems = 0;
+  for (const ElemRange& r : o_.sub_groups) max_elems = std::max(max_elems, r.elems());
+  extent_.assign(n, -1);
+  host_.resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (o_.plan->sub_groups[i].tier == Tier::kNvme) {
+      extent_[i] = static_cast<int32_t>(nvme_order_.size());
+      nvme_order_.push_back(i);
+    } else {
+      STRATA_ASSIGN_OR_RETURN(host_[i],
+                              AllocatePinned(dev, o_.sub_groups[i].elems() * o_.arrays * 4));
+    }
+  }
+  if (nvme_order_.empty()) return OkStatus();
+  Storage* storage = o_.storage;
+  if (storage == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(owned_storage_, CreateStorage({}));
+    storage = owned_storage_.get();
+  }
+  const OffloadConfig& c = *o_.config;
+  STRATA_ASSIGN_OR_RETURN(store_,
+                          StateStore::Create(*storage, {.paths = c.nvme_paths,
+                                                        .rank = o_.rank,
+                                                        .extent_bytes = max_elems * o_.arrays * 4,
+                                                        .num_extents = nvme_count(),
+                                                        .block_bytes = c.aio.block_bytes,
+                                                        .queue_depth = c.aio.queue_depth}));
+  const uint32_t k = std::max<uint32_t>(1, std::min(o_.nvme_buffers, nvme_count()));
+  std::vector<std::span<std::byte>> spans;
+  for (uint32_t b = 0; b < k; ++b) {
+    STRATA_ASSIGN_OR_RETURN(PinnedBuffer pb, AllocatePinned(dev, store_->ExtentBufferBytes()));
+    std::memset(pb.data(), 0, pb.size_bytes());
+    spans.push_back(pb.bytes().first(store_->ExtentBufferBytes()));
+    buffers_.push_back(std::move(pb));
+  }
+  STRATA_RETURN_IF_ERROR((store_->RegisterBuffers(spans)).WithContext(kOp));
+  io_ = std::make_unique<IoQueue>();
+  reads_.resize(nvme_count());
+  writes_.resize(nvme_count());
+  return OkStatus();
+}
+
+std::string StateTiers::Name(uint32_t i) const {
+  return on_nvme(i) ? fmt::format("sub-group {} (nvme extent {})", i, extent_[i])
+                    : fmt::format("sub-group {} (host)", i);
+}
+
+std::span<float> StateTiers::HostState(uint32_t i) const {
+  return host_[i].as<float>().first(o_.sub_groups[i].elems() * o_.arrays);
+}
+
+std::span<std::byte> StateTiers::Buffer(uint32_t i) const {
+  return buffers_[static_cast<uint32_t>(extent_[i]) % buffers_.size()].bytes().first(
+      store_->ExtentBufferBytes());
+}
+
+std::span<float> StateTiers::NvmeState(uint32_t i) const {
+  auto payload = store_->Payload(Buffer(i));
+  return {reinterpret_cast<float*>(payload.data()), o_.sub_groups[i].elems() * o_.arrays};
+}
+
+std::future<Status> StateTiers::Job(IoOp op, uint32_t i) {
+  const uint32_t id = static_cast<uint32_t>(extent_[i]);
+  std::span<std::byte> buf = Buffer(i);
+  TraceContext* trace = o_.trace;
+  return io_->Submit([this, op, id, buf, i, trace]() -> Status {
+    const double t0 = NowSec();
+    const uint64_t begin_ns = trace->on() ? TraceRecorder::Now() : 0;
+    const bool read = op == IoOp::kRead;
+    Status s = [&]() -> Status {
+      STRATA_ASSIGN_OR_RETURN(StateStore::Ticket t,
+                              read ? store_->ReadExtent(id, buf) : store_->WriteExtent(id, buf));
+      return store_->Wait(t);
+    }();
+    if (begin_ns != 0) {
+      trace->recorder->Slice(read ? TraceTrack::kNvmeRead : TraceTrack::kNvmeWrite,
+                             read ? "read" : "write", trace->rank, trace->step,
+                             static_cast<int32_t>(i), begin_ns, buf.size(), "nvme");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      (read ? figures_.read_sec : figures_.write_sec) += NowSec() - t0;
+      if (s.ok()) (read ? figures_.read_bytes : figures_.write_bytes) += buf.size();
+    }
+    return std::move(s).WithContext(
+        fmt::format("{} the state of {}", read ? "read" : "write", Name(i)));
+  });
+}
+
+void StateTiers::StartRead(uint32_t i) {
+  if (!on_nvme(i) || reads_[extent_[i]].valid()) return;
+  reads_[extent_[i]] = Job(IoOp::kRead, i);
+}
+
+Result<std::span<float>> StateTiers::Acquire(uint32_t i) {
+  if (!on_nvme(i)) return HostState(i);
+  StartRead(i);
+  STRATA_RETURN_IF_ERROR(reads_[extent_[i]].get());
+  return NvmeState(i);
+}
+
+void StateTiers::StartWrite(uint32_t i) {
+  if (!on_nvme(i)) return;
+  auto& w = writes_[extent_[i]];
+  if (w.valid()) w.get().IgnoreError();  // a retry's second write; the first was reported
+  w = Job(IoOp::kWrite, i);
+}
+
+Status StateTiers::WaitWrite(uint32_t i) {
+  if (!on_nvme(i) || !writes_[extent_[i]].valid()) return OkStatus();
+  return writes_[extent_[i]].get();
+}
+
+Status StateTiers::Fill(uint32_t i, const std::function<void(std::span<float>)>& fill) {
+  std::span<float> s = on_nvme(i) ? NvmeState(i) : HostState(i);
+  std::fill(s.begin(), s.end(), 0.0f);
+  fill(s);
+  if (!on_nvme(i)) return OkStatus();
+  StartWrite(i);
+  return WaitWrite(i);
+}
+
+Status StateTiers::FinishWrites(const std::function<void(uint32_t, const Status&)>& done) {
+  Status first;
+  for (uint32_t k = 0; k < writes_.size(); ++k) {
+    if (!writes_[k].valid()) continue;
+    Status s = writes_[k].get();
+    done(nvme_order_[k], s);
+    if (!s.ok() && first.ok()) first = std::move(s);
+  }
+  return first;
+}
+
+void StateTiers::DrainReads() {
+  for (auto& r : reads_) {
+    if (r.valid()) r.get().IgnoreError();
+  }
+}
+
+Status StateTiers::Read(uint32_t i, std::span<float> out) {
+  std::span<const float> s;
+  if (on_nvme(i)) {
+    StartRead(i);
+    STRATA_RETURN_IF_ERROR(reads_[extent_[i]].get());
+    s = NvmeState(i);
+  } else {
+    s = HostState(i);
+  }
+  std::copy(s.begin(), s.end(), out.begin());
+  return OkStatus();
+}
+
+Status StateTiers::Write(uint32_t i, std::span<const float> state) {
+  return Fill(i, [&](std::span<float> s) { std::copy(state.begin(), state.end(), s.begin()); });
+}
+
+TierFigures StateTiers::TakeFigures() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TierFigures f = figures_;
+  figures_ = TierFigures{};
+  return f;
+}
+
+}  // namespace strata::internal

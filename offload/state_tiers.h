@@ -1,0 +1,121 @@
+// StateTiers: where each sub-group's fp32 state (master weights and moments,
+// one array after the other) lives, behind one interface: pinned DRAM, or an
+// NVMe extent that is read into one of `nvme_buffers` pinned extent buffers,
+// updated there in place (O_DIRECT reads and writes straight from the buffer
+// the optimizer updates: no copy) and written back. Internal to offload/.
+//
+//   tiers.StartRead(i);                        // NVMe read-ahead (any time)
+//   STRATA_ASSIGN_OR_RETURN(std::span<float> s, tiers.Acquire(i));  // waits for it
+//   ... update s ...
+//   tiers.StartWrite(i);                       // write-behind
+//   tiers.StartRead(j);                        // j reuses i's buffer: runs after i's write
+//   STRATA_RETURN_IF_ERROR(tiers.FinishWrites(on_done));
+//
+// The k-th NVMe sub-group (in index order) is extent k and uses buffer
+// k % nvme_buffers. IO runs on one thread of its own; a read queued after a
+// write of the same buffer starts after that write completed, so the
+// pipeline may queue the next read of a buffer right after its write.
+//
+// Errors: the store's (offload/state_store.h), with the sub-group named.
+// Not thread-safe: the engine's driving thread calls it.
+#pragma once
+
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "offload/config.h"
+#include "offload/engine_internal.h"
+#include "offload/engine_io.h"
+#include "offload/layout.h"
+#include "offload/placement.h"
+#include "offload/state_store.h"
+#include "runtime/device.h"
+#include "runtime/storage.h"
+
+namespace strata::internal {
+
+struct StateTiersOptions {
+  Device* device = nullptr;
+  Storage* storage = nullptr;  // null: the tiers open io_uring (POSIX fallback) when needed
+  const OffloadConfig* config = nullptr;
+  uint32_t rank = 0;
+  std::span<const ElemRange> sub_groups;
+  const PlacementPlan* plan = nullptr;
+  uint32_t arrays = 3;
+  uint32_t nvme_buffers = 2;
+  TraceContext* trace = nullptr;
+};
+
+struct TierFigures {
+  double read_sec = 0, write_sec = 0;  // IO thread busy time
+  uint64_t read_bytes = 0, write_bytes = 0;
+};
+
+class StateTiers {
+ public:
+  static Result<std::unique_ptr<StateTiers>> Create(const StateTiersOptions& options);
+  ~StateTiers();
+  StateTiers(const StateTiers&) = delete;
+  StateTiers& operator=(const StateTiers&) = delete;
+
+  bool on_nvme(uint32_t i) const { return extent_[i] >= 0; }
+  int32_t extent(uint32_t i) const { return extent_[i]; }
+  uint32_t nvme_count() const { return static_cast<uint32_t>(nvme_order_.size()); }
+  uint32_t nvme_buffers() const { return static_cast<uint32_t>(buffers_.size()); }
+  std::span<const uint32_t> nvme_order() const { return nvme_order_; }
+  // "sub-group 3 (host)", "sub-group 5 (nvme extent 2)".
+  std::string Name(uint32_t i) const;
+
+  // A host sub-group's state (its elems x arrays floats).
+  std::span<float> HostState(uint32_t i) const;
+  // NVMe: queues the read of i into its buffer, unless one is queued.
+  void StartRead(uint32_t i);
+  // The state to update: the host arrays, or the NVMe buffer once its read
+  // completed (queued now if it was not).
+  Result<std::span<float>> Acquire(uint32_t i);
+  // NVMe: queues the write of i's buffer (a new committed generation).
+  void StartWrite(uint32_t i);
+  // Waits for the write of i queued last (serial mode); OK for a host one.
+  Status WaitWrite(uint32_t i);
+  // Waits for every write queued and not waited for; `done(i, status)` for each.
+  Status FinishWrites(const std::function<void(uint32_t, const Status&)>& done);
+  // Waits for reads queued and never acquired (after an error).
+  void DrainReads();
+
+  // Sets i's whole state: `fill` writes it (elems x arrays floats, zeroed
+  // first) in place, then an NVMe one is written. For the initial state.
+  Status Fill(uint32_t i, const std::function<void(std::span<float>)>& fill);
+
+  // Whole-state access between steps (checkpoints, tests).
+  Status Read(uint32_t i, std::span<float> out);
+  Status Write(uint32_t i, std::span<const float> state);
+
+  TierFigures TakeFigures();
+
+ private:
+  explicit StateTiers(const StateTiersOptions& options) : o_(options) {}
+  Status Init();
+  std::span<std::byte> Buffer(uint32_t i) const;
+  std::span<float> NvmeState(uint32_t i) const;
+  std::future<Status> Job(IoOp op, uint32_t i);
+
+  StateTiersOptions o_;
+  std::vector<int32_t> extent_;      // per sub-group: NVMe extent or -1
+  std::vector<uint32_t> nvme_order_;  // extent -> sub-group
+  std::vector<PinnedBuffer> host_;    // per sub-group (empty for NVMe)
+  std::vector<PinnedBuffer> buffers_;
+  std::unique_ptr<Storage> owned_storage_;
+  std::unique_ptr<StateStore> store_;
+  std::unique_ptr<IoQueue> io_;
+  std::vector<std::future<Status>> reads_;   // per extent
+  std::vector<std::future<Status>> writes_;  // per extent
+  std::mutex mu_;                            // figures (the IO thread adds)
+  TierFigures figures_;
+};
+
+}  // namespace strata::internal

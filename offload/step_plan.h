@@ -1,0 +1,65 @@
+// The two pure parts of a step (internal to offload/): the decision taken
+// from the global gradient statistics, and the schedule of the sub-group
+// pipeline. No device, no IO: unit-tested alone (tests/offload/step_plan_test.cc).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cpu_adam/cpu_adam.h"
+#include "offload/loss_scaler.h"
+#include "offload/optimizer.h"
+#include "runtime/status.h"
+
+namespace strata::internal {
+
+// What a step does with its gradients.
+struct StepDecision {
+  bool skip = false;       // non-finite gradients: no update (the scaler moved)
+  int64_t step = 0;        // the step number of the update (skipped: the last one taken)
+  double loss_scale = 1;   // the scale the gradients carry
+  float grad_scale = 1;    // the optimizer's multiplier: clip coefficient / loss scale
+  float clip_coef = 1;     // 1 when not clipped
+  double grad_norm = 0;    // L2 norm of the unscaled gradients, before clipping
+  uint32_t micro_steps = 1;  // gradients accumulated into the step (for StepStats)
+};
+
+// From the global statistics of the scaled gradients (summed over ranks):
+// advances the scaler (its error at min_scale is returned) and derives the
+// clip coefficient and the multiplier, as LossScaler and ClipCoefficient
+// define them. `steps_taken` is the optimizer's step count before this step.
+Result<StepDecision> DecideStep(LossScaler& scaler, const GradStats& global,
+                                double max_grad_norm, int64_t steps_taken);
+
+// One position of the pipeline: the sub-group updated there, its ring slot
+// (the gradient slot and the param staging slot), the gradients to start
+// fetching before waiting for its own (positions, so slot = position %
+// slots), and the NVMe reads to queue right after its update (the write of
+// its buffer is queued by then; the IO thread runs a read of a buffer after
+// the write of that buffer).
+struct ScheduledUpdate {
+  uint32_t sub_group = 0;
+  uint32_t slot = 0;
+  std::vector<uint32_t> fetch;       // positions
+  std::vector<uint32_t> read_after;  // sub-groups
+};
+
+struct PipelineSchedule {
+  uint32_t slots = 1;
+  std::vector<uint32_t> initial_reads;  // sub-groups: queued when the step starts
+  std::vector<ScheduledUpdate> updates;
+};
+
+// Sub-groups are updated in index order. kOverlapped: the first `slots`
+// gradients are fetched up front and each update frees a slot for the next
+// fetch; the first `nvme_buffers` NVMe sub-groups are read when the step
+// starts (before the decision: state reads do not depend on gradients) and
+// each NVMe update queues the read that reuses its buffer. kSerial: each
+// fetch at its own position, no read-ahead (Acquire reads on demand).
+// `nvme_extent[i]` is sub-group i's extent (-1: DRAM); extents are numbered
+// in index order.
+PipelineSchedule MakeSchedule(std::span<const int32_t> nvme_extent, uint32_t slots,
+                              uint32_t nvme_buffers, PipelineMode mode);
+
+}  // namespace strata::internal
