@@ -1,15 +1,19 @@
 // The Storage/File contract, run against every backend and every wrapper with
 // its faults off. A new backend must pass it.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
 
 #include "runtime/storage.h"
+#include "runtime/storage_internal.h"
 #include "runtime/testing/fault_storage.h"
 #include "runtime/testing/test_util.h"
+#include "runtime/units.h"
 
 namespace strata {
 namespace {
@@ -231,6 +235,76 @@ TEST_P(StorageConformance, RegisteredBuffersAreUsedAndNeedNoIoInFlight) {
   ASSERT_TRUE(r.status.ok()) << r.status;
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
   ASSERT_TRUE(f->RegisterBuffers({}).ok());
+}
+
+// Anonymous memory mapped with transparent huge pages where the kernel
+// offers them and not touched here: only what the test writes (or io_uring
+// pins) is faulted in, 2 MiB at a time, which keeps a 1 GiB buffer cheap.
+class HugeBuffer {
+ public:
+  explicit HugeBuffer(size_t size_bytes) : size_(size_bytes) {
+    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) std::abort();
+    madvise(p, size_, MADV_HUGEPAGE);  // advice only: fine where refused
+    data_ = static_cast<std::byte*>(p);
+  }
+  ~HugeBuffer() { munmap(data_, size_); }
+  HugeBuffer(const HugeBuffer&) = delete;
+  HugeBuffer& operator=(const HugeBuffer&) = delete;
+  std::span<std::byte> span() { return {data_, size_}; }
+  std::byte* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_;
+  std::byte* data_;
+};
+
+// One buffer larger than io_uring's 1 GiB cap per registered buffer: it is
+// registered (in two pieces on io_uring) and IO through every part of it is
+// correct: inside the first piece, inside the second, and across the cut.
+TEST_P(StorageConformance, RegisteredBufferLargerThanOneGiBIsUsed) {
+  auto f = OpenNew("big", 8);
+  const size_t cut = kGiB;
+  HugeBuffer big(cut + 16 * kMiB);
+  std::span<std::byte> bufs[] = {big.span()};
+  ASSERT_TRUE(f->RegisterBuffers(bufs).ok());
+  const bool uring = f->info().backend.find("uring") != std::string::npos;
+  const internal::MemlockLimits limits = internal::CurrentMemlockLimits();
+  const bool may_pin = limits.cap_ipc_lock || limits.limit_bytes >= big.size();
+  if (uring && may_pin) {
+    EXPECT_TRUE(f->info().fixed_buffers);
+    EXPECT_EQ(f->info().fixed_buffer_ranges, 2u);
+  }
+  // Three 1 MiB blocks: the last of the first piece, the first of the
+  // second, and one straddling the cut (submitted unregistered).
+  const size_t block = kMiB;
+  const size_t sources[] = {cut - block, cut, cut - block / 2};
+  FillPattern(big.span().subspan(cut - block, 2 * block), 21);
+  std::vector<IoRequest> w;
+  for (size_t k = 0; k < 3; ++k) {
+    w.push_back(IoRequest::Write(k * block, big.span().subspan(sources[k], block)));
+  }
+  for (IoRequest* r : RunAll(*f, w)) ASSERT_TRUE(r->status.ok()) << r->status;
+  std::vector<std::byte> want(3 * block);
+  for (size_t k = 0; k < 3; ++k) {
+    std::memcpy(want.data() + k * block, big.data() + sources[k], block);
+  }
+  // Read the file back into the far end of the second piece, and into the
+  // start of the first.
+  const size_t far = cut + 8 * kMiB;
+  std::vector<IoRequest> r = {IoRequest::Read(0, big.span().subspan(far, 3 * block)),
+                              IoRequest::Read(2 * block, big.span().subspan(0, block))};
+  for (IoRequest* done : RunAll(*f, r)) ASSERT_TRUE(done->status.ok()) << done->status;
+  EXPECT_EQ(std::memcmp(big.data() + far, want.data(), 3 * block), 0);
+  EXPECT_EQ(std::memcmp(big.data(), want.data() + 2 * block, block), 0);
+  ASSERT_TRUE(f->RegisterBuffers({}).ok());
+  EXPECT_FALSE(f->info().fixed_buffers);
+  if (uring && !may_pin) {
+    GTEST_SKIP() << "IO checked, but RLIMIT_MEMLOCK (" << limits.limit_bytes
+                 << " bytes, no CAP_IPC_LOCK) does not allow registering " << big.size()
+                 << " bytes here";
+  }
 }
 
 TEST_P(StorageConformance, ReapWithMinZeroDoesNotBlock) {
