@@ -165,34 +165,57 @@ constexpr size_t kThreads = kGradStatsThreads;
 constexpr size_t kBlockElems = kGradStatsBlockElemsDevice;
 constexpr size_t kRows = kBlockElems / kThreads;  // elements per thread
 
-// The sum of one full block of kBlockElems elements, in the reference's order.
 // Software prefetch distance of GradStats, in blocks: the conversions and
 // the in-order adds keep too few loads in flight for the hardware
 // prefetcher alone to reach memory bandwidth on one core.
 constexpr size_t kPrefetchBlocks = 2;
 
+// Elements [i, i + 2N) of a `T` array as two vectors of N doubles (exact).
+// One full fp32 vector converted, then widened half by half, where the target
+// has halves; two half-width loads otherwise (HWY_SCALAR).
+template <class DD>
+struct Widened {
+  hn::Vec<DD> lo, hi;
+};
+template <DType T, class DD>
+HWY_INLINE Widened<DD> LoadTwoAsF64(DD dd, const sd::StoredElem<T>* HWY_RESTRICT p, size_t i) {
+#if HWY_TARGET == HWY_SCALAR
+  const hn::Rebind<float, DD> dfr;
+  const size_t N = hn::Lanes(dd);
+  return {hn::PromoteTo(dd, sd::LoadAsF32<T>(dfr, p, i)),
+          hn::PromoteTo(dd, sd::LoadAsF32<T>(dfr, p, i + N))};
+#else
+  const hn::Repartition<float, DD> df;  // twice the lanes of dd
+  const hn::Half<decltype(df)> dfh;
+  const auto f = sd::LoadAsF32<T>(df, p, i);
+  return {hn::PromoteTo(dd, hn::LowerHalf(dfh, f)), hn::PromoteTo(dd, hn::UpperHalf(dfh, f))};
+#endif
+}
+
+// The sum of one full block of kBlockElems elements, in the reference's order;
+// prefetches the block at `ahead` (or nothing) meanwhile.
 template <DType T>
 HWY_INLINE double BlockSum(const sd::StoredElem<T>* HWY_RESTRICT block,
                            const sd::StoredElem<T>* ahead, double* HWY_RESTRICT partial) {
   const hn::ScalableTag<double> dd;
-  const hn::Rebind<float, decltype(dd)> dfh;
   const size_t N = hn::Lanes(dd);
-  auto square = [&](size_t k, size_t j) {
-    const auto x = hn::PromoteTo(dd, sd::LoadAsF32<T>(dfh, block, k * kThreads + j));
-    return hn::Mul(x, x);
-  };
   // Row by row: lane t of partial[] is thread t; each row adds one element
   // to every thread, in row order, so each thread's additions stay in order.
   // The rows stream through memory in address order.
-  for (size_t j = 0; j < kThreads; j += N) hn::Store(square(0, j), dd, partial + j);
+  for (size_t j = 0; j < kThreads; j += 2 * N) {
+    const auto x = LoadTwoAsF64<T>(dd, block, j);
+    hn::Store(hn::Mul(x.lo, x.lo), dd, partial + j);  // +0 + x^2 is x^2
+    hn::Store(hn::Mul(x.hi, x.hi), dd, partial + j + N);
+  }
   for (size_t k = 1; k < kRows; ++k) {
     if (ahead != nullptr) {
       const auto* row = reinterpret_cast<const char*>(ahead + k * kThreads);
       for (size_t b = 0; b < kThreads * sizeof(*block); b += 64) hwy::Prefetch(row + b);
     }
     for (size_t j = 0; j < kThreads; j += 2 * N) {
-      hn::Store(hn::Add(hn::Load(dd, partial + j), square(k, j)), dd, partial + j);
-      hn::Store(hn::Add(hn::Load(dd, partial + j + N), square(k, j + N)), dd, partial + j + N);
+      const auto x = LoadTwoAsF64<T>(dd, block, k * kThreads + j);
+      hn::Store(hn::Add(hn::Load(dd, partial + j), hn::Mul(x.lo, x.lo)), dd, partial + j);
+      hn::Store(hn::Add(hn::Load(dd, partial + j + N), hn::Mul(x.hi, x.hi)), dd, partial + j + N);
     }
   }
   size_t stride = kThreads / 2;
