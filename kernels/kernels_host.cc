@@ -310,47 +310,44 @@ HWY_NOINLINE uint64_t BaselineSameWidth(internal::BaselineKind kind, const uint8
   return dst[0];
 }
 
-// 4-byte elements to 2-byte ones (the high half).
-HWY_NOINLINE uint64_t BaselineNarrow(internal::BaselineKind kind, const uint32_t* src,
-                                     uint16_t* dst, size_t n, uint32_t zero) {
+// Elements of 4 bytes to 2 (their high half) or of 2 bytes to 4 (shifted
+// into the high half), in u32 lanes.
+template <class SrcT, class DstT>
+HWY_NOINLINE uint64_t BaselineResize(internal::BaselineKind kind, const SrcT* src, DstT* dst,
+                                     size_t n, uint32_t zero) {
+  static_assert(sizeof(SrcT) + sizeof(DstT) == 6);
   const hn::ScalableTag<uint32_t> du;
   const hn::Rebind<uint16_t, decltype(du)> du16;
   const size_t N = hn::Lanes(du);
   const auto k = hn::Set(du, zero);
+  auto load = [&](const auto* p) {
+    if constexpr (sizeof(*p) == 4) {
+      return hn::LoadU(du, p);
+    } else {
+      return hn::PromoteTo(du, hn::LoadU(du16, p));
+    }
+  };
+  auto resize = [](auto v) {
+    if constexpr (sizeof(SrcT) == 4) {
+      return hn::ShiftRight<16>(v);
+    } else {
+      return hn::ShiftLeft<16>(v);
+    }
+  };
   size_t i = 0;
   for (; i + N <= n; i += N) {
-    auto x = hn::ShiftRight<16>(hn::LoadU(du, src + i));
-    if (kind == internal::BaselineKind::kReadModWrite) {
-      x = hn::Or(hn::PromoteTo(du, hn::LoadU(du16, dst + i)), hn::And(x, k));
+    auto x = resize(load(src + i));
+    if (kind == internal::BaselineKind::kReadModWrite) x = hn::Or(load(dst + i), hn::And(x, k));
+    if constexpr (sizeof(DstT) == 4) {
+      hn::StoreU(x, du, dst + i);
+    } else {
+      sd::StoreU16(du, x, dst + i);
     }
-    sd::StoreU16(du, x, dst + i);
   }
   for (; i < n; ++i) {
-    const auto x = static_cast<uint16_t>(src[i] >> 16);
-    dst[i] =
-        kind == internal::BaselineKind::kWrite ? x : static_cast<uint16_t>(dst[i] | (x & zero));
-  }
-  return dst[0];
-}
-
-// 2-byte elements to 4-byte ones (shifted into the high half).
-HWY_NOINLINE uint64_t BaselineWiden(internal::BaselineKind kind, const uint16_t* src, uint32_t* dst,
-                                    size_t n, uint32_t zero) {
-  const hn::ScalableTag<uint32_t> du;
-  const hn::Rebind<uint16_t, decltype(du)> du16;
-  const size_t N = hn::Lanes(du);
-  const auto k = hn::Set(du, zero);
-  size_t i = 0;
-  for (; i + N <= n; i += N) {
-    auto x = hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(du16, src + i)));
-    if (kind == internal::BaselineKind::kReadModWrite) {
-      x = hn::Or(hn::LoadU(du, dst + i), hn::And(x, k));
-    }
-    hn::StoreU(x, du, dst + i);
-  }
-  for (; i < n; ++i) {
-    const uint32_t x = static_cast<uint32_t>(src[i]) << 16;
-    dst[i] = kind == internal::BaselineKind::kWrite ? x : (dst[i] | (x & zero));
+    const uint32_t v = src[i];
+    const auto x = static_cast<DstT>(sizeof(SrcT) == 4 ? v >> 16 : v << 16);
+    dst[i] = kind == internal::BaselineKind::kWrite ? x : static_cast<DstT>(dst[i] | (x & zero));
   }
   return dst[0];
 }
@@ -362,11 +359,11 @@ uint64_t TrafficBaselineRange(internal::BaselineKind kind, const void* src, size
                              elems * src_elem_bytes, static_cast<uint8_t>(zero));
   }
   if (src_elem_bytes == 4) {
-    return BaselineNarrow(kind, static_cast<const uint32_t*>(src), static_cast<uint16_t*>(dst),
+    return BaselineResize(kind, static_cast<const uint32_t*>(src), static_cast<uint16_t*>(dst),
                           elems, zero);
   }
-  return BaselineWiden(kind, static_cast<const uint16_t*>(src), static_cast<uint32_t*>(dst), elems,
-                       zero);
+  return BaselineResize(kind, static_cast<const uint16_t*>(src), static_cast<uint32_t*>(dst), elems,
+                        zero);
 }
 
 const char* TargetOfThisTarget() { return hwy::TargetName(HWY_TARGET); }

@@ -1,9 +1,7 @@
 // The Storage/File contract, run against every backend and every wrapper with
 // its faults off. A new backend must pass it.
 #include <gtest/gtest.h>
-#include <sys/mman.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -237,36 +235,14 @@ TEST_P(StorageConformance, RegisteredBuffersAreUsedAndNeedNoIoInFlight) {
   ASSERT_TRUE(f->RegisterBuffers({}).ok());
 }
 
-// Anonymous memory mapped with transparent huge pages where the kernel
-// offers them and not touched here: only what the test writes (or io_uring
-// pins) is faulted in, 2 MiB at a time, which keeps a 1 GiB buffer cheap.
-class HugeBuffer {
- public:
-  explicit HugeBuffer(size_t size_bytes) : size_(size_bytes) {
-    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) std::abort();
-    madvise(p, size_, MADV_HUGEPAGE);  // advice only: fine where refused
-    data_ = static_cast<std::byte*>(p);
-  }
-  ~HugeBuffer() { munmap(data_, size_); }
-  HugeBuffer(const HugeBuffer&) = delete;
-  HugeBuffer& operator=(const HugeBuffer&) = delete;
-  std::span<std::byte> span() { return {data_, size_}; }
-  std::byte* data() { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  size_t size_;
-  std::byte* data_;
-};
-
 // One buffer larger than io_uring's 1 GiB cap per registered buffer: it is
 // registered (in two pieces on io_uring) and IO through every part of it is
 // correct: inside the first piece, inside the second, and across the cut.
 TEST_P(StorageConformance, RegisteredBufferLargerThanOneGiBIsUsed) {
   auto f = OpenNew("big", 8);
   const size_t cut = kGiB;
-  HugeBuffer big(cut + 16 * kMiB);
+  // Lazy: a zero-filled 1 GiB buffer costs seconds of page faults here.
+  AlignedBuffer big(cut + 16 * kMiB, 4096, testing::BufferPages::kLazyHuge);
   std::span<std::byte> bufs[] = {big.span()};
   ASSERT_TRUE(f->RegisterBuffers(bufs).ok());
   const bool uring = f->info().backend.find("uring") != std::string::npos;
