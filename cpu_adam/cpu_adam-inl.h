@@ -3,11 +3,9 @@
 //
 // Every kernel performs, per lane, exactly the fp32 operations of the scalar
 // reference (cpu_adam_reference.cc) in the same order; fp16/bf16 conversions
-// use integer operations that mirror runtime/dtype.h bit for bit (Highway
-// 1.0.3's bf16 DemoteTo truncates, and hardware fp16 conversions differ from
-// the reference in NaN payloads). The last partial vector of a range goes
-// through the same vector code on a padded copy, so every element takes the
-// SIMD path.
+// are runtime/dtype-inl.h's, bit for bit runtime/dtype.h. The last partial
+// vector of a range goes through the same vector code on a padded copy, so
+// every element takes the SIMD path.
 
 #if defined(STRATA_CPU_ADAM_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef STRATA_CPU_ADAM_INL_H_
@@ -20,6 +18,7 @@
 
 #include "cpu_adam/cpu_adam_internal.h"
 #include "hwy/highway.h"
+#include "runtime/dtype-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace strata {
@@ -30,107 +29,33 @@ namespace cai = ::strata::cpu_adam_internal;
 using DF = hn::ScalableTag<float>;
 using DU = hn::RebindToUnsigned<DF>;
 using DI = hn::RebindToSigned<DF>;
-using DU16 = hn::Rebind<uint16_t, DF>;
 using VF = hn::Vec<DF>;
 using VU = hn::Vec<DU>;
 
 // Largest vector of this architecture, in floats: the tail buffers' size.
 constexpr size_t kMaxLanes = HWY_MAX_BYTES / sizeof(float);
 
-// ---- Conversions (u32 lanes hold the 16-bit values) -------------------------
-
-template <class D>
-HWY_INLINE hn::Vec<hn::RebindToFloat<D>> F16BitsToF32(D du, hn::Vec<D> h) {
-  const hn::RebindToFloat<D> df;
-  const hn::RebindToSigned<D> di;
-  const auto sign = hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u)));
-  const auto exp = hn::And(hn::ShiftRight<10>(h), hn::Set(du, 0x1fu));
-  const auto mant = hn::And(h, hn::Set(du, 0x3ffu));
-  const auto mant13 = hn::ShiftLeft<13>(mant);
-  // Zero/subnormal: mant * 2^-24 is exact in fp32.
-  const auto sub =
-      hn::BitCast(du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, mant)), hn::Set(df, 0x1p-24f)));
-  const auto inf_nan = hn::Or(hn::Set(du, 0x7f800000u), mant13);
-  const auto normal = hn::Or(hn::ShiftLeft<23>(hn::Add(exp, hn::Set(du, 112u))), mant13);
-  const auto exp_i = hn::BitCast(di, exp);
-  auto r = hn::IfThenElse(hn::RebindMask(du, hn::Eq(exp_i, hn::Zero(di))), sub, normal);
-  r = hn::IfThenElse(hn::RebindMask(du, hn::Eq(exp_i, hn::Set(di, 31))), inf_nan, r);
-  return hn::BitCast(df, hn::Or(r, sign));
-}
-
-// fp32 bits -> bf16 bits (in u32 lanes), round to nearest even, NaN quieted.
-template <class D>
-HWY_INLINE hn::Vec<D> F32BitsToBF16(D du, hn::Vec<D> u) {
-  const hn::RebindToSigned<D> di;
-  const auto abs = hn::BitCast(di, hn::And(u, hn::Set(du, 0x7fffffffu)));
-  const auto is_nan = hn::RebindMask(du, hn::Gt(abs, hn::Set(di, 0x7f800000)));
-  const auto hi = hn::ShiftRight<16>(u);
-  const auto nan_bits = hn::Or(hi, hn::Set(du, 0x40u));
-  const auto lsb = hn::And(hi, hn::Set(du, 1u));
-  const auto rounded = hn::ShiftRight<16>(hn::Add(hn::Add(u, hn::Set(du, 0x7fffu)), lsb));
-  return hn::IfThenElse(is_nan, nan_bits, rounded);
-}
-
-// fp32 bits -> fp16 bits (in u32 lanes), as F32ToF16 of runtime/dtype.h.
-template <class D>
-HWY_INLINE hn::Vec<D> F32BitsToF16(D du, hn::Vec<D> x) {
-  const hn::RebindToSigned<D> di;
-  const hn::RebindToFloat<D> df;
-  const auto sign = hn::And(hn::ShiftRight<16>(x), hn::Set(du, 0x8000u));
-  const auto a = hn::And(x, hn::Set(du, 0x7fffffffu));
-  const auto ai = hn::BitCast(di, a);
-  const auto is_nan = hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7f800000)));
-  const auto is_inf = hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x477fefff)));
-  const auto is_normal = hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x387fffff)));
-  const auto normal = hn::ShiftRight<13>(hn::Add(hn::Add(a, hn::Set(du, 0xc8000fffu)),
-                                                 hn::And(hn::ShiftRight<13>(a), hn::Set(du, 1u))));
-  const auto aligned = hn::Add(hn::BitCast(df, a), hn::Set(df, 0.5f));
-  const auto sub = hn::Sub(hn::BitCast(du, aligned), hn::Set(du, 0x3f000000u));
-  auto r = hn::IfThenElse(is_normal, normal, sub);
-  r = hn::IfThenElse(is_inf, hn::Set(du, 0x7c00u), r);
-  r = hn::IfThenElse(is_nan, hn::Set(du, 0x7e00u), r);
-  return hn::Or(r, sign);
-}
-
-// u32 lanes holding values <= 0xffff -> u16 stored at `dst`.
-HWY_INLINE void StoreU16(VU bits, uint16_t* HWY_RESTRICT dst) {
-  const DI di;
-  const DU16 du16;
-  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, bits)), du16, dst);
-}
+// ---- Conversions: runtime/dtype-inl.h -----------------------------------------
 
 template <DType G>
 HWY_INLINE VF LoadGrad(const void* HWY_RESTRICT base, size_t i) {
-  const DF df;
-  const DU du;
-  if constexpr (G == DType::kF32) {
-    return hn::LoadU(df, static_cast<const float*>(base) + i);
-  } else {
-    const DU16 du16;
-    const VU h = hn::PromoteTo(du, hn::LoadU(du16, static_cast<const uint16_t*>(base) + i));
-    if constexpr (G == DType::kBF16) {
-      return hn::BitCast(df, hn::ShiftLeft<16>(h));
-    } else {
-      return F16BitsToF32(du, h);
-    }
-  }
+  return LoadAsF32<G>(DF(), base, i);
 }
 
 template <cai::OutKind O>
 HWY_INLINE void StoreOut(VF p, void* HWY_RESTRICT base, size_t i) {
   const DF df;
-  const DU du;
   if constexpr (O == cai::OutKind::kF32) {
-    hn::StoreU(p, df, static_cast<float*>(base) + i);
+    StoreFromF32<DType::kF32>(df, p, base, i);
   } else if constexpr (O == cai::OutKind::kBF16) {
-    StoreU16(F32BitsToBF16(du, hn::BitCast(du, p)), static_cast<uint16_t*>(base) + i);
+    StoreFromF32<DType::kBF16>(df, p, base, i);
   } else if constexpr (O == cai::OutKind::kF16) {
-    StoreU16(F32BitsToF16(du, hn::BitCast(du, p)), static_cast<uint16_t*>(base) + i);
+    StoreFromF32<DType::kF16>(df, p, base, i);
   }
 }
 
 template <DType G>
-using GradElem = std::conditional_t<G == DType::kF32, float, uint16_t>;
+using GradElem = StoredElem<G>;
 template <cai::OutKind O>
 using OutElem = std::conditional_t<O == cai::OutKind::kF32, float, uint16_t>;
 
@@ -289,7 +214,7 @@ HWY_NOINLINE void BaselineLoop(float coeff, const cai::KernelArgs& args, size_t 
       hn::StoreU(p, df, static_cast<float*>(a.out) + i);
     } else if constexpr (O != cai::OutKind::kNone) {
       // Truncation: same bytes as the rounded conversion, less arithmetic.
-      StoreU16(hn::ShiftRight<16>(hn::BitCast(du, p)), static_cast<uint16_t*>(a.out) + i);
+      StoreU16(du, hn::ShiftRight<16>(hn::BitCast(du, p)), static_cast<uint16_t*>(a.out) + i);
     }
     return p;
   });
@@ -301,25 +226,10 @@ template <DType G>
 HWY_NOINLINE cai::StatsPartial StatsLoop(const void* grad, size_t begin, size_t count) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> dfh;
-  const hn::Rebind<uint32_t, decltype(dd)> duh;
-  const hn::Rebind<uint16_t, decltype(dd)> du16h;
   const size_t N = hn::Lanes(dd);
   using GE = GradElem<G>;
   const GE* g = static_cast<const GE*>(grad);
-  auto load = [&](const GE* ptr) {
-    hn::Vec<decltype(dfh)> f;
-    if constexpr (G == DType::kF32) {
-      f = hn::LoadU(dfh, ptr);
-    } else {
-      const auto h = hn::PromoteTo(duh, hn::LoadU(du16h, ptr));
-      if constexpr (G == DType::kBF16) {
-        f = hn::BitCast(dfh, hn::ShiftLeft<16>(h));
-      } else {
-        f = F16BitsToF32(duh, h);
-      }
-    }
-    return hn::PromoteTo(dd, f);
-  };
+  auto load = [&](const GE* ptr) { return hn::PromoteTo(dd, LoadAsF32<G>(dfh, ptr, 0)); };
   const auto zero = hn::Zero(dd);
   auto sum0 = zero, sum1 = zero;
   uint64_t finite = 0;

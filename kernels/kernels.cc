@@ -249,9 +249,9 @@ size_t GradStatsBufferBytes(size_t elems) {
 Result<DeviceGradStats> GradStatsOnHost(ConstDeviceTensor grad, float grad_scale) {
   STRATA_RETURN_IF_ERROR(CheckTensor("grad stats on host", "grad", grad.data, grad.elems,
                                      grad.dtype));
-  std::vector<DeviceGradStats> buffer(GradStatsBufferBytes(grad.elems) / sizeof(DeviceGradStats));
-  internal::GradStatsHost(grad, grad_scale, buffer.data());
-  return buffer[0];
+  DeviceGradStats out;
+  internal::GradStatsHost(grad, grad_scale, &out);  // the host twin needs no scratch
+  return out;
 }
 
 Status GradStats(Device& device, StreamRef stream, ConstDeviceTensor grad, float grad_scale,

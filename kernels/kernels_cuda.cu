@@ -1,5 +1,6 @@
 // CUDA kernels behind kernels.h. Each mirrors its host twin in
-// kernels_host.cc operation for operation: element conversions call the same
+// kernels_host.cc (and its scalar reference, kernels_reference.cc) operation
+// for operation: element conversions call the same
 // constexpr functions of runtime/dtype.h (--expt-relaxed-constexpr), float
 // arithmetic uses explicit round-to-nearest intrinsics (and --fmad=false), so
 // results are bit for bit those of the twins. Dtypes are dispatched per
@@ -114,6 +115,12 @@ __global__ void AdamKernel(AdamKernelCoeffs c, float* params, float* exp_avg, fl
 
 int CudaConvert(void* stream, const void* src, DType src_dtype, void* dst, DType dst_dtype,
                 size_t elems, float scale, ScaleMode mode) {
+  if (src_dtype == dst_dtype && mode == ScaleMode::kNone) {
+    // A copy of the bits, as the host twin's memcpy (NaN payloads included).
+    return static_cast<int>(cudaMemcpyAsync(dst, src, elems * DTypeSize(dst_dtype),
+                                            cudaMemcpyDeviceToDevice,
+                                            static_cast<cudaStream_t>(stream)));
+  }
   ConvertKernel<<<GridFor(elems), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       src, src_dtype, dst, dst_dtype, elems, scale, mode);
   return static_cast<int>(cudaGetLastError());

@@ -1,12 +1,14 @@
-// Internal to kernels/ and its tests: the host twins (plain C++, run
+// Internal to kernels/, its tests and its benchmark: the host twins (run
 // synchronously on the calling thread; the launchers in kernels.cc enqueue
-// them on a stream) and the CUDA launch functions of kernels_cuda.cu.
+// them on a stream), their scalar references, the traffic baselines of the
+// benchmark, and the CUDA launch functions of kernels_cuda.cu.
 // No CUDA headers here: a cudaStream_t travels as void*, a cudaError_t as int.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -22,6 +24,10 @@ inline ScaleMode ScaleModeOf(float scale) {
 }
 
 // ---- Host twins: the references of the CUDA kernels ------------------------
+// Vectorized with Highway (kernels_host.cc, dynamic dispatch to the best SIMD
+// target of the CPU), single-threaded, and bit for bit the scalar references
+// below, except that a same-dtype conversion with ScaleMode::kNone is a plain
+// copy of the bits (memcpy; the reference quiets 16-bit NaNs on the way).
 
 // dst[i] = convert(float(src[i]) [* scale]) for i < elems.
 void ConvertHost(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t elems,
@@ -30,8 +36,31 @@ void ConvertHost(const void* src, DType src_dtype, void* dst, DType dst_dtype, s
 void PackGradsHost(std::span<const PackEntry> entries, DeviceTensor bucket, float scale);
 void UnpackParamsHost(ConstDeviceTensor bucket, std::span<const UnpackEntry> entries);
 void AccumulateHost(ConstDeviceTensor src, DeviceTensor dst);
-// Writes a DeviceGradStats at stats_buffer, using the rest as scratch.
+// Writes a DeviceGradStats at stats_buffer (the host twin needs no scratch).
 void GradStatsHost(ConstDeviceTensor grad, float grad_scale, void* stats_buffer);
+// The Highway target the twins dispatch to ("AVX2", "AVX3", ...).
+std::string_view HostTwinTarget();
+
+// ---- Scalar references (kernels_reference.cc) -------------------------------
+// Element at a time through elem_access.h: what the twins must equal.
+void ConvertReference(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t elems,
+                      float scale, ScaleMode mode);
+void AccumulateReference(ConstDeviceTensor src, DeviceTensor dst);
+void GradStatsReference(ConstDeviceTensor grad, float grad_scale, void* stats_buffer);
+
+// ---- Traffic baselines of the benchmark (kernels_host.cc) -------------------
+// Vectorized streams with a twin's memory traffic and trivial arithmetic, so
+// a twin's bytes/s can be judged against what the memory system gives one
+// core in the same run. Element widths are 2 or 4 bytes. The values are
+// unchanged or meaningless: these are for timing only.
+enum class BaselineKind : uint8_t {
+  kWrite,         // dst[i] = narrow/widen(src[i]): a conversion's traffic
+  kReadModWrite,  // dst[i] |= narrow/widen(src[i]) & 0: accumulate's traffic
+  kReadOnly,      // sum of src: grad stats' traffic (dst unused)
+};
+// Returns a value derived from the data, to keep the compiler honest.
+uint64_t TrafficBaselineHost(BaselineKind kind, const void* src, size_t src_elem_bytes, void* dst,
+                             size_t dst_elem_bytes, size_t elems);
 
 // A [begin, end) range of bucket elements.
 struct ElemRange {

@@ -3,14 +3,19 @@
 #include "runtime/storage.h"
 
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <string>
 
 #include "runtime/log.h"
@@ -118,6 +123,78 @@ Status ValidateBatch(const FileInfo& info, std::span<IoRequest> requests) {
     }
   }
   return OkStatus();
+}
+
+std::vector<RegisteredRange> SplitForRegistration(std::span<const std::span<std::byte>> buffers,
+                                                  uint64_t max_piece_bytes) {
+  std::vector<RegisteredRange> ranges;
+  for (std::span<std::byte> b : buffers) {
+    const auto begin = reinterpret_cast<uintptr_t>(b.data());
+    for (uint64_t off = 0; off < b.size(); off += max_piece_bytes) {
+      const uint64_t len = std::min<uint64_t>(max_piece_bytes, b.size() - off);
+      ranges.push_back({begin + off, begin + off + len});
+    }
+  }
+  return ranges;
+}
+
+int FindRegisteredRange(std::span<const RegisteredRange> ranges, const std::byte* p, size_t len) {
+  const auto b = reinterpret_cast<uintptr_t>(p);
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    if (b >= ranges[i].begin && b + len <= ranges[i].end) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::string DescribeBufferRegistrationRefusal(const BufferRegistrationRefusal& r,
+                                              std::string_view path) {
+  // "register ... for <path>: ENAME (text)", then the cause and what to do.
+  std::string m(ErrnoError(r.error, "register " + std::to_string(r.buffers) + " buffers (" +
+                                        FormatBytes(r.total_bytes) + ") with io_uring for " +
+                                        std::string(path))
+                    .message());
+  if (r.error == EFAULT && r.largest_bytes > kMaxUringBufferBytes) {
+    m += ": a buffer of " + FormatBytes(r.largest_bytes) +
+         " is larger than io_uring's limit of 1 GiB per registered buffer; register it in "
+         "pieces of at most 1 GiB";
+  } else if (r.error == EINVAL && r.buffers > kMaxUringBuffers) {
+    m += ": " + std::to_string(r.buffers) + " buffers are more than io_uring's limit of " +
+         std::to_string(kMaxUringBuffers) + " per ring; register fewer, larger buffers";
+  } else if (r.error == ENOMEM && !r.cap_ipc_lock && r.memlock_limit_bytes != UINT64_MAX) {
+    m += ": RLIMIT_MEMLOCK (`ulimit -l`) is " + FormatBytes(r.memlock_limit_bytes) +
+         " and io_uring pins " + FormatBytes(r.total_bytes) +
+         " here, counted against that limit together with every other ring of this user; "
+         "raise the limit (`ulimit -l unlimited`, LimitMEMLOCK=infinity for a systemd service, "
+         "`--ulimit memlock=-1` for docker) or run with CAP_IPC_LOCK";
+  } else if (r.error == ENOMEM) {
+    m += std::string(": the kernel could not pin that much memory although RLIMIT_MEMLOCK does "
+                     "not apply (") +
+         (r.cap_ipc_lock ? "CAP_IPC_LOCK" : "unlimited") +
+         "): the machine is short of memory; lower the host budget or the buffer sizes";
+  } else if (r.error == EFAULT || r.error == EOPNOTSUPP) {
+    m += ": io_uring could not pin a buffer; registered buffers must be mapped anonymous or "
+         "huge-page memory (not a file mapping)";
+  }
+  return m + "; IO proceeds without fixed buffers (correct, with more kernel work per request)";
+}
+
+MemlockLimits CurrentMemlockLimits() {
+  MemlockLimits limits;
+  rlimit rl{};
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    limits.limit_bytes = rl.rlim_cur;
+  }
+  // CapEff in /proc/self/status is the effective capability set, in hex.
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("CapEff:", 0) == 0) {
+      const uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+      limits.cap_ipc_lock = ((caps >> CAP_IPC_LOCK) & 1u) != 0;
+      break;
+    }
+  }
+  return limits;
 }
 
 Fd& Fd::operator=(Fd&& o) noexcept {
@@ -274,6 +351,7 @@ class CountingFile final : public File {
   Status RegisterBuffers(std::span<const std::span<std::byte>> buffers) override {
     Status s = base_->RegisterBuffers(buffers);
     info_.fixed_buffers = base_->info().fixed_buffers;
+    info_.fixed_buffer_ranges = base_->info().fixed_buffer_ranges;
     return s;
   }
 

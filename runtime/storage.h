@@ -130,8 +130,9 @@ struct FileInfo {
   IoMode io_mode = IoMode::kBuffered;
   uint64_t alignment_bytes = 1;  // required alignment of buffer, offset and size
   uint32_t queue_depth = 0;
-  bool fixed_buffers = false;  // RegisterBuffers() took effect (io_uring)
-  bool fixed_file = false;     // the fd is in the ring's registered file table
+  bool fixed_buffers = false;        // RegisterBuffers() took effect (io_uring)
+  uint32_t fixed_buffer_ranges = 0;  // kernel registrations made of them (<= 1 GiB each)
+  bool fixed_file = false;           // the fd is in the ring's registered file table
 };
 
 class File {
@@ -165,10 +166,17 @@ class File {
 
   // Registers long-lived buffers (pinned staging memory) with the backend;
   // requests whose buffer lies inside one of them use fixed-buffer IO.
-  // Replaces an earlier registration; needs no IO in flight
+  // Buffers may have any size: io_uring takes at most 1 GiB per registered
+  // buffer, so a larger one is registered as pieces of 1 GiB cut at multiples
+  // of 1 GiB from its start (FileInfo::fixed_buffer_ranges counts them). A
+  // request inside one piece uses fixed IO; one that straddles a cut is
+  // submitted unregistered (correct, a little more kernel work). Requests of
+  // a power-of-two size, aligned to that size within their buffer, never
+  // straddle. Replaces an earlier registration; needs no IO in flight
   // (FailedPrecondition otherwise). Backends without the notion accept and
-  // ignore it; where the kernel refuses (RLIMIT_MEMLOCK) it warns once and IO
-  // proceeds unregistered.
+  // ignore it. Where the kernel refuses, it warns once, naming the cause
+  // (RLIMIT_MEMLOCK and its value, memory it cannot pin, or the errno) and
+  // what to do, and IO proceeds unregistered (still OK).
   virtual Status RegisterBuffers(std::span<const std::span<std::byte>> buffers) = 0;
 };
 

@@ -2,10 +2,13 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "runtime/storage.h"
 
@@ -79,6 +82,57 @@ Status SyncFd(int fd, const std::string& path);
 Status ResizeFd(int fd, const std::string& path, uint64_t size_bytes);
 Result<uint64_t> FdSizeBytes(int fd, const std::string& path);
 Status RemovePath(const std::string& path);
+
+// ---- io_uring buffer registration (pure, so tests can drive every case) ----
+
+// The kernel refuses a registered buffer larger than 1 GiB (EFAULT) and more
+// than 16384 buffers per ring (EINVAL).
+inline constexpr uint64_t kMaxUringBufferBytes = uint64_t{1} << 30;
+inline constexpr size_t kMaxUringBuffers = 16384;
+
+// A registered range of addresses [begin, end).
+struct RegisteredRange {
+  uintptr_t begin = 0;
+  uintptr_t end = 0;
+};
+
+// Cuts each buffer into consecutive pieces of at most `max_piece_bytes`, at
+// multiples of max_piece_bytes from the buffer's start (so a request of a
+// power-of-two size <= max_piece_bytes, aligned to its size within the buffer,
+// lies inside one piece). Empty buffers are dropped. Order is kept.
+std::vector<RegisteredRange> SplitForRegistration(std::span<const std::span<std::byte>> buffers,
+                                                  uint64_t max_piece_bytes);
+
+// Index of the first range holding all of [p, p + len), or -1 (none does, or
+// the request straddles two pieces: it then goes unregistered).
+int FindRegisteredRange(std::span<const RegisteredRange> ranges, const std::byte* p, size_t len);
+
+// What was known when io_uring_register_buffers failed.
+struct BufferRegistrationRefusal {
+  int error = 0;                              // errno (positive)
+  size_t buffers = 0;                         // ranges passed to the kernel
+  uint64_t total_bytes = 0;                   // their sum
+  uint64_t largest_bytes = 0;                 // the largest one
+  uint64_t memlock_limit_bytes = UINT64_MAX;  // RLIMIT_MEMLOCK (soft); UINT64_MAX: unlimited
+  bool cap_ipc_lock = false;                  // the process may pin memory past that limit
+};
+
+// The warning for a refused registration of buffers for `path`, naming the
+// real cause and what to do: the 1 GiB cap per buffer or the 16384-buffer cap
+// (EFAULT/EINVAL with a range past them), RLIMIT_MEMLOCK with its value
+// (ENOMEM while the limit applies), memory the kernel could not pin (ENOMEM
+// otherwise, EFAULT, EOPNOTSUPP), or the errno as is. Ends with the effect:
+// IO proceeds without fixed buffers.
+std::string DescribeBufferRegistrationRefusal(const BufferRegistrationRefusal& refusal,
+                                              std::string_view path);
+
+// RLIMIT_MEMLOCK's soft limit (UINT64_MAX when unlimited) and whether the
+// process holds CAP_IPC_LOCK in its effective set.
+struct MemlockLimits {
+  uint64_t limit_bytes = UINT64_MAX;
+  bool cap_ipc_lock = false;
+};
+MemlockLimits CurrentMemlockLimits();
 
 // A thread-safe list of completed requests that Reap() drains.
 class CompletionList {

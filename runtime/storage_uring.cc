@@ -1,6 +1,7 @@
 // The io_uring backend: one ring per file, the fd in the ring's registered file
-// table, caller buffers registered for READ_FIXED/WRITE_FIXED, one
-// io_uring_submit per batch, never more SQEs in flight than the ring holds.
+// table, caller buffers registered for READ_FIXED/WRITE_FIXED (in pieces of at
+// most 1 GiB, the kernel's cap per buffer), one io_uring_submit per batch,
+// never more SQEs in flight than the ring holds.
 #include <liburing.h>
 #include <sys/uio.h>
 
@@ -16,11 +17,6 @@ namespace strata {
 namespace {
 
 constexpr unsigned kSqPollIdleMs = 50;
-
-struct RegisteredBuffer {
-  uintptr_t begin;
-  uintptr_t end;
-};
 
 class UringFile final : public File {
  public:
@@ -86,25 +82,33 @@ class UringFile final : public File {
       io_uring_unregister_buffers(&ring_);
       registered_.clear();
       info_.fixed_buffers = false;
+      info_.fixed_buffer_ranges = 0;
     }
     if (buffers.empty()) return OkStatus();
+    std::vector<internal::RegisteredRange> ranges =
+        internal::SplitForRegistration(buffers, internal::kMaxUringBufferBytes);
+    if (ranges.empty()) return OkStatus();
     std::vector<iovec> iov;
-    for (std::span<std::byte> b : buffers) {
-      iov.push_back({b.data(), b.size()});
+    iov.reserve(ranges.size());
+    internal::BufferRegistrationRefusal refusal{.buffers = ranges.size()};
+    for (const internal::RegisteredRange& r : ranges) {
+      const uint64_t len = r.end - r.begin;
+      iov.push_back({reinterpret_cast<void*>(r.begin), len});
+      refusal.total_bytes += len;
+      refusal.largest_bytes = std::max(refusal.largest_bytes, len);
     }
-    int rc = io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
+    const int rc = io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size()));
     if (rc < 0) {
+      refusal.error = -rc;
+      const internal::MemlockLimits limits = internal::CurrentMemlockLimits();
+      refusal.memlock_limit_bytes = limits.limit_bytes;
+      refusal.cap_ipc_lock = limits.cap_ipc_lock;
       WarnOnce("uring-register-buffers",
-               std::string(ErrnoError(-rc, "register " + std::to_string(iov.size()) +
-                                               " buffers with io_uring for " + info_.path)
-                               .message()) +
-                   "; IO proceeds without fixed buffers (raise `ulimit -l` to allow it)");
+               internal::DescribeBufferRegistrationRefusal(refusal, info_.path));
       return OkStatus();
     }
-    for (std::span<std::byte> b : buffers) {
-      const auto begin = reinterpret_cast<uintptr_t>(b.data());
-      registered_.push_back({begin, begin + b.size()});
-    }
+    registered_ = std::move(ranges);
+    info_.fixed_buffer_ranges = static_cast<uint32_t>(registered_.size());
     info_.fixed_buffers = true;
     return OkStatus();
   }
@@ -143,15 +147,6 @@ class UringFile final : public File {
     return OkStatus();
   }
 
-  // Index of the registered buffer holding all of [p, p + len), or -1.
-  int FixedIndex(const std::byte* p, size_t len) const {
-    const auto b = reinterpret_cast<uintptr_t>(p);
-    for (size_t i = 0; i < registered_.size(); ++i) {
-      if (b >= registered_[i].begin && b + len <= registered_[i].end) return static_cast<int>(i);
-    }
-    return -1;
-  }
-
   // Moves pending requests into SQEs while the ring has room; one submit.
   Status Pump() {
     unsigned queued = 0;
@@ -164,7 +159,7 @@ class UringFile final : public File {
       const unsigned len = static_cast<unsigned>(r->buffer.size() - r->transferred_bytes);
       const uint64_t off = r->offset_bytes + r->transferred_bytes;
       const int fd = fixed_file_ ? 0 : fd_.get();
-      const int idx = FixedIndex(p, len);
+      const int idx = internal::FindRegisteredRange(registered_, p, len);
       if (r->op == IoOp::kRead) {
         if (idx >= 0)
           io_uring_prep_read_fixed(sqe, fd, p, len, off, idx);
@@ -224,10 +219,10 @@ class UringFile final : public File {
   io_uring ring_{};
   bool ring_ok_ = false;
   bool fixed_file_ = false;
-  std::vector<RegisteredBuffer> registered_;
-  std::deque<IoRequest*> pending_;  // submitted, not yet in an SQE
-  std::deque<IoRequest*> ready_;    // complete, not yet reaped
-  size_t in_flight_ = 0;            // submitted and not reaped
+  std::vector<internal::RegisteredRange> registered_;  // index = buffer index in the ring
+  std::deque<IoRequest*> pending_;                     // submitted, not yet in an SQE
+  std::deque<IoRequest*> ready_;                       // complete, not yet reaped
+  size_t in_flight_ = 0;                               // submitted and not reaped
   unsigned sqes_in_flight_ = 0;
 };
 

@@ -82,6 +82,7 @@ class FaultFile final : public File {
       return FailedPreconditionError("register buffers on " + info_.path + ": IO in flight");
     Status s = base_->RegisterBuffers(buffers);
     info_.fixed_buffers = base_->info().fixed_buffers;
+    info_.fixed_buffer_ranges = base_->info().fixed_buffer_ranges;
     return s;
   }
 

@@ -3,8 +3,11 @@
 //
 //   TempDir dir;                       // /tmp/strata-test-XXXXXX (or $TMPDIR)
 //   AlignedBuffer buf(1 << 20);        // 4096-aligned, zeroed
+//   AlignedBuffer big(size_t{1} << 30, 4096, BufferPages::kLazyHuge);  // untouched
 //   FillPattern(buf.span(), seed);
 #pragma once
+
+#include <sys/mman.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -44,16 +47,37 @@ class TempDir {
   std::string path_;
 };
 
+// How an AlignedBuffer gets its pages.
+enum class BufferPages : uint8_t {
+  kZeroed,    // allocated and zero-filled (every page touched)
+  kLazyHuge,  // anonymous mmap advised for transparent huge pages, not touched:
+              // only what is used is faulted in (zeros), 2 MiB at a time
+              // where the kernel offers huge pages; cheap for GiB buffers
+};
+
 class AlignedBuffer {
  public:
-  explicit AlignedBuffer(size_t size_bytes, size_t alignment_bytes = 4096)
-      : size_(size_bytes),
-        data_(static_cast<std::byte*>(std::aligned_alloc(
-            alignment_bytes,
-            (size_bytes + alignment_bytes - 1) / alignment_bytes * alignment_bytes))) {
+  explicit AlignedBuffer(size_t size_bytes, size_t alignment_bytes = 4096,
+                         BufferPages pages = BufferPages::kZeroed)
+      : size_(size_bytes), pages_(pages) {
+    if (pages == BufferPages::kLazyHuge) {  // mmap is page-aligned
+      void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) std::abort();
+      madvise(p, size_, MADV_HUGEPAGE);  // advice only: fine where refused
+      data_ = static_cast<std::byte*>(p);
+      return;
+    }
+    data_ = static_cast<std::byte*>(std::aligned_alloc(
+        alignment_bytes, (size_bytes + alignment_bytes - 1) / alignment_bytes * alignment_bytes));
     std::memset(data_, 0, size_);
   }
-  ~AlignedBuffer() { std::free(data_); }
+  ~AlignedBuffer() {
+    if (pages_ == BufferPages::kLazyHuge) {
+      munmap(data_, size_);
+    } else {
+      std::free(data_);
+    }
+  }
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
 
@@ -63,7 +87,8 @@ class AlignedBuffer {
 
  private:
   size_t size_;
-  std::byte* data_;
+  BufferPages pages_;
+  std::byte* data_ = nullptr;
 };
 
 inline void FillPattern(std::span<std::byte> out, uint64_t seed) {

@@ -64,8 +64,32 @@ inline const std::vector<uint32_t>& SpecialF32Bits() {
   return bits;
 }
 
-// `elems` elements of `dtype`: fp32 gets the special values first, then a mix
-// of normal values and random bit patterns; fp16/bf16 get random bits.
+// fp16 and bf16 bit patterns every conversion must get right.
+inline const std::vector<uint16_t>& SpecialHalfBits(DType dtype) {
+  static const std::vector<uint16_t> f16 = {
+      0x0000u, 0x8000u,  // +-0
+      0x0001u, 0x83ffu,  // smallest subnormal, largest negative subnormal
+      0x0400u, 0x7bffu,  // smallest normal, 65504
+      0x7c00u, 0xfc00u,  // +-inf
+      0x7e00u, 0xfe01u,  // quiet NaN, with a payload
+      0x7c01u, 0xfd55u,  // signalling NaN payloads
+      0x3c00u, 0x3c01u,  // 1 and the next value
+  };
+  static const std::vector<uint16_t> bf16 = {
+      0x0000u, 0x8000u,  // +-0
+      0x0001u, 0x807fu,  // subnormals
+      0x0080u, 0x7f7fu,  // smallest normal, largest finite
+      0x7f80u, 0xff80u,  // +-inf
+      0x7fc0u, 0xffc1u,  // quiet NaN, with a payload
+      0x7f81u, 0xffa5u,  // signalling NaN payloads
+      0x3f80u, 0x3f81u,  // 1 and the next value
+  };
+  return dtype == DType::kF16 ? f16 : bf16;
+}
+
+// `elems` elements of `dtype`: the special values first (SpecialF32Bits or
+// SpecialHalfBits), then, for fp32, a mix of normal values and random bit
+// patterns; for fp16/bf16, random bits.
 inline std::vector<std::byte> RandomTensor(DType dtype, size_t elems, std::mt19937_64& rng) {
   std::vector<std::byte> out(elems * DTypeSize(dtype));
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -82,7 +106,8 @@ inline std::vector<std::byte> RandomTensor(DType dtype, size_t elems, std::mt199
       }
       std::memcpy(out.data() + 4 * i, &bits, 4);
     } else {
-      const auto bits = static_cast<uint16_t>(rng());
+      const auto& special = SpecialHalfBits(dtype);
+      const auto bits = i < special.size() ? special[i] : static_cast<uint16_t>(rng());
       std::memcpy(out.data() + 2 * i, &bits, 2);
     }
   }
@@ -141,6 +166,36 @@ inline std::string FirstDifferenceAnyNaN(const void* a, const void* b, DType dty
                     static_cast<const std::byte*>(b) + i * size, size) != 0) {
       return "element " + std::to_string(i) + ": " + std::to_string(x) + " vs " + std::to_string(y);
     }
+  }
+  return "";
+}
+
+// Empty when accumulate's result `got` equals the reference's `want` bit for
+// bit, except where both inputs are NaN: x86 returns the NaN of the add's
+// first operand and C++ leaves the operand order of a commutative add to the
+// compiler, so the NaN of either input (quieted, converted) is accepted there.
+inline std::string FirstAccumulateDifference(const std::vector<std::byte>& got,
+                                             const std::vector<std::byte>& want,
+                                             const std::vector<std::byte>& src,
+                                             const std::vector<std::byte>& dst0, DType s, DType d) {
+  const size_t n = got.size() / DTypeSize(d);
+  const size_t size = DTypeSize(d);
+  auto quiet_nan_as_d = [&](const std::vector<std::byte>& v, DType t, size_t i) {
+    const float x =
+        std::bit_cast<float>(std::bit_cast<uint32_t>(LoadRef(v.data(), t, i)) | 0x00400000u);
+    std::vector<std::byte> out(size);
+    StoreRef(out.data(), d, 0, x);
+    return out;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const std::byte* g = got.data() + i * size;
+    if (std::memcmp(g, want.data() + i * size, size) == 0) continue;
+    if (std::isnan(LoadRef(src.data(), s, i)) && std::isnan(LoadRef(dst0.data(), d, i)) &&
+        (std::memcmp(g, quiet_nan_as_d(src, s, i).data(), size) == 0 ||
+         std::memcmp(g, quiet_nan_as_d(dst0, d, i).data(), size) == 0)) {
+      continue;
+    }
+    return FirstBitDifference(g, want.data() + i * size, d, 1) + " at element " + std::to_string(i);
   }
   return "";
 }

@@ -1,15 +1,22 @@
 // Backend-specific behaviour: the io_uring and O_DIRECT fallbacks, fixed
-// buffers, the counting wrapper and manual completion.
+// buffers (split at 1 GiB, the warning when the kernel refuses them), the
+// counting wrapper and manual completion.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/vfs.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 
 #include "runtime/storage.h"
+#include "runtime/storage_internal.h"
 #include "runtime/testing/manual_storage.h"
 #include "runtime/testing/test_util.h"
+#include "runtime/units.h"
 
 namespace strata {
 namespace {
@@ -125,6 +132,119 @@ TEST(UringBackend, FixedBuffersAndFixedFileAreUsed) {
   ASSERT_EQ(f->Reap(done, 1).value(), 1u);
   ASSERT_TRUE(r.status.ok()) << r.status;
   EXPECT_EQ(std::memcmp(reg.data(), other.data(), reg.size()), 0);
+}
+
+// ---- Registration of buffers of any size (pure helpers) ---------------------
+
+// Fake addresses: the helpers only do arithmetic on them.
+std::span<std::byte> FakeBuffer(uintptr_t address, uint64_t size) {
+  return {reinterpret_cast<std::byte*>(address), static_cast<size_t>(size)};
+}
+
+TEST(UringRegistration, BuffersAreCutAtOneGiBMultiplesFromTheirStart) {
+  const uintptr_t a = uintptr_t{1} << 40, b = uintptr_t{3} << 40;
+  const std::span<std::byte> bufs[] = {FakeBuffer(a, 2 * kGiB + 12288), FakeBuffer(b, 4096),
+                                       FakeBuffer(b + 8192, 0)};
+  const auto ranges = internal::SplitForRegistration(bufs, internal::kMaxUringBufferBytes);
+  ASSERT_EQ(ranges.size(), 4u);  // 1 GiB, 1 GiB, 12 KiB, then the small buffer; empty dropped
+  EXPECT_EQ(ranges[0].begin, a);
+  EXPECT_EQ(ranges[0].end, a + kGiB);
+  EXPECT_EQ(ranges[1].begin, a + kGiB);
+  EXPECT_EQ(ranges[1].end, a + 2 * kGiB);
+  EXPECT_EQ(ranges[2].begin, a + 2 * kGiB);
+  EXPECT_EQ(ranges[2].end, a + 2 * kGiB + 12288);
+  EXPECT_EQ(ranges[3].begin, b);
+  EXPECT_EQ(ranges[3].end, b + 4096);
+  for (const auto& r : ranges) EXPECT_LE(r.end - r.begin, internal::kMaxUringBufferBytes);
+  // Exactly 1 GiB is one piece: the kernel's cap is inclusive.
+  const std::span<std::byte> one[] = {FakeBuffer(a, kGiB)};
+  EXPECT_EQ(internal::SplitForRegistration(one, internal::kMaxUringBufferBytes).size(), 1u);
+}
+
+TEST(UringRegistration, RequestsMapToTheirPieceAndStraddlersToNone) {
+  const uintptr_t a = uintptr_t{1} << 40;
+  const std::span<std::byte> bufs[] = {FakeBuffer(a, kGiB + 8 * kMiB)};
+  const auto ranges = internal::SplitForRegistration(bufs, internal::kMaxUringBufferBytes);
+  auto at = [&](uint64_t offset) { return reinterpret_cast<const std::byte*>(a + offset); };
+  EXPECT_EQ(internal::FindRegisteredRange(ranges, at(0), kMiB), 0);
+  EXPECT_EQ(internal::FindRegisteredRange(ranges, at(kGiB - kMiB), kMiB), 0);  // ends at the cut
+  EXPECT_EQ(internal::FindRegisteredRange(ranges, at(kGiB), kMiB), 1);
+  EXPECT_EQ(internal::FindRegisteredRange(ranges, at(kGiB + 7 * kMiB), kMiB), 1);
+  EXPECT_EQ(internal::FindRegisteredRange(ranges, at(kGiB - 4096), 8192), -1);          // straddles
+  EXPECT_EQ(internal::FindRegisteredRange(ranges, at(kGiB + 7 * kMiB), kMiB + 1), -1);  // past
+  EXPECT_EQ(internal::FindRegisteredRange(ranges, at(0) - 4096, 4096), -1);             // before
+}
+
+internal::BufferRegistrationRefusal Refusal(int error) {
+  internal::BufferRegistrationRefusal r;
+  r.error = error;
+  r.buffers = 3;
+  r.total_bytes = 2 * kGiB + 512 * kMiB;
+  r.largest_bytes = kGiB;
+  return r;
+}
+
+TEST(UringRegistration, WarningNamesTheMemlockLimitWithItsValue) {
+  auto r = Refusal(ENOMEM);
+  r.memlock_limit_bytes = 8 * kMiB;
+  const std::string m = internal::DescribeBufferRegistrationRefusal(r, "/nvme/x.state");
+  EXPECT_NE(m.find("register 3 buffers (2.50 GiB) with io_uring for /nvme/x.state: ENOMEM"),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("RLIMIT_MEMLOCK (`ulimit -l`) is 8.00 MiB"), std::string::npos) << m;
+  EXPECT_NE(m.find("ulimit -l unlimited"), std::string::npos) << m;
+  EXPECT_NE(m.find("CAP_IPC_LOCK"), std::string::npos) << m;
+  EXPECT_NE(m.find("IO proceeds without fixed buffers"), std::string::npos) << m;
+}
+
+TEST(UringRegistration, WarningDoesNotBlameTheLimitWhenItDoesNotApply) {
+  for (bool cap : {true, false}) {
+    auto r = Refusal(ENOMEM);
+    r.cap_ipc_lock = cap;
+    r.memlock_limit_bytes = cap ? 8 * kMiB : UINT64_MAX;  // CAP_IPC_LOCK, or unlimited
+    const std::string m = internal::DescribeBufferRegistrationRefusal(r, "f");
+    EXPECT_EQ(m.find("ulimit -l"), std::string::npos) << m;
+    EXPECT_NE(m.find("short of memory"), std::string::npos) << m;
+    EXPECT_NE(m.find(cap ? "(CAP_IPC_LOCK)" : "(unlimited)"), std::string::npos) << m;
+  }
+}
+
+TEST(UringRegistration, WarningNamesTheOneGiBCap) {
+  auto r = Refusal(EFAULT);
+  r.largest_bytes = kGiB + 128 * kMiB;
+  const std::string m = internal::DescribeBufferRegistrationRefusal(r, "f");
+  EXPECT_NE(m.find("EFAULT"), std::string::npos) << m;
+  EXPECT_NE(m.find("a buffer of 1.12 GiB is larger than io_uring's limit of 1 GiB"),
+            std::string::npos)
+      << m;
+  EXPECT_EQ(m.find("ulimit"), std::string::npos) << m;
+}
+
+TEST(UringRegistration, WarningNamesOtherCausesByTheirErrno) {
+  std::string m = internal::DescribeBufferRegistrationRefusal(Refusal(EFAULT), "f");
+  EXPECT_NE(m.find("EFAULT (Bad address): io_uring could not pin a buffer"), std::string::npos)
+      << m;
+  m = internal::DescribeBufferRegistrationRefusal(Refusal(EOPNOTSUPP), "f");
+  EXPECT_NE(m.find("not a file mapping"), std::string::npos) << m;
+  auto many = Refusal(EINVAL);
+  many.buffers = internal::kMaxUringBuffers + 1;
+  m = internal::DescribeBufferRegistrationRefusal(many, "f");
+  EXPECT_NE(m.find("16385 buffers are more than io_uring's limit of 16384"), std::string::npos)
+      << m;
+  m = internal::DescribeBufferRegistrationRefusal(Refusal(EBUSY), "f");
+  EXPECT_NE(m.find(": EBUSY (Device or resource busy); IO proceeds without fixed buffers"),
+            std::string::npos)
+      << m;
+  EXPECT_EQ(m.find("ulimit"), std::string::npos) << m;
+}
+
+TEST(UringRegistration, CurrentMemlockLimitsReadsTheRlimit) {
+  rlimit rl{};
+  ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &rl), 0);
+  const internal::MemlockLimits limits = internal::CurrentMemlockLimits();
+  EXPECT_EQ(limits.limit_bytes, rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : rl.rlim_cur);
+  std::cout << "[ note ] RLIMIT_MEMLOCK " << limits.limit_bytes << " bytes, CAP_IPC_LOCK "
+            << (limits.cap_ipc_lock ? "held" : "not held") << "\n";
 }
 
 TEST(CountingStorage, CountsOpsAndBytes) {

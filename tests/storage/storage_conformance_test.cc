@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "runtime/storage.h"
+#include "runtime/storage_internal.h"
 #include "runtime/testing/fault_storage.h"
 #include "runtime/testing/test_util.h"
+#include "runtime/units.h"
 
 namespace strata {
 namespace {
@@ -231,6 +233,54 @@ TEST_P(StorageConformance, RegisteredBuffersAreUsedAndNeedNoIoInFlight) {
   ASSERT_TRUE(r.status.ok()) << r.status;
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
   ASSERT_TRUE(f->RegisterBuffers({}).ok());
+}
+
+// One buffer larger than io_uring's 1 GiB cap per registered buffer: it is
+// registered (in two pieces on io_uring) and IO through every part of it is
+// correct: inside the first piece, inside the second, and across the cut.
+TEST_P(StorageConformance, RegisteredBufferLargerThanOneGiBIsUsed) {
+  auto f = OpenNew("big", 8);
+  const size_t cut = kGiB;
+  // Lazy: a zero-filled 1 GiB buffer costs seconds of page faults here.
+  AlignedBuffer big(cut + 16 * kMiB, 4096, testing::BufferPages::kLazyHuge);
+  std::span<std::byte> bufs[] = {big.span()};
+  ASSERT_TRUE(f->RegisterBuffers(bufs).ok());
+  const bool uring = f->info().backend.find("uring") != std::string::npos;
+  const internal::MemlockLimits limits = internal::CurrentMemlockLimits();
+  const bool may_pin = limits.cap_ipc_lock || limits.limit_bytes >= big.size();
+  if (uring && may_pin) {
+    EXPECT_TRUE(f->info().fixed_buffers);
+    EXPECT_EQ(f->info().fixed_buffer_ranges, 2u);
+  }
+  // Three 1 MiB blocks: the last of the first piece, the first of the
+  // second, and one straddling the cut (submitted unregistered).
+  const size_t block = kMiB;
+  const size_t sources[] = {cut - block, cut, cut - block / 2};
+  FillPattern(big.span().subspan(cut - block, 2 * block), 21);
+  std::vector<IoRequest> w;
+  for (size_t k = 0; k < 3; ++k) {
+    w.push_back(IoRequest::Write(k * block, big.span().subspan(sources[k], block)));
+  }
+  for (IoRequest* r : RunAll(*f, w)) ASSERT_TRUE(r->status.ok()) << r->status;
+  std::vector<std::byte> want(3 * block);
+  for (size_t k = 0; k < 3; ++k) {
+    std::memcpy(want.data() + k * block, big.data() + sources[k], block);
+  }
+  // Read the file back into the far end of the second piece, and into the
+  // start of the first.
+  const size_t far = cut + 8 * kMiB;
+  std::vector<IoRequest> r = {IoRequest::Read(0, big.span().subspan(far, 3 * block)),
+                              IoRequest::Read(2 * block, big.span().subspan(0, block))};
+  for (IoRequest* done : RunAll(*f, r)) ASSERT_TRUE(done->status.ok()) << done->status;
+  EXPECT_EQ(std::memcmp(big.data() + far, want.data(), 3 * block), 0);
+  EXPECT_EQ(std::memcmp(big.data(), want.data() + 2 * block, block), 0);
+  ASSERT_TRUE(f->RegisterBuffers({}).ok());
+  EXPECT_FALSE(f->info().fixed_buffers);
+  if (uring && !may_pin) {
+    GTEST_SKIP() << "IO checked, but RLIMIT_MEMLOCK (" << limits.limit_bytes
+                 << " bytes, no CAP_IPC_LOCK) does not allow registering " << big.size()
+                 << " bytes here";
+  }
 }
 
 TEST_P(StorageConformance, ReapWithMinZeroDoesNotBlock) {
