@@ -4,6 +4,8 @@
 // save lock of a checkpoint directory.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <xxhash.h>
 
 #include <filesystem>
@@ -339,6 +341,14 @@ TEST_F(ExportShapedTest, HarmfulOutputsAreRefusedBeforeAnyByteIsWritten) {
     EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << bad << ": " << r.status();
   }
   EXPECT_TRUE(fs::is_character_file("/dev/null"));
+  // A device node named like an output file (root can make one; others skip this part).
+  if (::mknod(out.File("dev.safetensors").c_str(), S_IFCHR | 0600, makedev(1, 3)) == 0) {
+    auto r = ExportSafetensors(ckpt_.path(), out.File("dev.safetensors"),
+                               {.existing = ExistingFile::kReplace});
+    EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status();
+    ExpectMentions(r.status(), "a device, not a regular file");
+    EXPECT_TRUE(fs::is_character_file(out.File("dev.safetensors")));
+  }
   // A shard directory whose second shard exists: nothing is written at all.
   fs::create_directory(out.File("hf"));
   std::ofstream(out.File("hf/model-00002-of-00005.safetensors")) << "x";
