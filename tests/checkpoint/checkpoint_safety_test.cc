@@ -35,19 +35,8 @@ using testing::TempDir;
 using testing::TestSeed;
 using testing::Where;
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::vector<std::string> Names(const std::string& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
+std::string ReadAll(const std::string& path) { return testing::ReadFileBytes(path); }
+std::vector<std::string> Names(const std::string& dir) { return testing::DirNames(dir); }
 
 void ExpectMentions(const Status& s, const std::string& what) {
   EXPECT_NE(s.message().find(what), std::string::npos) << "'" << what << "' not in: " << s;

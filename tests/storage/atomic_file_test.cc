@@ -28,19 +28,8 @@ namespace fs = std::filesystem;
 using testing::FaultStorage;
 using testing::TempDir;
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::vector<std::string> Names(const std::string& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
-  std::sort(out.begin(), out.end());
-  return out;
-}
+std::string ReadAll(const std::string& path) { return testing::ReadFileBytes(path); }
+std::vector<std::string> Names(const std::string& dir) { return testing::DirNames(dir); }
 
 std::string Pattern(size_t bytes, uint64_t seed) {
   std::string s(bytes, '\0');
