@@ -7,7 +7,10 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <mutex>
 #include <utility>
+
+#include "runtime/log.h"
 
 namespace strata {
 namespace {
@@ -36,6 +39,16 @@ Result<FileLock> FileLock::Acquire(const std::string& path) {
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
+    if (err == ENOLCK || err == EOPNOTSUPP) {
+      // A filesystem without locks (some network mounts): work on, unguarded.
+      static std::once_flag warned;
+      std::call_once(warned, [&] {
+        LogWarning(fmt::format("lock {}: the filesystem does not support flock ({}); two users "
+                               "of one directory there are not detected",
+                               path, ErrnoName(err)));
+      });
+      return FileLock(fd, path);
+    }
     const long pid = err == EWOULDBLOCK ? ReadHolderPid(fd) : 0;
     ::close(fd);
     if (err != EWOULDBLOCK) return ErrnoError(err, "lock " + path);

@@ -14,6 +14,9 @@
 // blocks. The lock file itself is never removed (removing it would let two
 // processes hold locks on two different inodes of one name).
 //
+// A filesystem without flock (ENOLCK/EOPNOTSUPP: some network mounts) gives
+// an unguarded FileLock and one warning, rather than failing every run there.
+//
 // Errors: FailedPrecondition when another holder has it, naming the path and
 // the holder's pid ("held by process 4242", or "held by this process");
 // NotFound when the directory is missing; the errno of open/flock otherwise.
