@@ -188,11 +188,12 @@ class _TorchDistributedComm:
 
 class _Registered:
     """A param the engine holds pointers to, as it was when registered (or rebound)."""
-    __slots__ = ("param", "name", "where", "ptr", "shape", "dtype", "device")
+    __slots__ = ("param", "name", "where", "ptr", "grad_ptr", "shape", "dtype", "device")
 
     def __init__(self, param, name, where):
         self.param, self.name, self.where = param, name, where
         self.ptr = param.data_ptr()
+        self.grad_ptr = 0  # the engine's grad buffer, set once it exists
         self.shape, self.dtype, self.device = tuple(param.shape), param.dtype, param.device
 
     def describe(self, index):
@@ -417,6 +418,11 @@ class OffloadAdam(torch.optim.Optimizer):
         # One dense grad buffer per param; the engine reads grads from these.
         self._grad_bufs = [torch.zeros_like(r.param, memory_format=torch.contiguous_format)
                            for r in self._reg]
+        for r, buf in zip(self._reg, self._grad_bufs):
+            r.grad_ptr = buf.data_ptr()
+        # Alive as long as the optimizer: its addresses are never any param's, old or
+        # new (see _rebind).
+        self._sentinel = torch.empty(2 * len(self._reg), dtype=torch.uint8)
         groups = []
         self._engine_group = []  # per torch group: its engine group, None when all frozen
         index = 0
@@ -519,6 +525,7 @@ class OffloadAdam(torch.optim.Optimizer):
                         "the optimizer after unfreezing (or give frozen params their own "
                         "optimizer)")
         failed = self._engine.step_failed
+        moved = []
         for k, r in enumerate(self._reg):
             p = r.param
             what = None
@@ -537,17 +544,41 @@ class OffloadAdam(torch.optim.Optimizer):
                 what = f"changed shape from {r.shape} to {tuple(p.shape)}"
             elif p.is_sparse or not p.is_contiguous():
                 what = "is no longer dense and contiguous; the engine needs contiguous params"
-            elif p.data_ptr() != r.ptr:
-                if failed:
-                    what = ("has new storage, but a failed step awaits retry_step() and the "
-                            "engine cannot switch to it until the step is resolved: put the old "
-                            "tensor back, or build a new OffloadAdam and load_checkpoint()")
-                else:
-                    # Same shape, dtype and device in new memory: re-register it.
-                    self._engine.rebind_param(k, p.data_ptr(), self._grad_bufs[k].data_ptr())
-                    r.ptr = p.data_ptr()
+            else:
+                # The grad buffer is the engine's, but it is also the param's .grad
+                # after zero_grad(), and module.to()/.double() replace a grad's storage
+                # as they do a param's.
+                buf = self._grad_bufs[k]
+                if (buf.dtype, tuple(buf.shape), buf.device) != (r.dtype, r.shape, r.device) \
+                        or not buf.is_contiguous():
+                    self._grad_bufs[k] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if p.data_ptr() != r.ptr or self._grad_bufs[k].data_ptr() != r.grad_ptr:
+                    if failed:
+                        what = ("has new storage (or its grad buffer has), but a failed step "
+                                "awaits retry_step() and the engine cannot switch to it until "
+                                "the step is resolved: put the old tensor back, or build a new "
+                                "OffloadAdam and load_checkpoint()")
+                    else:
+                        moved.append(k)  # same shape, dtype and device in new memory
             if what:
                 raise RuntimeError(f"OffloadAdam.{op}: {r.describe(k)} {what}")
+        if moved:
+            self._rebind(moved)
+
+    def _rebind(self, moved):
+        """Re-registers the params in `moved` at their new storage (and grad buffer). In
+        two passes: a new tensor may sit where another moved param's old, freed one was,
+        and the engine refuses a pointer another param still holds. Pass 1 points each
+        moved param at its own bytes of the sentinel (alive since construction, so no
+        param's pointer, old or new, is ever there; nothing runs between the passes),
+        pass 2 at its new storage."""
+        base = self._sentinel.data_ptr()
+        for k in moved:
+            self._engine.rebind_param(k, base + 2 * k, base + 2 * k + 1)
+        for k in moved:
+            r, buf = self._reg[k], self._grad_bufs[k]
+            self._engine.rebind_param(k, r.param.data_ptr(), buf.data_ptr())
+            r.ptr, r.grad_ptr = r.param.data_ptr(), buf.data_ptr()
 
     def _registered_ids(self):
         ids = getattr(self, "_reg_ids", None)

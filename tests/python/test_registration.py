@@ -91,6 +91,45 @@ def test_replaced_storage_is_reregistered_and_training_is_unchanged(how, offload
     assert all(p.grad is not None and not p.grad.any() for p in m_ours.parameters())
 
 
+def test_params_that_trade_storage_are_reregistered():
+    """New storage where another param's old storage was (allocators reuse freed
+    blocks; here two params swap theirs): every param is re-registered at once, and
+    the engine's master weights stay each param's own."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
+                                   torch.nn.Linear(4, 4, bias=False))
+    ours, twin = model(), model()
+    opt = OffloadAdam(ours.parameters(), lr=1e-2)
+    opt_twin = OffloadAdam(twin.parameters(), lr=1e-2)
+    a, b = ours[0].weight, ours[1].weight
+    a.data, b.data = b.data, a.data
+    for m, o in ((ours, opt), (twin, opt_twin)):
+        for i, p in enumerate(m.parameters()):
+            p.grad = torch.full_like(p, 0.1 * (i + 1))
+        o.step()
+    for p, q in zip(ours.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_grad_buffer_whose_storage_was_replaced_is_reregistered():
+    """After zero_grad() a param's .grad is the engine's buffer; module.to()/.double()
+    replace a grad's storage as they do a param's, and the param's storage may land
+    where it was (same address): the buffer is checked too."""
+    m_ours, m_ref = linear(), linear()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.0)
+    train(m_ours, ours, 1)
+    train(m_ref, ref, 1)
+    for p in m_ours.parameters():
+        p.grad.data = p.grad.data.clone()     # the buffer object, new storage
+    junk = [torch.full((16, 4), 7.0) for _ in range(8)]
+    train(m_ours, ours, 2)
+    train(m_ref, ref, 2)
+    assert_same(m_ours, m_ref)
+    assert all(torch.equal(j, torch.full((16, 4), 7.0)) for j in junk)
+
+
 def test_replaced_storage_while_a_step_runs_under_a_closure():
     """A closure that replaces storage (rare, but allowed): the check runs after it."""
     m = linear()
