@@ -14,38 +14,47 @@
 //   STRATA_RETURN_IF_ERROR(opt->Save("/ckpt/run1"));          // every rank
 //   ... process restarts, maybe with another world size ...
 //   STRATA_RETURN_IF_ERROR(opt->Load("/ckpt/run1"));          // every rank
-//   STRATA_RETURN_IF_ERROR(ExportSafetensors("/ckpt/run1", "/out/model.safetensors"));
+//   STRATA_RETURN_IF_ERROR(ExportSafetensors("/ckpt/run1", "/out/model.safetensors").status());
 //
-// Durability: data files are written under the save's own directory (not yet
-// referenced by anything), fsync'd; each rank's manifest goes to a temporary
-// name, is fsync'd and renamed; the directory is fsync'd; after every rank
-// finished, rank 0 publishes the save by writing latest.json.tmp, fsync,
-// rename to latest.json, fsync DIR. A crash at any point leaves the previous
-// latest.json, and the save it names, intact. Retention: after publishing,
-// rank 0 keeps the newest `keep_checkpoints` saves (at least 2: the new one
-// and the one before it) and removes every other step-* directory, including
-// the leftovers of saves that crashed.
+// Durability: every file goes through AtomicFileWriter (runtime/atomic_file.h:
+// a unique temporary name in the target directory, fsync, rename, directory
+// fsync; the temporary removed on failure). Data files and each rank's
+// manifest go into the save's own directory (not yet referenced by
+// anything); after every rank finished, rank 0 publishes the save by
+// replacing latest.json. A crash at any point leaves the previous
+// latest.json, and the save it names, intact. Rank 0 holds DIR/strata-save.lock
+// (runtime/file_lock.h) from before the first byte until retention is done,
+// so a second job saving into DIR fails at once with the holder's pid.
+// Retention: after publishing, rank 0 keeps the newest `keep_checkpoints`
+// saves (at least 2: the new one and the one before it) and removes every
+// other step-* directory, including the leftovers of saves that crashed.
 //
-// Load verifies before it changes anything: the manifests (format version,
-// world size, one save), the model (the same tensors, sizes and groups), and
-// every checksum of every data file it reads. Only when all of that holds on
-// every rank does it write the state, the counters and the hyperparameters,
-// and recompute the trainer's param tensors from the loaded master weights.
+// Every reader (load, export, `strata inspect --verify`) applies one
+// validator to the manifests: format version, one save, a consistent layout,
+// shapes that match the element counts, hyperparameters and loss-scaler
+// state in range. Load then compares the model (the same tensors, sizes,
+// shapes where both sides know them, and groups) and verifies every
+// checksum of every data file it reads; only when all of that holds on every
+// rank does it write the state, the counters and the hyperparameters, and
+// recompute the trainer's param tensors from the loaded master weights.
 //
-// Save writes the committed state: call it between steps, not between a
-// failed Step() and its retry (the sub-groups the failed step finished
-// already hold the next step's values).
+// Save writes the committed state: it refuses (FailedPrecondition, nothing
+// written) while the optimizer is in StepState::kFailed, whose sub-groups
+// mix two steps.
 //
 // Errors name the file and say what to do: NotFound (no checkpoint, missing
 // file), FailedPrecondition (another model, a world size other than the
-// save's with Reshard::kForbid, an unsupported format version), DataLoss
-// (checksum mismatch, truncated file, unreadable manifest), and the IO errors
-// of the storage. Thread-safety: Save/Load are collectives driven by each
+// save's with Reshard::kForbid, an unsupported format version, a failed
+// step, a save of another job running in DIR, an output that exists or is
+// not a regular file), DataLoss (checksum mismatch, truncated file, a
+// manifest that is unreadable or fails the validator), and the IO errors of
+// the storage. Thread-safety: Save/Load are collectives driven by each
 // rank's thread; a CheckpointReader is driven by one thread.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -53,6 +62,8 @@
 #include "offload/layout.h"
 #include "offload/loss_scaler.h"
 #include "offload/optimizer.h"
+#include "runtime/atomic_file.h"
+#include "runtime/dtype.h"
 #include "runtime/status.h"
 #include "runtime/storage.h"
 
@@ -61,12 +72,18 @@ namespace strata {
 inline constexpr int kCheckpointFormatVersion = 1;
 inline constexpr std::string_view kCheckpointFormatName = "strata-checkpoint";
 
+// The shape of each registered param (flat over groups, registration order),
+// as the trainer knows it: the engine itself knows element counts only. An
+// empty list: no shapes (a tensor is then read as 1-D [elems]).
+using TensorShapes = std::vector<std::vector<uint64_t>>;
+
 struct SaveOptions {
   Storage* storage = nullptr;         // nullptr: io_uring (posix fallback)
   uint64_t chunk_bytes = 1 << 20;     // IO and checksum unit, a multiple of 4096
   uint32_t queue_depth = 8;           // chunk writes in flight per file
   DirectIo direct = DirectIo::kAuto;  // data files: O_DIRECT where the filesystem allows
   uint32_t keep_checkpoints = 2;      // saves kept after publishing (values < 2 mean 2)
+  TensorShapes shapes;                // recorded in the manifest; each product == elems
 };
 
 enum class Reshard : uint8_t {
@@ -79,6 +96,7 @@ struct LoadOptions {
   uint32_t queue_depth = 8;
   DirectIo direct = DirectIo::kAuto;
   Reshard reshard = Reshard::kAllow;
+  TensorShapes shapes;  // when given, a saved shape must equal it (not just the elems)
 };
 
 // Save/Load with options; OffloadOptimizer::Save/Load use the defaults.
@@ -94,6 +112,9 @@ struct CheckpointTensor {
   uint32_t group = 0;
   uint64_t offset_elems = 0;  // in the flat buffer of the save
   uint64_t elems = 0;
+  // The trainer's shape (product == elems; {} is a scalar); nullopt when the
+  // save recorded none (read it as [elems]).
+  std::optional<std::vector<uint64_t>> shape;
 };
 
 struct CheckpointFile {
@@ -174,15 +195,40 @@ class CheckpointReader {
 
 struct ExportOptions {
   ReaderOptions reader;
-  uint64_t buffer_bytes = 4 << 20;  // host memory for the copy
+  // F32, BF16 (round to nearest even, as the engine writes bf16 params) or F16.
+  DType dtype = DType::kF32;
+  // 0: one file. Otherwise the output is a directory in the Hugging Face
+  // layout: model-00001-of-0000N.safetensors, each with at most this many
+  // bytes of tensor data (a larger tensor gets a file of its own), and
+  // model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"}).
+  uint64_t max_shard_bytes = 0;
+  // An output file that exists: kRefuse (FailedPrecondition) or kReplace (--force).
+  ExistingFile existing = ExistingFile::kRefuse;
+  Storage* storage = nullptr;        // for the output files; nullptr: posix
+  uint64_t buffer_bytes = 4 << 20;   // host memory for the copy
 };
 
-// Writes the full fp32 master weights of the checkpoint in `dir` as one
-// safetensors file: one 1-D F32 tensor per registered param, named as
-// registered ("param.<i>" when unnamed), in registration order, and
-// __metadata__ {"format": "pt", "step", "world_size", "source"}. Written to
-// OUT.tmp, fsync'd and renamed. FailedPrecondition for duplicate names.
-Status ExportSafetensors(const std::string& dir, const std::string& out_path,
-                         const ExportOptions& options = {});
+struct ExportResult {
+  std::vector<std::string> files;  // written, the index (if any) last
+  uint64_t tensor_bytes = 0;       // tensor data, all files
+  uint64_t tensors = 0;
+};
+
+// Writes the full master weights of the checkpoint in `dir` as safetensors,
+// one tensor per registered param, named as registered ("param.<i>" when
+// unnamed), shaped as saved (1-D when the save has no shapes), in
+// registration order, with __metadata__ {"format": "pt", "step",
+// "world_size", "optimizer", "source"}: what torch's load_state_dict takes.
+// `out` ending in ".safetensors" is one file; anything else is a directory
+// (created when missing) that receives model.safetensors, or the shards and
+// the index with max_shard_bytes. Streams: host memory stays at
+// buffer_bytes plus the reader's chunks, whatever the model's size.
+// Refuses (FailedPrecondition, before writing anything) an output inside the
+// checkpoint directory, an existing output file unless kReplace, and any
+// output that is not a regular file; InvalidArgument for a dtype other than
+// F32/BF16/F16 or max_shard_bytes with a ".safetensors" file;
+// FailedPrecondition for duplicate names. Each file is written atomically.
+Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string& out,
+                                       const ExportOptions& options = {});
 
 }  // namespace strata

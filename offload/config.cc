@@ -654,6 +654,22 @@ Status ValidateConfig(const OffloadConfig& c) {
   if (c.device == OffloadDevice::kCpu && !c.nvme_paths.empty()) {
     LogInfo(fmt::format("config: {}.nvme_path is unused with device \"cpu\"", off));
   }
+  // The same directory twice would stripe one file onto itself. Spellings
+  // that differ ("/a" and "/a/", or a symlink) meet the state store's lock.
+  for (size_t i = 0; i < c.nvme_paths.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      auto norm = [](std::string p) {
+        while (p.size() > 1 && p.back() == '/') p.pop_back();
+        return p;
+      };
+      if (norm(c.nvme_paths[i]) == norm(c.nvme_paths[j])) {
+        return InvalidArgumentError(fmt::format(
+            "{}.nvme_path: '{}' is listed twice (entries {} and {}); each entry is a directory "
+            "on its own drive, striped: list each once",
+            off, c.nvme_paths[i], j, i));
+      }
+    }
+  }
   if (c.offload_ratio != 1.0) {
     return InvalidArgumentError(fmt::format(
         "{}.ratio = {}: partial offload is not supported; use 1.0", off, c.offload_ratio));

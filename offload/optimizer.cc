@@ -880,7 +880,8 @@ Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
   Param& p = m.params[index];
   const std::string who =
       fmt::format("param {}{}", index, p.name.empty() ? "" : " (" + p.name + ")");
-  if (m.pending) return m.FailedStepError(fmt::format("{} {}", kOp, who));
+  // Allowed while a failed step awaits RetryStep: the gradients it did not
+  // apply are kept by the engine, and the retry uploads every sub-group.
   if (p.elems > 0 && (data == nullptr || grad == nullptr)) {
     return InvalidArgumentError(fmt::format("{} {}: it has {} elems but the new {} pointer is null",
                                             kOp, who, p.elems, data == nullptr ? "data" : "grad"));

@@ -221,9 +221,9 @@ class OffloadOptimizer {
   // trainer replaced its storage: same elems and dtypes, new memory). Waits
   // for the engine's work in flight, then uses the new pointers from the
   // next operation on. InvalidArgument for a bad index, a null pointer with
-  // elems > 0, or a pointer another param uses; FailedPrecondition while a
-  // failed step awaits RetryStep (its gradients were read from the old
-  // tensors and are kept: retry first).
+  // elems > 0, or a pointer another param uses. Allowed while a failed step
+  // awaits RetryStep: that step keeps the gradients it did not apply, and the
+  // retry writes every param to the new storage.
   Status RebindParam(uint32_t index, void* data, void* grad);
 
   // The loss multiplier for the next backward (1 unless fp16 loss scaling).

@@ -109,6 +109,20 @@ Status StateStore::Init(Storage& storage) {
   }
   committed_.assign(options_.num_extents, 0);
   busy_.assign(options_.num_extents, 0);
+  for (const std::string& dir : options_.paths) {
+    const std::string lock = dir + "/strata-rank" + std::to_string(options_.rank) + ".lock";
+    auto held = storage.Lock(lock);
+    if (!held.ok() && held.status().code() == StatusCode::kFailedPrecondition) {
+      return FailedPreconditionError(
+          "open state store: " + std::string(held.status().message()) +
+          "; another optimizer keeps rank " + std::to_string(options_.rank) + "'s state in " +
+          dir + " (another run, a second optimizer of this process, or the directory listed "
+          "twice in nvme_path): give each optimizer its own nvme_path directory, or stop the "
+          "other one");
+    }
+    if (!held.ok()) return held.status().WithContext("open state store");
+    locks_.push_back(std::move(held).value());
+  }
   const uint64_t file_bytes =
       kSuperblockBytes + 2 * uint64_t{options_.num_extents} * per_file_slot_bytes_;
   for (uint32_t f = 0; f < num_paths; ++f) {

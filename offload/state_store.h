@@ -33,9 +33,16 @@
 // newer one was committed, is DataLoss — the store never returns corrupt or
 // stale data.
 //
+// Exclusive: Create takes `<path>/strata-rank<r>.lock` on every path first
+// (Storage::Lock) and holds it until the store is destroyed, so two stores of
+// one rank on one directory (two runs, two optimizers of one process) never
+// truncate or share each other's state: the second fails with
+// FailedPrecondition naming the directory and the holder's pid.
+//
 // Errors: InvalidArgument (buffer size or alignment, bad options),
 // OutOfRange (extent id), FailedPrecondition (extent never written, an extent
-// already has IO in flight, geometry of an existing store differs), DataLoss
+// already has IO in flight, geometry of an existing store differs, the
+// directory is in use by another store), DataLoss
 // (checksum or generation mismatch), and the IO errors of the storage with
 // file, offset and size (ResourceExhausted for ENOSPC, Internal for EIO, ...).
 //
@@ -148,6 +155,9 @@ class StateStore {
   uint64_t slot_bytes_ = 0;
   uint64_t per_file_slot_bytes_ = 0;
   std::vector<std::string> file_paths_;
+  // One lock per path (strata-rank<r>.lock, runtime/file_lock.h), held for
+  // the store's life: a second store of this rank on a path fails to open.
+  std::vector<std::unique_ptr<StorageLock>> locks_;
   std::vector<std::unique_ptr<File>> files_;
   std::vector<uint64_t> committed_;
   std::vector<uint8_t> busy_;  // extent has an op in flight

@@ -5,6 +5,7 @@
 #include "offload/strata_c.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "offload/checkpoint.h"
 #include "offload/config.h"
 #include "offload/optimizer.h"
 #include "runtime/comm.h"
@@ -30,6 +32,7 @@ struct strata_comm {
 struct strata_optimizer {
   strata::Stream stream;  // the wrapped native stream, if one was given
   std::unique_ptr<strata::OffloadOptimizer> opt;
+  strata::TensorShapes shapes;  // empty until strata_optimizer_set_param_shape
 };
 
 namespace {
@@ -326,16 +329,95 @@ size_t strata_optimizer_format_plan(const strata_optimizer* opt, char* buf, size
   return CopyText(strata::FormatPlan(opt->opt->plan()), buf, capacity);
 }
 
+int strata_optimizer_step_state(const strata_optimizer* opt) {
+  return opt != nullptr && opt->opt->step_state() == strata::StepState::kFailed
+             ? STRATA_STEP_FAILED
+             : STRATA_STEP_READY;
+}
+
+size_t strata_optimizer_format_step_failure(const strata_optimizer* opt, char* buf,
+                                            size_t capacity) {
+  if (opt == nullptr || opt->opt->step_failure().ok()) return CopyText("", buf, capacity);
+  return CopyText(opt->opt->step_failure().ToString(), buf, capacity);
+}
+
+int strata_optimizer_retry_step(strata_optimizer* opt) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_retry_step", "opt");
+  return Guard("strata_optimizer_retry_step",
+               [&] { return HostSync(*opt, opt->opt->RetryStep()); });
+}
+
+int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* data, void* grad) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_rebind_param", "opt");
+  return Guard("strata_optimizer_rebind_param",
+               [&] { return opt->opt->RebindParam(index, data, grad); });
+}
+
+int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, const uint64_t* dims,
+                                     uint32_t ndim) {
+  constexpr const char* kFn = "strata_optimizer_set_param_shape";
+  if (opt == nullptr) return ReportNull(kFn, "opt");
+  if (dims == nullptr && ndim > 0) return ReportNull(kFn, "dims");
+  return Guard(kFn, [&]() -> Status {
+    const auto params = opt->opt->params();
+    if (index >= params.size()) {
+      return strata::InvalidArgumentError(
+          fmt::format("{}: param {} of {} registered", kFn, index, params.size()));
+    }
+    std::vector<uint64_t> shape(dims, dims + ndim);
+    uint64_t product = 1;
+    for (uint64_t d : shape) product *= d;
+    if (product != params[index].elems) {
+      return strata::InvalidArgumentError(
+          fmt::format("{}: param {} ('{}') has {} elems; the shape [{}] holds {}", kFn, index,
+                      params[index].name, params[index].elems, fmt::join(shape, ", "), product));
+    }
+    if (opt->shapes.empty()) {
+      for (const strata::Param& p : params) opt->shapes.push_back({p.elems});
+    }
+    opt->shapes[index] = std::move(shape);
+    return strata::OkStatus();
+  });
+}
+
 int strata_optimizer_save(strata_optimizer* opt, const char* dir) {
   if (opt == nullptr) return ReportNull("strata_optimizer_save", "opt");
   if (dir == nullptr) return ReportNull("strata_optimizer_save", "dir");
-  return Guard("strata_optimizer_save", [&] { return opt->opt->Save(dir); });
+  return Guard("strata_optimizer_save",
+               [&] { return strata::SaveCheckpoint(*opt->opt, dir, {.shapes = opt->shapes}); });
 }
 
 int strata_optimizer_load(strata_optimizer* opt, const char* dir) {
   if (opt == nullptr) return ReportNull("strata_optimizer_load", "opt");
   if (dir == nullptr) return ReportNull("strata_optimizer_load", "dir");
-  return Guard("strata_optimizer_load", [&] { return opt->opt->Load(dir); });
+  return Guard("strata_optimizer_load", [&] {
+    return HostSync(*opt, strata::LoadCheckpoint(*opt->opt, dir, {.shapes = opt->shapes}));
+  });
+}
+
+int strata_checkpoint_export(const char* dir, const char* out, const char* dtype,
+                             uint64_t max_shard_bytes, int force) {
+  constexpr const char* kFn = "strata_checkpoint_export";
+  if (dir == nullptr) return ReportNull(kFn, "dir");
+  if (out == nullptr) return ReportNull(kFn, "out");
+  if (dtype == nullptr) return ReportNull(kFn, "dtype");
+  return Guard(kFn, [&]() -> Status {
+    const std::string d = dtype;
+    strata::ExportOptions o;
+    if (d == "fp32") {
+      o.dtype = strata::DType::kF32;
+    } else if (d == "bf16") {
+      o.dtype = strata::DType::kBF16;
+    } else if (d == "fp16") {
+      o.dtype = strata::DType::kF16;
+    } else {
+      return strata::InvalidArgumentError(
+          fmt::format("{}: dtype '{}'; use fp32, bf16 or fp16", kFn, d));
+    }
+    o.max_shard_bytes = max_shard_bytes;
+    o.existing = force != 0 ? strata::ExistingFile::kReplace : strata::ExistingFile::kRefuse;
+    return strata::ExportSafetensors(dir, out, o).status();
+  });
 }
 
 }  // extern "C"

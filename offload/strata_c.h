@@ -172,10 +172,49 @@ size_t strata_optimizer_format_stats(const strata_optimizer* opt, char* buf, siz
 /* The placement plan table (what lives where, bytes per tier). */
 size_t strata_optimizer_format_plan(const strata_optimizer* opt, char* buf, size_t capacity);
 
+/* A step that fails part way (an IO error on a later sub-group) leaves the
+ * optimizer STRATA_STEP_FAILED: some sub-groups hold the next step's values.
+ * Until it is resolved, step and save return STRATA_FAILED_PRECONDITION
+ * naming the failed step; strata_optimizer_retry_step finishes it with the
+ * gradients it kept (bitwise a clean run's; a collective), and
+ * strata_optimizer_load replaces the state. Pending gradients are never
+ * applied again by a plain step. */
+enum { STRATA_STEP_READY = 0, STRATA_STEP_FAILED = 1 };
+int strata_optimizer_step_state(const strata_optimizer* opt);
+/* The failed step's error (snprintf-style, as the text outputs above); "" while ready. */
+size_t strata_optimizer_format_step_failure(const strata_optimizer* opt, char* buf,
+                                            size_t capacity);
+/* STRATA_FAILED_PRECONDITION when no step failed. */
+int strata_optimizer_retry_step(strata_optimizer* opt);
+
+/* Param `index` (registration order) now lives at `data` / `grad`: the
+ * trainer replaced its memory (same elements and dtypes). The optimizer
+ * never touches the old memory again; call it before the next step or load.
+ * STRATA_INVALID_ARGUMENT for a bad index, a NULL pointer or one another
+ * param uses; STRATA_FAILED_PRECONDITION while a failed step awaits retry. */
+int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* data, void* grad);
+
+/* The shape of param `index` (`ndim` dims whose product is its elems; 0 dims:
+ * a scalar), recorded by later saves and checked by later loads, so exports
+ * (`strata export`) hold shaped tensors. STRATA_INVALID_ARGUMENT when the
+ * product differs from the param's elems. Params without one are [elems]. */
+int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, const uint64_t* dims,
+                                     uint32_t ndim);
+
 /* Checkpoints (docs/checkpoint.md): a collective; every rank passes the same
- * directory. */
+ * directory. A load returns once the params are written (host device) or
+ * ordered on the stream (CUDA). */
 int strata_optimizer_save(strata_optimizer* opt, const char* dir);
 int strata_optimizer_load(strata_optimizer* opt, const char* dir);
+
+/* The weights of the checkpoint in `dir` as safetensors (`strata export`):
+ * dtype "fp32", "bf16" or "fp16"; `out` a .safetensors file, or a directory
+ * (Hugging Face shards and an index when max_shard_bytes > 0). force != 0
+ * replaces existing output files. STRATA_FAILED_PRECONDITION for an output
+ * inside the checkpoint, one that exists (without force) or is not a
+ * regular file. */
+int strata_checkpoint_export(const char* dir, const char* out, const char* dtype,
+                             uint64_t max_shard_bytes, int force);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "offload/checkpoint.h"
 #include "offload/config.h"
 #include "offload/optimizer.h"
 #include "runtime/comm.h"
@@ -181,8 +182,9 @@ class PythonCommunicator final : public Communicator {
 // One optimizer with the device, communicator and stream it runs on.
 class Engine {
  public:
-  // groups: [{"params": [(name, data_ptr, grad_ptr, elems), ...], "lr": ..., "betas": (b1, b2),
-  //           "eps": ..., "weight_decay": ...}, ...]
+  // groups: [{"params": [(name, data_ptr, grad_ptr, elems, shape), ...], "lr": ...,
+  //           "betas": (b1, b2), "eps": ..., "weight_decay": ...}, ...]
+  // (shape: a tuple of ints, recorded in checkpoints and checked on load).
   // comm: None (one rank), ("python", rank, world, impl), or ("nccl", rank, world, id_bytes).
   // stream: a native stream handle (cudaStream_t as int) or None.
   Engine(const std::string& device_name, const std::string& config_json, py::list groups,
@@ -202,6 +204,7 @@ class Engine {
                              .data = reinterpret_cast<void*>(tup[1].cast<uintptr_t>()),
                              .grad = reinterpret_cast<void*>(tup[2].cast<uintptr_t>()),
                              .elems = tup[3].cast<uint64_t>()});
+        shapes_.push_back(tup[4].cast<std::vector<uint64_t>>());
       }
       param_groups.push_back(std::move(pg));
     }
@@ -256,8 +259,38 @@ class Engine {
   void ZeroGrad() { Call([&] { return HostSync(opt_->ZeroGrad()); }); }
   void ReduceGradients() { Call([&] { return opt_->ReduceGradients(); }); }
   void GradReady(uint32_t i) { Call([&] { return opt_->GradReady(i); }); }
-  void Save(const std::string& dir) { Call([&] { return opt_->Save(dir); }); }
-  void Load(const std::string& dir) { Call([&] { return opt_->Load(dir); }); }
+  // Checkpoints record the tensors' shapes, and a load checks them.
+  void Save(const std::string& dir) {
+    Call([&] { return SaveCheckpoint(*opt_, dir, {.shapes = shapes_}); });
+  }
+  void Load(const std::string& dir) {
+    Call([&] { return HostSync(LoadCheckpoint(*opt_, dir, {.shapes = shapes_})); });
+  }
+  // The step state machine (offload/optimizer.h).
+  void RetryStep() { Call([&] { return HostSync(opt_->RetryStep()); }); }
+  bool step_failed() const { return opt_->step_state() == StepState::kFailed; }
+  std::string step_failure() const {
+    return opt_->step_failure().ok() ? "" : opt_->step_failure().ToString();
+  }
+  void RebindParam(uint32_t index, uintptr_t data, uintptr_t grad) {
+    Call([&] {
+      return opt_->RebindParam(index, reinterpret_cast<void*>(data), reinterpret_cast<void*>(grad));
+    });
+  }
+  // Raises what RestoreCounters would, without changing anything.
+  void CheckCounters(int64_t step, py::dict d) const {
+    if (step < 0) Raise(InvalidArgumentError(fmt::format("step {} is negative", step)));
+    LossScalerState s = ScalerFrom(d);
+    Result<LossScaler> scaler = LossScaler::Create(opt_->config().loss_scaler);
+    if (!scaler.ok()) Raise(scaler.status());
+    Check(scaler->Restore(s));
+  }
+  // Each registered tensor's (offset_elems, elems) in the flat layout.
+  std::vector<std::pair<uint64_t, uint64_t>> Layout() const {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (const TensorSlot& t : opt_->layout().tensors) out.emplace_back(t.offset_elems, t.elems);
+    return out;
+  }
   void Synchronize() { Call([&] { return opt_->device().Synchronize(); }); }
 
   double loss_scale() const { return opt_->loss_scale(); }
@@ -350,18 +383,24 @@ class Engine {
     d["hysteresis_left"] = s.hysteresis_left;
     return d;
   }
-  void RestoreCounters(int64_t step, py::dict d) {
-    LossScalerState s{.scale = d["scale"].cast<double>(),
-                      .iteration = d["iteration"].cast<int64_t>(),
-                      .last_overflow_iteration = d["last_overflow_iteration"].cast<int64_t>(),
-                      .hysteresis_left = d["hysteresis_left"].cast<uint32_t>()};
-    Check(opt_->RestoreCounters(step, s));
-  }
+  void RestoreCounters(int64_t step, py::dict d) { Check(opt_->RestoreCounters(step, ScalerFrom(d))); }
 
  private:
   Status HostSync(Status s) {
     if (!s.ok() || device_->caps().kind != DeviceKind::kHost) return s;
     return device_->StreamSynchronize(stream_ ? stream_.ref() : device_->DefaultStream());
+  }
+
+  static LossScalerState ScalerFrom(const py::dict& d) {
+    for (const char* k : {"scale", "iteration", "last_overflow_iteration", "hysteresis_left"}) {
+      if (!d.contains(k)) {
+        Raise(InvalidArgumentError(fmt::format("loss scaler state: no '{}'", k)));
+      }
+    }
+    return {.scale = d["scale"].cast<double>(),
+            .iteration = d["iteration"].cast<int64_t>(),
+            .last_overflow_iteration = d["last_overflow_iteration"].cast<int64_t>(),
+            .hysteresis_left = d["hysteresis_left"].cast<uint32_t>()};
   }
 
   static GroupHyper HyperFrom(const py::dict& d) {
@@ -376,11 +415,68 @@ class Engine {
   }
 
   OffloadConfig config_;
+  TensorShapes shapes_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Communicator> comm_;
   Stream stream_;
   std::unique_ptr<OffloadOptimizer> opt_;
 };
+
+// A checkpoint opened for reading (strata.torch.state_dict_from_checkpoint).
+class PyCheckpoint {
+ public:
+  explicit PyCheckpoint(const std::string& dir) {
+    Result<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(dir);
+    if (!r.ok()) Raise(r.status());
+    reader_ = *std::move(r);
+  }
+  // [{"name", "elems", "shape" (None when not recorded)}, ...] in registration order.
+  py::list Tensors() const {
+    py::list out;
+    const CheckpointInfo& info = reader_->info();
+    for (uint32_t i = 0; i < info.tensors.size(); ++i) {
+      const CheckpointTensor& t = info.tensors[i];
+      py::dict d;
+      d["name"] = t.name.empty() ? fmt::format("param.{}", i) : t.name;
+      d["elems"] = t.elems;
+      d["shape"] = t.shape ? py::cast(*t.shape) : py::none();
+      out.append(d);
+    }
+    return out;
+  }
+  int64_t step() const { return reader_->info().step; }
+  std::string save_dir() const { return reader_->info().save_dir; }
+  // The fp32 master weights of tensor `i` into a float32 buffer of its elems.
+  void ReadMaster(uint32_t i, uintptr_t ptr, uint64_t n) {
+    Call([&] { return reader_->ReadTensor(0, i, 0, {reinterpret_cast<float*>(ptr), n}); });
+  }
+
+ private:
+  std::unique_ptr<CheckpointReader> reader_;
+};
+
+std::vector<std::string> Export(const std::string& dir, const std::string& out,
+                                const std::string& dtype, uint64_t max_shard_bytes, bool force) {
+  ExportOptions o;
+  if (dtype == "fp32") {
+    o.dtype = DType::kF32;
+  } else if (dtype == "bf16") {
+    o.dtype = DType::kBF16;
+  } else if (dtype == "fp16") {
+    o.dtype = DType::kF16;
+  } else {
+    Raise(InvalidArgumentError(fmt::format("export: dtype '{}'; use fp32, bf16 or fp16", dtype)));
+  }
+  o.max_shard_bytes = max_shard_bytes;
+  o.existing = force ? ExistingFile::kReplace : ExistingFile::kRefuse;
+  std::vector<std::string> files;
+  Call([&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(ExportResult r, ExportSafetensors(dir, out, o));
+    files = std::move(r.files);
+    return OkStatus();
+  });
+  return files;
+}
 
 bool CudaAvailable() {
   for (const DeviceCaps& c : ListDevices()) {
@@ -457,5 +553,23 @@ PYBIND11_MODULE(_strata, m) {
       .def("read_state", &Engine::ReadState)
       .def("write_state", &Engine::WriteState)
       .def("scaler_state", &Engine::ScalerState)
-      .def("restore_counters", &Engine::RestoreCounters);
+      .def("restore_counters", &Engine::RestoreCounters)
+      .def("check_counters", &Engine::CheckCounters)
+      .def("layout", &Engine::Layout)
+      .def("retry_step", &Engine::RetryStep)
+      .def_property_readonly("step_failed", &Engine::step_failed)
+      .def_property_readonly("step_failure", &Engine::step_failure)
+      .def("rebind_param", &Engine::RebindParam);
+
+  py::class_<strata::PyCheckpoint>(m, "Checkpoint")
+      .def(py::init<const std::string&>(), py::arg("dir"))
+      .def("tensors", &strata::PyCheckpoint::Tensors)
+      .def_property_readonly("step", &strata::PyCheckpoint::step)
+      .def_property_readonly("save_dir", &strata::PyCheckpoint::save_dir)
+      .def("read_master", &strata::PyCheckpoint::ReadMaster);
+  m.def("export_checkpoint", &strata::Export, py::arg("dir"), py::arg("out"),
+        py::arg("dtype") = "fp32", py::arg("max_shard_bytes") = 0, py::arg("force") = false,
+        "Writes a checkpoint's weights as safetensors (offload/checkpoint.h ExportSafetensors); "
+        "returns the files written.");
+
 }

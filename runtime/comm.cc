@@ -9,6 +9,9 @@
 #include <cerrno>
 #include <thread>
 
+#include "runtime/atomic_file.h"
+#include "runtime/storage.h"
+
 namespace strata {
 
 std::string_view ReduceOpName(ReduceOp op) {
@@ -22,34 +25,10 @@ std::string_view ReduceOpName(ReduceOp op) {
 }
 
 Status WriteNcclUniqueIdFile(const std::string& path, const NcclUniqueId& id) {
-  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoError(errno, "create nccl id file " + tmp);
-  size_t done = 0;
-  while (done < id.bytes.size()) {
-    const ssize_t n = ::write(fd, id.bytes.data() + done, id.bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = n < 0 ? errno : EIO;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return ErrnoError(err, "write nccl id file " + tmp);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    return ErrnoError(err, "fsync nccl id file " + tmp);
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return ErrnoError(err, fmt::format("publish nccl id file {} (rename from {})", path, tmp));
-  }
-  return OkStatus();
+  return WriteFileAtomically(
+             *CreatePosixStorage(), path,
+             std::string_view(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size()))
+      .WithContext("publish nccl id file " + path);
 }
 
 Result<NcclUniqueId> ReadNcclUniqueIdFile(const std::string& path,

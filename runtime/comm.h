@@ -114,8 +114,8 @@ Result<NcclUniqueId> NewNcclUniqueId();
 Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId& id, int rank,
                                                              int world_size, Device& device);
 
-// Writes the id to `path` atomically (a temporary file, fsync, rename), so a
-// reader never sees a partial id.
+// Writes the id to `path` atomically (AtomicFileWriter: a temporary file,
+// fsync, rename), so a reader never sees a partial id.
 Status WriteNcclUniqueIdFile(const std::string& path, const NcclUniqueId& id);
 // Waits up to `timeout` for `path` to appear, then reads the id.
 // Unavailable naming the path when it does not appear in time; DataLoss when

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <string>
 
+#include "runtime/file_lock.h"
 #include "runtime/log.h"
 #include "runtime/storage_internal.h"
 #include "runtime/units.h"
@@ -284,6 +285,35 @@ Status RemovePath(const std::string& path) {
   return OkStatus();
 }
 
+Status RenamePath(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    return ErrnoError(errno, "rename " + from + " to " + to);
+  }
+  const size_t slash = to.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : to.substr(0, slash);
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "open directory " + dir + " to sync the rename of " + to);
+  Status s;
+  if (::fsync(fd) != 0) s = ErrnoError(errno, "fsync directory " + dir + " after renaming " + to);
+  ::close(fd);
+  return s;
+}
+
+namespace {
+class FileStorageLock final : public StorageLock {
+ public:
+  explicit FileStorageLock(FileLock lock) : lock_(std::move(lock)) {}
+
+ private:
+  FileLock lock_;
+};
+}  // namespace
+
+Result<std::unique_ptr<StorageLock>> LockPath(const std::string& path) {
+  STRATA_ASSIGN_OR_RETURN(FileLock lock, FileLock::Acquire(path));
+  return std::unique_ptr<StorageLock>(std::make_unique<FileStorageLock>(std::move(lock)));
+}
+
 void CompletionList::Push(IoRequest* request) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -374,6 +404,12 @@ class CountingStorage final : public Storage {
     return std::unique_ptr<File>(std::make_unique<CountingFile>(std::move(file), counters_));
   }
   Status Remove(const std::string& path) override { return base_->Remove(path); }
+  Status Rename(const std::string& from, const std::string& to) override {
+    return base_->Rename(from, to);
+  }
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    return base_->Lock(path);
+  }
 
  private:
   std::unique_ptr<Storage> base_;

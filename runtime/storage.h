@@ -191,6 +191,12 @@ struct StorageOptions {
   UringFallback fallback = UringFallback::kPosix;
 };
 
+// A lock taken with Storage::Lock; destroying the handle releases it.
+class StorageLock {
+ public:
+  virtual ~StorageLock() = default;
+};
+
 class Storage {
  public:
   virtual ~Storage() = default;
@@ -205,6 +211,19 @@ class Storage {
                                              const FileOptions& options) = 0;
   // Removes a file (NotFound when missing).
   virtual Status Remove(const std::string& path) = 0;
+  // Renames `from` to `to`, replacing `to` atomically when it exists
+  // (readers see the old file or the new one, never a mix), and makes the
+  // rename durable (the directory of `to` is synced) before returning.
+  // NotFound when `from` is missing. Files open under the old name keep
+  // working. Whole files are written through AtomicFileWriter
+  // (runtime/atomic_file.h), which ends with this.
+  virtual Status Rename(const std::string& from, const std::string& to) = 0;
+  // An exclusive lock named by `path`, held until the handle is destroyed.
+  // File backends: a FileLock on the file `path` (runtime/file_lock.h:
+  // flock, the holder's pid inside, released when the process dies); mem: a
+  // name taken in this storage. FailedPrecondition naming `path` and, where
+  // known, the holder's pid while someone else holds it; never blocks.
+  virtual Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) = 0;
 };
 
 // Makes a storage of `options.backend`. io_uring refused (EPERM/ENOSYS from

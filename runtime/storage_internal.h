@@ -82,6 +82,10 @@ Status SyncFd(int fd, const std::string& path);
 Status ResizeFd(int fd, const std::string& path, uint64_t size_bytes);
 Result<uint64_t> FdSizeBytes(int fd, const std::string& path);
 Status RemovePath(const std::string& path);
+// rename(2), then fsync of the directory of `to`.
+Status RenamePath(const std::string& from, const std::string& to);
+// A FileLock (runtime/file_lock.h) as a StorageLock.
+Result<std::unique_ptr<StorageLock>> LockPath(const std::string& path);
 
 // ---- io_uring buffer registration (pure, so tests can drive every case) ----
 

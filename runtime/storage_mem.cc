@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <vector>
 
 #include "runtime/storage.h"
@@ -113,10 +114,47 @@ class MemStorage final : public Storage {
     if (files_.erase(path) == 0) return NotFoundError("remove " + path + ": ENOENT (no such file)");
     return OkStatus();
   }
+  Status Rename(const std::string& from, const std::string& to) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = files_.find(from);
+    if (it == files_.end()) {
+      return NotFoundError("rename " + from + " to " + to + ": ENOENT (no such file)");
+    }
+    std::shared_ptr<MemData> data = std::move(it->second);
+    files_.erase(it);
+    files_[to] = std::move(data);
+    return OkStatus();
+  }
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    std::lock_guard<std::mutex> lock(locks_->mu);
+    if (!locks_->held.insert(path).second) {
+      return FailedPreconditionError("lock " + path + ": held by this process (mem storage)");
+    }
+    return std::unique_ptr<StorageLock>(std::make_unique<MemLock>(locks_, path));
+  }
 
  private:
+  struct Locks {
+    std::mutex mu;
+    std::set<std::string> held;
+  };
+  class MemLock final : public StorageLock {
+   public:
+    MemLock(std::shared_ptr<Locks> locks, std::string path)
+        : locks_(std::move(locks)), path_(std::move(path)) {}
+    ~MemLock() override {
+      std::lock_guard<std::mutex> lock(locks_->mu);
+      locks_->held.erase(path_);
+    }
+
+   private:
+    std::shared_ptr<Locks> locks_;
+    std::string path_;
+  };
+
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<MemData>> files_;
+  std::shared_ptr<Locks> locks_ = std::make_shared<Locks>();
 };
 
 }  // namespace

@@ -125,6 +125,12 @@ class PosixStorage final : public Storage {
         std::make_unique<PosixFile>(std::move(opened), path, options.queue_depth));
   }
   Status Remove(const std::string& path) override { return internal::RemovePath(path); }
+  Status Rename(const std::string& from, const std::string& to) override {
+    return internal::RenamePath(from, to);
+  }
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    return internal::LockPath(path);
+  }
 };
 
 }  // namespace

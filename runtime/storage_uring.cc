@@ -235,6 +235,12 @@ class UringStorage final : public Storage {
     return UringFile::Create(std::move(opened), path, options, sqpoll_);
   }
   Status Remove(const std::string& path) override { return internal::RemovePath(path); }
+  Status Rename(const std::string& from, const std::string& to) override {
+    return internal::RenamePath(from, to);
+  }
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    return internal::LockPath(path);
+  }
 
  private:
   SqPoll sqpoll_;

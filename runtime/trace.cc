@@ -1,12 +1,13 @@
 #include "runtime/trace.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
+
+#include "runtime/atomic_file.h"
+#include "runtime/storage.h"
 
 #if STRATA_HAVE_CUDA
 #include <nvtx3/nvToolsExt.h>
@@ -144,28 +145,8 @@ Result<std::string> TraceRecorder::ChromeTraceJson(std::string_view other_data_j
 Status TraceRecorder::WriteChromeTrace(const std::string& path,
                                        std::string_view other_data_json) const {
   STRATA_ASSIGN_OR_RETURN(std::string text, ChromeTraceJson(other_data_json));
-  const std::string op = fmt::format("write chrome trace {}", path);
-  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoError(errno, op);
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = n < 0 ? errno : EIO;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return ErrnoError(err, op);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return ErrnoError(err, op);
-  }
-  return OkStatus();
+  return WriteFileAtomically(*CreatePosixStorage(), path, text)
+      .WithContext(fmt::format("write chrome trace {}", path));
 }
 
 #if STRATA_HAVE_CUDA

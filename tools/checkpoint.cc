@@ -1,6 +1,8 @@
 // `strata inspect DIR [--verify] [--json]`: what a checkpoint holds, and
-// whether every checksum holds. `strata export DIR OUT.safetensors`: the full
-// fp32 weights in one safetensors file. Neither needs a GPU or the model.
+// whether every checksum holds (the validator every reader applies, then
+// every byte). `strata export DIR OUT [--dtype] [--max-shard-size] [--force]`:
+// the full weights as safetensors that torch's load_state_dict takes, one
+// file or Hugging Face shards with an index. Neither needs a GPU or the model.
 #include "offload/checkpoint.h"
 
 #include <fmt/format.h>
@@ -37,7 +39,8 @@ Status RunInspect(const InspectArgs& args) {
       tensors.push_back({{"name", t.name},
                          {"group", t.group},
                          {"offset_elems", t.offset_elems},
-                         {"elems", t.elems}});
+                         {"elems", t.elems},
+                         {"shape", t.shape ? nlohmann::json(*t.shape) : nlohmann::json(nullptr)}});
     }
     nlohmann::json groups = nlohmann::json::array();
     for (const GroupHyper& h : info.groups) {
@@ -99,9 +102,11 @@ Status RunInspect(const InspectArgs& args) {
   std::printf("  tensors:\n");
   for (size_t i = 0; i < info.tensors.size() && i < kListedTensors; ++i) {
     const CheckpointTensor& t = info.tensors[i];
-    std::printf("    %4zu  %-32s group %u  %llu elems\n", i,
+    const std::string shape =
+        t.shape ? fmt::format("shape [{}]", fmt::join(*t.shape, ", ")) : "no shape recorded";
+    std::printf("    %4zu  %-32s group %u  %llu elems, %s\n", i,
                 t.name.empty() ? fmt::format("param.{}", i).c_str() : t.name.c_str(), t.group,
-                static_cast<unsigned long long>(t.elems));
+                static_cast<unsigned long long>(t.elems), shape.c_str());
   }
   if (info.tensors.size() > kListedTensors) {
     std::printf("    ... %zu more (--json lists all)\n", info.tensors.size() - kListedTensors);
@@ -122,16 +127,44 @@ void AddCheckpointCommands(Cli& cli) {
   cmd->callback(
       [&cli, inspect] { RunAction(cli, "inspect", [&] { return RunInspect(*inspect); }); });
 
-  auto dir = std::make_shared<std::string>();
-  auto out = std::make_shared<std::string>();
+  struct ExportArgs {
+    std::string dir, out, dtype = "fp32", max_shard_size;
+    bool force = false;
+  };
+  auto args = std::make_shared<ExportArgs>();
   CLI::App* exp = cli.app.add_subcommand(
-      "export", "Write the full fp32 weights of a checkpoint as one safetensors file");
-  exp->add_option("dir", *dir, "checkpoint directory (given to Save) or a step-* save")->required();
-  exp->add_option("out", *out, "output file, e.g. model.safetensors")->required();
-  exp->callback([&cli, dir, out] {
+      "export",
+      "Write a checkpoint's full weights as safetensors (shaped, named: model.load_state_dict "
+      "takes them)");
+  exp->add_option("dir", args->dir, "checkpoint directory (given to Save) or a step-* save")
+      ->required();
+  exp->add_option("out", args->out,
+                  "OUT.safetensors: one file; anything else: a directory that receives "
+                  "model.safetensors, or shards and model.safetensors.index.json")
+      ->required();
+  exp->add_option("--dtype", args->dtype, "fp32 (default), bf16 (round to nearest even) or fp16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  exp->add_option("--max-shard-size", args->max_shard_size,
+                  "at most this many bytes of tensors per file (e.g. 5GiB; binary units), "
+                  "Hugging Face shards with an index; OUT must be a directory");
+  exp->add_flag("--force", args->force, "replace output files that exist");
+  exp->callback([&cli, args] {
     RunAction(cli, "export", [&]() -> Status {
-      STRATA_RETURN_IF_ERROR(ExportSafetensors(*dir, *out));
-      std::printf("wrote %s\n", out->c_str());
+      ExportOptions options;
+      options.dtype = args->dtype == "bf16"   ? DType::kBF16
+                      : args->dtype == "fp16" ? DType::kF16
+                                              : DType::kF32;
+      if (!args->max_shard_size.empty()) {
+        STRATA_ASSIGN_OR_RETURN(options.max_shard_bytes, ParseBytes(args->max_shard_size));
+        if (options.max_shard_bytes == 0) {
+          return InvalidArgumentError("--max-shard-size 0: give a positive size, e.g. 5GiB");
+        }
+      }
+      options.existing = args->force ? ExistingFile::kReplace : ExistingFile::kRefuse;
+      STRATA_ASSIGN_OR_RETURN(ExportResult r, ExportSafetensors(args->dir, args->out, options));
+      for (const std::string& f : r.files) std::printf("wrote %s\n", f.c_str());
+      std::printf("%llu tensors, %s of %s weights\n", static_cast<unsigned long long>(r.tensors),
+                  FormatBytes(r.tensor_bytes).c_str(), args->dtype.c_str());
       return OkStatus();
     });
   });

@@ -17,9 +17,12 @@
 See OffloadAdam's docstring and docs/pytorch.md.
 """
 
+import copy
 import json
+import math
 import os
 import re
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,8 @@ import torch.distributed as dist
 from strata import _strata
 from strata._strata import InvalidArgumentError, ResourceExhaustedError, StrataError
 
-__all__ = ["OffloadAdam", "StrataError", "InvalidArgumentError", "ResourceExhaustedError"]
+__all__ = ["OffloadAdam", "StrataError", "InvalidArgumentError", "ResourceExhaustedError",
+           "export_checkpoint", "state_dict_from_checkpoint"]
 
 _PARAM_DTYPES = {torch.float32: None, torch.float16: "fp16", torch.bfloat16: "bf16"}
 _BUFFER_DTYPES = {
@@ -48,6 +52,60 @@ def _merge(base, override):
         else:
             out[k] = v
     return out
+
+
+def _check_hyper(where, lr, betas, eps, weight_decay):
+    """ValueError naming the field unless the hyperparameters are finite and in range."""
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ValueError(f"OffloadAdam: {where}betas={betas!r}; give two numbers in [0, 1)")
+    rules = [("lr", lr, lambda v: v >= 0, "finite and >= 0"),
+             ("betas[0]", b1, lambda v: 0 <= v < 1, "in [0, 1)"),
+             ("betas[1]", b2, lambda v: 0 <= v < 1, "in [0, 1)"),
+             ("eps", eps, lambda v: v > 0, "finite and > 0"),
+             ("weight_decay", weight_decay, lambda v: v >= 0, "finite and >= 0")]
+    for field, value, ok, allowed in rules:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"OffloadAdam: {where}{field} is {value!r}; it must be {allowed}")
+        if not (math.isfinite(v) and ok(v)):
+            raise ValueError(f"OffloadAdam: {where}{field} is {value}; it must be {allowed}")
+
+
+def _non_finite(tree, path=""):
+    """The key path of the first inf/nan number in a config dict, or None."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            found = _non_finite(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            found = _non_finite(v, f"{path}[{i}]")
+            if found:
+                return found
+    elif isinstance(tree, float) and not math.isfinite(tree):
+        return f"{path} = {tree}"
+    return None
+
+
+def _fill_auto(config, values):
+    """Replaces "auto" (Hugging Face's DeepSpeed integration writes it) at the key
+    paths in `values` with the value there (None: the key is dropped, so the
+    engine's default applies). Other "auto" values reach the engine, which names them."""
+    for path, value in values.items():
+        node, keys = config, path.split(".")
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if isinstance(node, dict) and node.get(keys[-1]) == "auto":
+            if value is None:
+                del node[keys[-1]]
+            else:
+                node[keys[-1]] = value
 
 
 def _split_names(params):
@@ -128,6 +186,21 @@ class _TorchDistributedComm:
         dist.barrier(group=self.group)
 
 
+class _Registered:
+    """A param the engine holds pointers to, as it was when registered (or rebound)."""
+    __slots__ = ("param", "name", "where", "ptr", "grad_ptr", "shape", "dtype", "device")
+
+    def __init__(self, param, name, where):
+        self.param, self.name, self.where = param, name, where
+        self.ptr = param.data_ptr()
+        self.grad_ptr = 0  # the engine's grad buffer, set once it exists
+        self.shape, self.dtype, self.device = tuple(param.shape), param.dtype, param.device
+
+    def describe(self, index):
+        name = f" ('{self.name}')" if self.name else ""
+        return f"param {index}{name} ({self.where}, shape {self.shape})"
+
+
 class OffloadAdam(torch.optim.Optimizer):
     r"""Adam/AdamW whose fp32 master weights and moments live in host memory and on NVMe.
 
@@ -138,10 +211,12 @@ class OffloadAdam(torch.optim.Optimizer):
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``;
-            checkpoints record the names), or param-group dicts of either. All
-            on one device (CPU, or one CUDA device), contiguous, of one dtype:
-            float32, float16 (dynamic loss scaling, see below) or bfloat16.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+            checkpoints and exports record the names), or param-group dicts of
+            either. All on one device (CPU, or one CUDA device), contiguous, of
+            one dtype: float32, float16 (dynamic loss scaling, see below) or
+            bfloat16.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (finite, lr >= 0,
+            betas in [0, 1), eps > 0, weight_decay >= 0).
         adamw: True: decoupled weight decay (``AdamW``); False: L2 decay added
             to the gradient (``torch.optim.Adam(weight_decay=...)``).
         max_grad_norm: clip by global L2 norm, exactly like
@@ -149,29 +224,60 @@ class OffloadAdam(torch.optim.Optimizer):
         offload: ``"cpu"`` (state in pinned DRAM) or ``"nvme"`` (in DRAM as far
             as ``host_budget`` allows, the rest in files under ``nvme_path``).
         nvme_path: directory (or list of directories, striped) for the NVMe
-            tier; required with ``offload="nvme"``.
+            tier; required with ``offload="nvme"``. Each optimizer holds a lock
+            on it (per rank) while it lives: a second optimizer on the same
+            directory fails with the holder's pid.
         host_budget: pinned DRAM for state and staging, bytes or "8GiB".
             None: unlimited with "cpu", staging only with "nvme".
         sub_group_size: elements per pipelined sub-group (default 1e9; smaller
             values overlap NVMe IO with the update at a finer grain).
         threads: CPU optimizer threads (None: all hardware threads).
         config: a DeepSpeed-style dict or JSON string (docs/config.md), merged
-            over what the arguments above produce (its keys win).
+            over what the arguments above produce (its keys win). ``"auto"``
+            values (Hugging Face's DeepSpeed configs) are filled from the
+            arguments: ``optimizer.params.{lr,betas,eps,weight_decay}``,
+            ``gradient_clipping``, ``fp16.enabled``, ``bf16.enabled``,
+            ``zero_optimization.sub_group_size``.
         process_group: the ``torch.distributed`` group for multi-process
             training (None: the default group when initialized). Each rank owns
             1/world of the state (ZeRO); gradients are averaged over ranks.
             CPU tensors use torch.distributed's collectives (gloo); CUDA
             tensors use NCCL, bootstrapped through the group.
+        state_dict_dir: None (default): ``state_dict()`` holds the state as
+            tensors (12 bytes per param in DRAM). A directory: ``state_dict()``
+            saves an engine checkpoint there (streamed, sub-group by
+            sub-group) and returns a small dict that names it;
+            ``load_state_dict()`` of that dict loads it. For states larger
+            than DRAM (the point of the NVMe tier).
 
-    Gradients: ``step()`` reads each param's ``.grad``. Params with
-    ``requires_grad=False`` are not registered (never updated). A ``.grad`` of
+    Registration: the engine holds each param's memory. Before every
+    ``step()`` the params are compared (pointers, shapes, dtypes, devices,
+    ``requires_grad``, the groups' param lists) with what was registered: a
+    param whose storage was replaced with the same shape and dtype
+    (``model.double().float()``, ``p.data = p.data.clone()``, moves that
+    reallocate) is re-registered; any other change raises an error that names
+    the param and what changed. The engine never touches freed memory.
+
+    Gradients: ``step()`` reads each registered param's ``.grad``. Params with
+    ``requires_grad=False`` at construction are not registered (never
+    updated); turning ``requires_grad`` off (or on) later raises an error
+    naming the param (build the optimizer after freezing). A ``.grad`` of
     None counts as a zero gradient: unlike torch.optim, which skips such a
     param, the param is still updated (decay, and the momentum it has), as in
-    DeepSpeed's flat ZeRO buffers. Sparse gradients are refused. The engine owns one dense grad buffer per
-    param; after ``zero_grad(set_to_none=False)`` the params' ``.grad`` are
-    those buffers, so backward accumulates straight into memory the engine
-    reads (no copy). With ``set_to_none=True`` (or grads that autograd
-    allocated), ``step()`` copies each grad into its buffer once.
+    DeepSpeed's flat ZeRO buffers. Sparse gradients are refused. The engine
+    owns one dense grad buffer per param; after ``zero_grad(set_to_none=False)``
+    the params' ``.grad`` are those buffers, so backward accumulates straight
+    into memory the engine reads (no copy). With ``set_to_none=True`` (or
+    grads that autograd allocated), ``step()`` copies each grad into its
+    buffer once.
+
+    A failed step: when ``step()`` fails part way (an IO error on a later
+    sub-group), some sub-groups hold the next step's values. Until that is
+    resolved ``step()``, ``state_dict()`` and ``save_checkpoint()`` raise
+    ``StrataError`` saying so: ``retry_step()`` finishes the step with the
+    gradients it kept (bitwise a clean run's), ``load_checkpoint()`` or
+    ``load_state_dict()`` replaces the state. Pending gradients are never
+    applied again silently.
 
     fp16: with float16 params the engine runs DeepSpeed's dynamic loss scaler
     (``config={"fp16": {...}}`` tunes it). Scale the loss before backward and
@@ -189,37 +295,42 @@ class OffloadAdam(torch.optim.Optimizer):
 
     State: ``state_dict()`` holds the offloaded state of this rank (master
     weights, moments, step count, loss scaler) as CPU tensors, and loads back
-    into an optimizer built the same way (same params, groups and world size).
-    ``save_checkpoint(dir)``/``load_checkpoint(dir)`` write and read the C++
-    engine's checkpoint format (a collective; all ranks pass the same dir).
+    into an optimizer built the same way (same params, groups and world size);
+    ``iter_state()`` yields it one sub-group at a time. ``load_state_dict()``
+    also takes a ``torch.optim.Adam``/``AdamW`` state_dict (m, v and step; the
+    master weights are the params' current values), to switch optimizers
+    mid-run. ``save_checkpoint(dir)``/``load_checkpoint(dir)`` write and read
+    the C++ engine's checkpoint format (a collective; all ranks pass the same
+    dir), with the params' names and shapes: ``export_checkpoint`` and
+    ``state_dict_from_checkpoint`` turn it into weights ``load_state_dict``
+    takes.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  adamw=True, max_grad_norm=None, offload="cpu", nvme_path=None, host_budget=None,
-                 config=None, sub_group_size=None, threads=None, process_group=None):
-        if not 0.0 <= lr:
-            raise ValueError(f"OffloadAdam: invalid learning rate {lr}")
-        if not 0.0 < eps:
-            raise ValueError(f"OffloadAdam: invalid eps {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"OffloadAdam: invalid betas {betas}; each must be in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"OffloadAdam: invalid weight_decay {weight_decay}")
+                 config=None, sub_group_size=None, threads=None, process_group=None,
+                 state_dict_dir=None):
+        if isinstance(lr, (int, float)) and math.isfinite(lr) and lr < 0.0:
+            raise ValueError(f"OffloadAdam: invalid learning rate {lr}; lr must be >= 0")
+        _check_hyper("", lr, betas, eps, weight_decay)
         if offload not in ("cpu", "nvme"):
             raise ValueError(f"OffloadAdam: offload={offload!r}; use 'cpu' or 'nvme'")
         if offload == "nvme" and not nvme_path:
             raise ValueError("OffloadAdam: offload='nvme' needs nvme_path (a directory on the "
                              "NVMe drive, or a list of them)")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"OffloadAdam: max_grad_norm={max_grad_norm}; use a positive "
+        if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"OffloadAdam: max_grad_norm={max_grad_norm}; use a positive, finite "
                              "value or None")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         params, self._names = _split_names(params)
         super().__init__(params, defaults)
+        for gi, g in enumerate(self.param_groups):
+            _check_hyper(f"param_groups[{gi}]: ", g["lr"], g["betas"], g["eps"],
+                         g["weight_decay"])
 
         # Frozen params (requires_grad=False) are not registered: the engine
         # would decay them, torch.optim leaves them alone.
-        tensors = self._params()
+        tensors = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not tensors:
             raise ValueError("OffloadAdam: no param requires grad; nothing to optimize")
         devices = sorted({str(p.device) for p in tensors})
@@ -271,7 +382,17 @@ class OffloadAdam(torch.optim.Optimizer):
         if config is not None:
             if isinstance(config, str):
                 config = json.loads(config)
-            base = _merge(base, config)
+            base = _merge(base, copy.deepcopy(config))
+        _fill_auto(base, {
+            "optimizer.params.lr": lr, "optimizer.params.betas": list(betas),
+            "optimizer.params.eps": eps, "optimizer.params.weight_decay": weight_decay,
+            "gradient_clipping": float(max_grad_norm or 0.0),
+            "fp16.enabled": self._dtype == torch.float16,
+            "bf16.enabled": self._dtype == torch.bfloat16,
+            "zero_optimization.sub_group_size": sub_group_size})
+        bad = _non_finite(base)
+        if bad:
+            raise ValueError(f"OffloadAdam: config {bad}; every number must be finite")
         self._config = base
         # The engine reads and writes the tensors as the config's dtypes: they must agree.
         want = _PARAM_DTYPES[self._dtype] or "fp32"
@@ -286,20 +407,32 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"OffloadAdam: config optimizer.type {base['optimizer'].get('type')!r};"
                              " OffloadAdam runs Adam or AdamW (use adamw=)")
 
+        # What the engine holds pointers to, in its order, and the groups as built.
+        self._reg = []
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                if p.requires_grad:
+                    where = f"param_groups[{gi}]['params'][{pi}]"
+                    self._reg.append(_Registered(p, self._names.get(id(p), ""), where))
+        self._group_ids = [[id(p) for p in g["params"]] for g in self.param_groups]
         # One dense grad buffer per param; the engine reads grads from these.
-        self._grad_bufs = [torch.zeros_like(p, memory_format=torch.contiguous_format)
-                           for p in tensors]
+        self._grad_bufs = [torch.zeros_like(r.param, memory_format=torch.contiguous_format)
+                           for r in self._reg]
+        for r, buf in zip(self._reg, self._grad_bufs):
+            r.grad_ptr = buf.data_ptr()
+        # Alive as long as the optimizer: its addresses are never any param's, old or
+        # new (see _rebind).
+        self._sentinel = torch.empty(2 * len(self._reg), dtype=torch.uint8)
         groups = []
         self._engine_group = []  # per torch group: its engine group, None when all frozen
         index = 0
-        for gi, g in enumerate(self.param_groups):
+        for g in self.param_groups:
             entries = []
             for p in g["params"]:
                 if not p.requires_grad:
                     continue
-                buf = self._grad_bufs[index]
-                entries.append((self._names.get(id(p), ""), p.data_ptr(), buf.data_ptr(),
-                                p.numel()))
+                r, buf = self._reg[index], self._grad_bufs[index]
+                entries.append((r.name, r.ptr, buf.data_ptr(), p.numel(), r.shape))
                 index += 1
             self._engine_group.append(len(groups) if entries else None)
             if entries:
@@ -330,7 +463,10 @@ class OffloadAdam(torch.optim.Optimizer):
             device = f"cuda:{index_}"
             self._stream = torch.cuda.current_stream(self._device)
             stream = self._stream.cuda_stream
-        self._engine = _strata.Engine(device, json.dumps(self._config), groups, comm, stream)
+        self._state_dict_dir = (None if state_dict_dir is None
+                                else os.path.abspath(os.fspath(state_dict_dir)))
+        self._engine = _strata.Engine(device, json.dumps(self._config, allow_nan=False), groups,
+                                      comm, stream)
         self._hypers = [self._hyper_of(g) for g in self.param_groups]
 
     # --- torch.optim.Optimizer interface ---
@@ -344,64 +480,185 @@ class OffloadAdam(torch.optim.Optimizer):
         """Hands the groups' current hyperparameters (schedulers change them) to the engine."""
         for gi, g in enumerate(self.param_groups):
             h = self._hyper_of(g)
-            if h != self._hypers[gi] and self._engine_group[gi] is not None:
-                self._engine.set_group_hyper(self._engine_group[gi], h)
+            if h != self._hypers[gi]:
+                _check_hyper(f"param_groups[{gi}]: ", h["lr"], h["betas"], h["eps"],
+                             h["weight_decay"])
+                if self._engine_group[gi] is not None:
+                    self._engine.set_group_hyper(self._engine_group[gi], h)
             self._hypers[gi] = h
 
     def _params(self):
-        """The registered params: every group's params that require grad, in order."""
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        """The registered params, in the engine's order."""
+        return [r.param for r in self._reg]
+
+    def _refuse_if_failed(self, op):
+        if self._engine.step_failed:
+            raise StrataError(
+                f"OffloadAdam.{op}: step {self._engine.step_count + 1} failed part way and is "
+                f"not finished ({self._engine.step_failure}); its update reached some "
+                "sub-groups only. Call retry_step() to finish it with the gradients it kept "
+                "(the current .grad are not used), or load_checkpoint()/load_state_dict() to "
+                "replace the state")
+
+    def _check_params(self, op):
+        """Compares every param with what the engine registered: re-registers a param
+        whose storage was replaced (same shape, dtype, device), raises for any other
+        change, naming the param. The engine never sees a stale pointer."""
+        if len(self.param_groups) != len(self._group_ids):
+            raise RuntimeError(
+                f"OffloadAdam.{op}: param_groups has {len(self.param_groups)} groups; the "
+                f"optimizer was built with {len(self._group_ids)}. The offloaded layout is "
+                "fixed at construction: build a new OffloadAdam over every group (carry the "
+                "state over with save_checkpoint/load_checkpoint)")
+        for gi, (g, ids) in enumerate(zip(self.param_groups, self._group_ids)):
+            if len(g["params"]) != len(ids) or any(id(p) != i for p, i in zip(g["params"], ids)):
+                raise RuntimeError(
+                    f"OffloadAdam.{op}: param_groups[{gi}]['params'] is not the list of params "
+                    "the optimizer was built with (params added, removed or replaced); the "
+                    "offloaded layout is fixed: build a new OffloadAdam")
+            for pi, p in enumerate(g["params"]):
+                if p.requires_grad and id(p) not in self._registered_ids():
+                    raise RuntimeError(
+                        f"OffloadAdam.{op}: param_groups[{gi}]['params'][{pi}] (shape "
+                        f"{tuple(p.shape)}) requires grad now but did not when the optimizer "
+                        "was built, so it is not registered and would never be trained: build "
+                        "the optimizer after unfreezing (or give frozen params their own "
+                        "optimizer)")
+        moved = []
+        for k, r in enumerate(self._reg):
+            p = r.param
+            what = None
+            if not p.requires_grad:
+                what = ("no longer requires grad; the engine would keep updating it (weight "
+                        "decay, momentum). Freeze params before building the optimizer, or "
+                        "build a new one over the params that train")
+            elif p.dtype != r.dtype:
+                what = (f"changed dtype from {r.dtype} to {p.dtype} (model.double()/.half()?); "
+                        f"the engine reads and writes it as {r.dtype}: convert the model back, "
+                        "or build the optimizer after converting")
+            elif p.device != r.device:
+                what = (f"moved from {r.device} to {p.device}; build the optimizer after "
+                        "moving the model (model.to(device) first)")
+            elif tuple(p.shape) != r.shape:
+                what = f"changed shape from {r.shape} to {tuple(p.shape)}"
+            elif p.is_sparse or not p.is_contiguous():
+                what = "is no longer dense and contiguous; the engine needs contiguous params"
+            else:
+                # The grad buffer is the engine's, but it is also the param's .grad
+                # after zero_grad(), and module.to()/.double() replace a grad's storage
+                # as they do a param's.
+                buf = self._grad_bufs[k]
+                if (buf.dtype, tuple(buf.shape), buf.device) != (r.dtype, r.shape, r.device) \
+                        or not buf.is_contiguous():
+                    self._grad_bufs[k] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if p.data_ptr() != r.ptr or self._grad_bufs[k].data_ptr() != r.grad_ptr:
+                    # Same shape, dtype and device in new memory (also while a failed
+                    # step awaits retry_step(): it kept the grads it did not apply).
+                    moved.append(k)
+            if what:
+                raise RuntimeError(f"OffloadAdam.{op}: {r.describe(k)} {what}")
+        if moved:
+            self._rebind(moved)
+
+    def _rebind(self, moved):
+        """Re-registers the params in `moved` at their new storage (and grad buffer). In
+        two passes: a new tensor may sit where another moved param's old, freed one was,
+        and the engine refuses a pointer another param still holds. Pass 1 points each
+        moved param at its own bytes of the sentinel (alive since construction, so no
+        param's pointer, old or new, is ever there; nothing runs between the passes),
+        pass 2 at its new storage."""
+        base = self._sentinel.data_ptr()
+        for k in moved:
+            self._engine.rebind_param(k, base + 2 * k, base + 2 * k + 1)
+        for k in moved:
+            r, buf = self._reg[k], self._grad_bufs[k]
+            self._engine.rebind_param(k, r.param.data_ptr(), buf.data_ptr())
+            r.ptr, r.grad_ptr = r.param.data_ptr(), buf.data_ptr()
+
+    def _registered_ids(self):
+        ids = getattr(self, "_reg_ids", None)
+        if ids is None:
+            ids = self._reg_ids = {id(r.param) for r in self._reg}
+        return ids
 
     def add_param_group(self, param_group):
         if hasattr(self, "_engine"):
-            raise RuntimeError("OffloadAdam: add_param_group after construction is not supported "
-                               "(the offloaded layout is fixed); pass every group to the "
-                               "constructor")
+            raise RuntimeError(
+                "OffloadAdam.add_param_group: not supported after construction: the offloaded "
+                "state is laid out once, over every param, when the optimizer is built. Pass "
+                "every group to the constructor (a group can start with lr=0 and get its "
+                "learning rate from a scheduler later), or build a new OffloadAdam over all "
+                "groups and carry the state over with save_checkpoint()/load_checkpoint()")
         super().add_param_group(param_group)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One optimizer step (a collective with torch.distributed); returns closure()'s loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._sync_hypers()
-        for i, (p, buf) in enumerate(zip(self._params(), self._grad_bufs)):
-            g = p.grad
-            if g is None:
-                buf.zero_()
-            elif g.is_sparse:
-                raise RuntimeError(f"OffloadAdam: param {i} (shape {tuple(p.shape)}) has a "
-                                   "sparse gradient; OffloadAdam needs dense gradients "
-                                   "(e.g. nn.Embedding(sparse=False))")
-            elif g.data_ptr() != buf.data_ptr():
-                buf.copy_(g)
+    def _run(self, fn):
+        """Runs an engine call that updates the params, ordered on the current CUDA stream."""
         current = None
         if self._stream is not None:
             current = torch.cuda.current_stream(self._device)
             if current != self._stream:
                 self._stream.wait_stream(current)
-        self._engine.step()
+        try:
+            fn()
+        except StrataError as e:
+            if self._engine.step_failed:
+                raise StrataError(
+                    f"{e}\nOffloadAdam: the step failed part way; call retry_step() to finish "
+                    "it (once the cause is fixed), or load_checkpoint()/load_state_dict() to "
+                    "replace the state") from e
+            raise
         if current is not None and current != self._stream:
             current.wait_stream(self._stream)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step (a collective with torch.distributed); returns closure()'s loss."""
+        self._refuse_if_failed("step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_params("step")
+        self._sync_hypers()
+        for k, (r, buf) in enumerate(zip(self._reg, self._grad_bufs)):
+            g = r.param.grad
+            if g is None:
+                buf.zero_()
+            elif g.is_sparse:
+                raise RuntimeError(f"OffloadAdam: {r.describe(k)} has a sparse gradient; "
+                                   "OffloadAdam needs dense gradients "
+                                   "(e.g. nn.Embedding(sparse=False))")
+            elif tuple(g.shape) != r.shape:
+                raise RuntimeError(f"OffloadAdam.step: {r.describe(k)} has a grad of shape "
+                                   f"{tuple(g.shape)}")
+            elif g.data_ptr() != buf.data_ptr():
+                buf.copy_(g)
+        self._run(self._engine.step)
         return loss
+
+    @torch.no_grad()
+    def retry_step(self):
+        """Finishes a step that failed part way, with the gradients it kept (a collective).
+        The params' current .grad are not read. StrataError when no step failed."""
+        self._check_params("retry_step")
+        self._run(self._engine.retry_step)
+
+    @property
+    def step_failed(self):
+        """True while a step that failed part way awaits retry_step() or a load."""
+        return self._engine.step_failed
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the grads. set_to_none=False (default) points each param's .grad
         at the engine's zeroed buffer, so the next backward accumulates in place."""
         self._engine.zero_grad()
-        for p, buf in zip(self._params(), self._grad_bufs):
-            p.grad = None if set_to_none else buf
+        for r, buf in zip(self._reg, self._grad_bufs):
+            p = r.param
+            compatible = (p.dtype == buf.dtype and p.device == buf.device and
+                          p.shape == buf.shape)
+            p.grad = None if set_to_none or not compatible else buf
 
-    def state_dict(self):
-        """This rank's offloaded state (CPU tensors) and the param groups' hyperparameters."""
-        arrays = []
-        n = self._engine.state_array_count
-        for i, (begin, end) in enumerate(self._engine.sub_groups()):
-            t = torch.empty((end - begin) * n, dtype=torch.float32)
-            self._engine.read_state(i, t.data_ptr(), t.numel())
-            arrays.append(t)
+    def _pack_groups(self):
         groups = []
         index = 0
         for g in self.param_groups:
@@ -409,70 +666,201 @@ class OffloadAdam(torch.optim.Optimizer):
             packed["params"] = list(range(index, index + len(g["params"])))
             index += len(g["params"])
             groups.append(packed)
-        state = {
-            "version": _STATE_DICT_VERSION,
-            "rank": self._engine.rank,
-            "world_size": self._engine.world_size,
-            "param_shapes": [tuple(p.shape) for p in self._params()],
-            "sub_groups": self._engine.sub_groups(),
-            "state_array_count": n,
-            "arrays": arrays,
-            "step": self._engine.step_count,
-            "loss_scaler": self._engine.scaler_state(),
-        }
-        return {"state": {"strata": state}, "param_groups": groups}
+        return groups
+
+    def _header(self):
+        return {"version": _STATE_DICT_VERSION, "rank": self._engine.rank,
+                "world_size": self._engine.world_size,
+                "param_shapes": [r.shape for r in self._reg]}
+
+    def iter_state(self):
+        """Yields (sub_group, (begin, end), tensor) for this rank's offloaded state, one
+        sub-group at a time: the tensor holds master | exp_avg | exp_avg_sq of flat
+        elements [begin, end) (float32, CPU). Memory: one sub-group."""
+        self._refuse_if_failed("iter_state")
+        n = self._engine.state_array_count
+        for i, (begin, end) in enumerate(self._engine.sub_groups()):
+            t = torch.empty((end - begin) * n, dtype=torch.float32)
+            self._engine.read_state(i, t.data_ptr(), t.numel())
+            yield i, (begin, end), t
+
+    def state_dict(self):
+        """This rank's offloaded state and the param groups' hyperparameters: CPU tensors
+        (12 bytes per param), or with state_dict_dir a reference to a checkpoint saved
+        there (a few hundred bytes; the state streams to disk)."""
+        self._refuse_if_failed("state_dict")
+        state = self._header()
+        if self._state_dict_dir is not None:
+            self.save_checkpoint(self._state_dict_dir)
+            state.update(kind="checkpoint", step=self._engine.step_count,
+                         checkpoint=_strata.Checkpoint(self._state_dict_dir).save_dir)
+        else:
+            state.update(kind="arrays", sub_groups=self._engine.sub_groups(),
+                         state_array_count=self._engine.state_array_count,
+                         arrays=[t for _, _, t in self.iter_state()],
+                         step=self._engine.step_count,
+                         loss_scaler=self._engine.scaler_state())
+        return {"state": {"strata": state}, "param_groups": self._pack_groups()}
 
     def load_state_dict(self, state_dict):
-        """Loads a state_dict() of an optimizer built the same way (params, groups, ranks)."""
+        """Loads a state_dict() of an optimizer built the same way (params, groups, ranks),
+        or a torch.optim.Adam/AdamW state_dict (m, v, step; the master weights are the
+        params' current values). Everything is checked before anything is written."""
         try:
-            s = state_dict["state"]["strata"]
-            saved_groups = state_dict["param_groups"]
+            state, saved_groups = state_dict["state"], state_dict["param_groups"]
         except (KeyError, TypeError):
-            raise ValueError("OffloadAdam.load_state_dict: not an OffloadAdam state_dict (no "
-                             "state['strata']); torch.optim state cannot carry offloaded state")
-        if s.get("version") != _STATE_DICT_VERSION:
-            raise ValueError(f"OffloadAdam.load_state_dict: version {s.get('version')}; this "
-                             f"build reads {_STATE_DICT_VERSION}")
-        if s["world_size"] != self._engine.world_size or s["rank"] != self._engine.rank:
-            raise ValueError(f"OffloadAdam.load_state_dict: saved by rank {s['rank']} of "
-                             f"{s['world_size']}, loading on rank {self._engine.rank} of "
-                             f"{self._engine.world_size}; use save_checkpoint/load_checkpoint "
-                             "to change the number of ranks")
-        shapes = [tuple(p.shape) for p in self._params()]
-        if [tuple(x) for x in s["param_shapes"]] != shapes:
-            raise ValueError("OffloadAdam.load_state_dict: the saved params have other shapes "
-                             f"({len(s['param_shapes'])} tensors) than this optimizer's "
-                             f"({len(shapes)} tensors)")
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"])
-                for a, b in zip(saved_groups, self.param_groups)):
-            raise ValueError("OffloadAdam.load_state_dict: the saved param groups differ in "
-                             "number or size from this optimizer's")
-        if [tuple(x) for x in s["sub_groups"]] != [tuple(x) for x in self._engine.sub_groups()] \
-                or s["state_array_count"] != self._engine.state_array_count:
-            raise ValueError("OffloadAdam.load_state_dict: the saved state is cut into other "
-                             "sub-groups (sub_group_size or alignment changed); build the "
-                             "optimizer with the same config")
-        for i, t in enumerate(s["arrays"]):
-            t = t.to(dtype=torch.float32, device="cpu").contiguous()
-            self._engine.write_state(i, t.data_ptr(), t.numel())
-        self._engine.restore_counters(int(s["step"]), dict(s["loss_scaler"]))
+            raise ValueError("OffloadAdam.load_state_dict: not an optimizer state_dict (no "
+                             "'state' and 'param_groups')")
+        if isinstance(state, dict) and "strata" in state:
+            self._load_strata_state(state["strata"], saved_groups)
+        else:
+            self._check_groups_match(saved_groups)
+            self._load_torch_adam_state(state, saved_groups)
         for g, saved in zip(self.param_groups, saved_groups):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v
+        self._sync_hypers()
+
+    def _check_groups_match(self, saved_groups):
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(
+                self.param_groups) or any(
+                len(a.get("params", ())) != len(b["params"])
+                for a, b in zip(saved_groups, self.param_groups)):
+            raise ValueError("OffloadAdam.load_state_dict: the saved param groups differ in "
+                             "number or size from this optimizer's")
+        for gi, g in enumerate(saved_groups):
+            _check_hyper(f"load_state_dict: param_groups[{gi}]: ", g.get("lr"), g.get("betas"),
+                         g.get("eps"), g.get("weight_decay"))
+
+    def _load_strata_state(self, s, saved_groups):
+        bad = "OffloadAdam.load_state_dict: "
+        if not isinstance(s, dict) or s.get("version") != _STATE_DICT_VERSION:
+            raise ValueError(f"{bad}version {s.get('version') if isinstance(s, dict) else s!r}; "
+                             f"this build reads {_STATE_DICT_VERSION}")
+        if s.get("world_size") != self._engine.world_size or s.get("rank") != self._engine.rank:
+            raise ValueError(f"{bad}saved by rank {s.get('rank')} of {s.get('world_size')}, "
+                             f"loading on rank {self._engine.rank} of {self._engine.world_size}; "
+                             "use save_checkpoint/load_checkpoint to change the number of ranks")
+        if [tuple(x) for x in s.get("param_shapes", ())] != [r.shape for r in self._reg]:
+            raise ValueError(f"{bad}the saved params have other shapes "
+                             f"({len(s.get('param_shapes', ()))} tensors) than this optimizer's "
+                             f"({len(self._reg)} tensors)")
+        self._check_groups_match(saved_groups)
+        if s.get("kind") == "checkpoint":
+            self.load_checkpoint(s["checkpoint"])
+            return
+        sub_groups = [tuple(x) for x in self._engine.sub_groups()]
+        n = self._engine.state_array_count
+        if [tuple(x) for x in s.get("sub_groups", ())] != sub_groups \
+                or s.get("state_array_count") != n:
+            raise ValueError(f"{bad}the saved state is cut into other sub-groups "
+                             "(sub_group_size or alignment changed); build the optimizer with "
+                             "the same config")
+        arrays = s.get("arrays")
+        if not isinstance(arrays, (list, tuple)) or len(arrays) != len(sub_groups):
+            raise ValueError(f"{bad}{len(arrays) if isinstance(arrays, (list, tuple)) else 'no'} "
+                             f"state arrays for {len(sub_groups)} sub-groups")
+        for i, (t, (begin, end)) in enumerate(zip(arrays, sub_groups)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 \
+                    or t.numel() != (end - begin) * n:
+                what = (f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else
+                        f"{t.numel()} {t.dtype} elements")
+                raise ValueError(f"{bad}state array {i} is {what}; sub-group {i} needs "
+                                 f"{(end - begin) * n} float32 elements")
+        step = s.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"{bad}step is {step!r}; it must be an int")
+        if not isinstance(s.get("loss_scaler"), dict):
+            raise ValueError(f"{bad}no loss_scaler state")
+        self._engine.check_counters(step, dict(s["loss_scaler"]))
+        # Everything holds: write. Only an IO error can stop it now.
+        try:
+            for i, t in enumerate(arrays):
+                t = t.detach().to(device="cpu").contiguous()
+                self._engine.write_state(i, t.data_ptr(), t.numel())
+            self._engine.restore_counters(step, dict(s["loss_scaler"]))
+        except StrataError as e:
+            raise StrataError(f"{e}\nOffloadAdam.load_state_dict: the state is partly "
+                              "written; load it again (or load a checkpoint)") from e
+
+    def _load_torch_adam_state(self, state, saved_groups):
+        bad = "OffloadAdam.load_state_dict: "
+        if not isinstance(state, dict):
+            raise ValueError(f"{bad}not an OffloadAdam or torch.optim Adam/AdamW state_dict")
+        for gi, g in enumerate(saved_groups):
+            for flag in ("amsgrad", "maximize"):
+                if g.get(flag):
+                    raise ValueError(f"{bad}param_groups[{gi}] has {flag}=True; OffloadAdam "
+                                     f"runs Adam/AdamW without {flag}")
+        # torch numbers every param of every group, frozen ones included.
+        flat = [p for g in self.param_groups for p in g["params"]]
+        index_of = {id(p): i for i, p in enumerate(flat)}
+        per_param, steps = [], set()
+        for k, r in enumerate(self._reg):
+            i = index_of[id(r.param)]
+            st = state.get(i, state.get(str(i)))
+            if st is None:
+                per_param.append(None)
+                continue
+            if not isinstance(st, dict) or "max_exp_avg_sq" in st or not {
+                    "step", "exp_avg", "exp_avg_sq"} <= set(st):
+                raise ValueError(f"{bad}state {i} ({r.describe(k)}) is not Adam state "
+                                 "(step, exp_avg, exp_avg_sq; no AMSGrad)")
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = st[key]
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point() \
+                        or t.numel() != r.param.numel():
+                    raise ValueError(f"{bad}state {i} ({r.describe(k)}): {key} is not a float "
+                                     f"tensor of {r.param.numel()} elements")
+            step = float(st["step"])
+            if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                raise ValueError(f"{bad}state {i}: step {step} is not a count")
+            steps.add(int(step))
+            per_param.append(st)
+        if len(steps) > 1:
+            raise ValueError(f"{bad}the params have taken different numbers of steps "
+                             f"({sorted(steps)}); OffloadAdam keeps one step count")
+        if not any(p is not None for p in per_param) and state:
+            raise ValueError(f"{bad}its state belongs to none of this optimizer's params")
+        step = steps.pop() if steps else 0
+        scaler = self._engine.scaler_state()
+        self._engine.check_counters(step, scaler)
+        layout = self._engine.layout()
+        n = self._engine.state_array_count
+        for sg, (begin, end) in enumerate(self._engine.sub_groups()):
+            arr = torch.zeros((end - begin) * n, dtype=torch.float32)
+            for k, (offset, elems) in enumerate(layout):
+                lo, hi = max(begin, offset), min(end, offset + elems)
+                if lo >= hi:
+                    continue
+                src = [self._reg[k].param.detach()]
+                st = per_param[k]
+                if st is not None:
+                    src += [st["exp_avg"], st["exp_avg_sq"]]
+                for a, t in enumerate(src):
+                    flat_t = t.reshape(-1)[lo - offset:hi - offset].to(device="cpu",
+                                                                       dtype=torch.float32)
+                    at = a * (end - begin) + lo - begin
+                    arr[at:at + hi - lo] = flat_t
+            self._engine.write_state(sg, arr.data_ptr(), arr.numel())
+        self._engine.restore_counters(step, scaler)
 
     # --- Strata extras ---
 
     def save_checkpoint(self, directory):
-        """Writes the C++ engine's checkpoint (docs/checkpoint.md) to `directory`."""
+        """Writes the C++ engine's checkpoint (docs/checkpoint.md) to `directory`, with the
+        params' names and shapes. Refused while a failed step awaits retry_step()."""
+        self._refuse_if_failed("save_checkpoint")
         self._sync_hypers()
-        self._engine.save(str(directory))
+        self._engine.save(os.fspath(directory))
 
     def load_checkpoint(self, directory):
         """Reads a checkpoint written by save_checkpoint or the C++/C API: the state, the
-        counters and the params; the groups' hyperparameters become the engine's."""
-        self._engine.load(str(directory))
+        counters and the params; the groups' hyperparameters become the engine's. Shapes
+        recorded in the checkpoint must match the params'."""
+        self._check_params("load_checkpoint")
+        self._engine.load(os.fspath(directory))
         for gi, g in enumerate(self.param_groups):
             if self._engine_group[gi] is None:
                 continue
@@ -511,3 +899,56 @@ class OffloadAdam(torch.optim.Optimizer):
     @property
     def step_count(self):
         return self._engine.step_count
+
+
+_EXPORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+                  "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _size_bytes(size):
+    """An int, or "5GiB"/"500MB"/"1T" (binary units, as everywhere in strata)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", str(size))
+    if not m:
+        raise ValueError(f"max_shard_size={size!r}; give bytes or a size like '5GiB'")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def export_checkpoint(directory, out, dtype="fp32", max_shard_size=None, force=False):
+    """Writes the weights of the checkpoint in `directory` (save_checkpoint's, or the
+    C/C++ API's) as safetensors that ``model.load_state_dict`` takes: named as the
+    optimizer's params were (pass ``model.named_parameters()`` to OffloadAdam), shaped,
+    in `dtype` (torch.float32/bfloat16/float16 or "fp32"/"bf16"/"fp16"). `out` ending
+    in .safetensors is one file; otherwise a directory that receives model.safetensors,
+    or with `max_shard_size` (bytes or "5GiB") Hugging Face shards and
+    model.safetensors.index.json. Streams: memory stays small whatever the model's
+    size. Refuses an output inside the checkpoint, an existing file unless `force`,
+    and anything that is not a regular file. Returns the files written."""
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"export_checkpoint: dtype {dtype!r}; use torch.float32, "
+                         "torch.bfloat16 or torch.float16")
+    shard = 0 if max_shard_size is None else _size_bytes(max_shard_size)
+    if max_shard_size is not None and shard <= 0:
+        raise ValueError(f"export_checkpoint: max_shard_size={max_shard_size!r}; give a "
+                         "positive size")
+    return _strata.export_checkpoint(os.fspath(directory), os.fspath(out),
+                                     _EXPORT_DTYPES[dtype], shard, bool(force))
+
+
+def state_dict_from_checkpoint(directory, dtype=torch.float32):
+    """The weights of the checkpoint in `directory` as an OrderedDict of shaped CPU
+    tensors, named as the optimizer's params were: ``model.load_state_dict(sd,
+    strict=False)`` takes it (strict=False when the model also has buffers). DeepSpeed's
+    get_fp32_state_dict_from_zero_checkpoint, for models that fit in DRAM; use
+    export_checkpoint for larger ones. Every chunk read is checked against its checksum."""
+    ckpt = _strata.Checkpoint(os.fspath(directory))
+    out = OrderedDict()
+    for i, t in enumerate(ckpt.tensors()):
+        x = torch.empty(t["elems"], dtype=torch.float32)
+        if t["elems"]:
+            ckpt.read_master(i, x.data_ptr(), x.numel())
+        shape = t["shape"] if t["shape"] is not None else [t["elems"]]
+        out[t["name"]] = x.reshape(shape).to(dtype)
+    return out

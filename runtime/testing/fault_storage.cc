@@ -210,6 +210,20 @@ Status FaultStorage::Remove(const std::string& path) {
   return base_->Remove(path);
 }
 
+Status FaultStorage::Rename(const std::string& from, const std::string& to) {
+  STRATA_RETURN_IF_ERROR(base_->Rename(from, to));
+  // What was not synced under the old name is still not synced under the new one.
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = unsynced_.find(from);
+  if (it != unsynced_.end()) {
+    unsynced_[to] = std::move(it->second);
+    unsynced_.erase(it);
+  } else {
+    unsynced_.erase(to);
+  }
+  return OkStatus();
+}
+
 void FaultStorage::SetOptions(const FaultOptions& options) {
   std::lock_guard<std::mutex> lock(mu_);
   options_ = options;

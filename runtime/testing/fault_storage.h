@@ -71,6 +71,10 @@ class FaultStorage final : public Storage {
   std::string_view name() const override { return name_; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override;
   Status Remove(const std::string& path) override;
+  Status Rename(const std::string& from, const std::string& to) override;
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    return base_->Lock(path);
+  }
 
   // Replaces the fault rates (the generator keeps its state): e.g. all zero to
   // read back what survived.

@@ -33,6 +33,12 @@ class ManualStorage final : public Storage {
   std::string_view name() const override { return "manual"; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override;
   Status Remove(const std::string& path) override { return base_->Remove(path); }
+  Status Rename(const std::string& from, const std::string& to) override {
+    return base_->Rename(from, to);
+  }
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    return base_->Lock(path);
+  }
 
   void SetAutoComplete(AutoComplete mode);
 

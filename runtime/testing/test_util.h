@@ -1,5 +1,6 @@
 // Helpers for storage tests: a temporary directory removed on destruction, a
-// page-aligned buffer, and a seeded byte pattern.
+// page-aligned buffer, a seeded byte pattern, and reading back what a test
+// wrote (a whole file, a directory's names).
 //
 //   TempDir dir;                       // /tmp/strata-test-XXXXXX (or $TMPDIR)
 //   AlignedBuffer buf(1 << 20);        // 4096-aligned, zeroed
@@ -13,10 +14,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace strata::testing {
 
@@ -99,6 +104,24 @@ inline void FillPattern(std::span<std::byte> out, uint64_t seed) {
     std::memcpy(out.data() + i, &v, 8);
   }
   for (; i < out.size(); ++i) out[i] = static_cast<std::byte>(rng());
+}
+
+// The whole content of a file ("" when it cannot be read).
+inline std::string ReadFileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The names in a directory, sorted.
+inline std::vector<std::string> DirNames(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    out.push_back(e.path().filename().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace strata::testing

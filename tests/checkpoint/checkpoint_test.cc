@@ -288,9 +288,10 @@ TEST(ExportTest, SafetensorsHoldsEveryMasterTensorByName) {
   ASSERT_TRUE(c.Train(seed, 2).ok());
   ASSERT_TRUE(c.Save(dir.path()).ok());
   Snapshot snap = *TakeSnapshot(c);
-  const std::string out = dir.File("model.safetensors");
-  Status s = ExportSafetensors(dir.path(), out);
-  ASSERT_TRUE(s.ok()) << s;
+  TempDir out_dir;
+  const std::string out = out_dir.File("model.safetensors");
+  auto s = ExportSafetensors(dir.path(), out);
+  ASSERT_TRUE(s.ok()) << s.status();
   nlohmann::json meta;
   auto tensors = ParseSafetensors(out, &meta);
   EXPECT_EQ(meta.at("format"), "pt");
@@ -350,9 +351,10 @@ TEST(ExportTest, UnnamedParamsAreNumbered) {
   j.erase("manifest_xxh3");
   j["manifest_xxh3"] = fmt::format("{:016x}", XXH3_64bits(j.dump().data(), j.dump().size()));
   std::ofstream(manifest) << j.dump(1);
-  const std::string out = dir.File("unnamed.safetensors");
-  Status s = ExportSafetensors(dir.path(), out);
-  ASSERT_TRUE(s.ok()) << s;
+  TempDir out_dir;
+  const std::string out = out_dir.File("unnamed.safetensors");
+  auto s = ExportSafetensors(dir.path(), out);
+  ASSERT_TRUE(s.ok()) << s.status();
   nlohmann::json meta;
   auto tensors = ParseSafetensors(out, &meta);
   EXPECT_TRUE(tensors.count("param.0"));

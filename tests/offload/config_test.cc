@@ -200,6 +200,9 @@ TEST(ConfigTest, ValidateCrossFieldChecks) {
       {R"({"aio": {"block_size": 5000}})", "multiple of 4096"},
       {R"({"fp16": {"enabled": true, "initial_scale_power": 1, "min_loss_scale": 4}})",
        "fp16: loss scaler: initial scale"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme",
+            "nvme_path": ["/a", "/b", "/a/"]}}})",
+       "nvme_path: '/a/' is listed twice (entries 0 and 2)"},
   };
   for (const Case& c : cases) {
     Result<OffloadConfig> cfg = ParseConfigJson(c.json);

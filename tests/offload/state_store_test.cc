@@ -296,6 +296,50 @@ TEST_F(StoreTest, CrashLosesOnlyUnsyncedGenerations) {
       std::memcmp(store->Payload(back.span()).data(), store->Payload(a.span()).data(), 100000), 0);
 }
 
+// Two runs (or two optimizers of one process) pointed at one nvme_path: the
+// second store of a rank fails before it touches a file, naming the
+// directory and the holder, and the first store's state is intact.
+TEST_F(StoreTest, ASecondStoreOfARankOnOneDirectoryIsRefusedAndTruncatesNothing) {
+  for (auto make : {+[] { return CreatePosixStorage(); }, +[] { return CreateMemStorage(); }}) {
+    auto storage = make();
+    auto first = StateStore::Create(*storage, Options(2, 8192, 2, 4096));
+    ASSERT_TRUE(first.ok()) << first.status();
+    AlignedBuffer a((*first)->ExtentBufferBytes()), back((*first)->ExtentBufferBytes());
+    FillPattern((*first)->Payload(a.span()), 5);
+    ASSERT_TRUE(WriteWait(**first, 0, a.span()).ok());
+
+    // The second path alone is enough to collide.
+    StateStoreOptions other = Options(2, 8192, 2, 4096);
+    other.paths = {paths_[2], paths_[1]};
+    auto second = StateStore::Create(*storage, other);
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition) << second.status();
+    EXPECT_NE(second.status().message().find(paths_[1] + "/strata-rank1.lock"),
+              std::string_view::npos)
+        << second.status();
+    EXPECT_NE(second.status().message().find("this process"), std::string_view::npos)
+        << second.status();
+    EXPECT_NE(second.status().message().find("own nvme_path"), std::string_view::npos)
+        << second.status();
+    ASSERT_TRUE(ReadWait(**first, 0, back.span()).ok());
+    EXPECT_EQ(std::memcmp((*first)->Payload(back.span()).data(),
+                          (*first)->Payload(a.span()).data(), 8192),
+              0);
+
+    // Another rank of the same job shares the directory legitimately.
+    StateStoreOptions rank2 = Options(2, 8192, 2, 4096);
+    rank2.rank = 2;
+    EXPECT_TRUE(StateStore::Create(*storage, rank2).ok());
+    // Once the first store is gone, the directory is free again.
+    first->reset();
+    StateStoreOptions reopen = Options(2, 8192, 2, 4096);
+    reopen.open = StoreOpen::kOpenExisting;
+    auto again = StateStore::Create(*storage, reopen);
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_TRUE(ReadWait(**again, 0, back.span()).ok());
+  }
+}
+
 TEST_F(StoreTest, BadArgumentsAreReportedBeforeAnyIo) {
   auto storage = CreateMemStorage();
   auto store = StateStore::Create(*storage, Options(1, 8192, 2, 4096)).value();

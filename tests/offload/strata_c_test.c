@@ -1,6 +1,7 @@
 /* The C API, compiled as C: AdamW steps on the host device (DRAM and NVMe)
  * against a scalar reference in double precision, per-group hyperparameters
- * and set_lr, stats and plan text, checkpoint save/load, and the error paths
+ * and set_lr, stats and plan text, checkpoint save/load, the failed-step state,
+ * rebinding a param's memory, shapes and the export, and the error paths
  * (status codes and strata_last_error). Exit status 0 on success; each failure prints a line. */
 #include <math.h>
 #include <stdio.h>
@@ -150,6 +151,147 @@ static void SaveLoad(strata_device* dev, const char* dir) {
   strata_optimizer_free(opt_b);
 }
 
+/* Flips (and later restores) the headers of both slots of the last extent of
+ * an NVMe state file: the next step fails on its last sub-group. */
+typedef struct {
+  char path[700];
+  long offsets[2];
+  unsigned char saved[2][64];
+} Corruption;
+
+static long JsonInt(const char* text, const char* key) {
+  const char* at = strstr(text, key);
+  return at == NULL ? -1 : atol(at + strlen(key));
+}
+
+static void FlipSlots(Corruption* c, int restore) {
+  FILE* f = fopen(c->path, "r+b");
+  if (f == NULL) {
+    perror(c->path);
+    exit(1);
+  }
+  if (!restore) {
+    char sb[4097] = {0};
+    EXPECT(fread(sb, 1, 4096, f) == 4096);
+    const long extent = JsonInt(sb, "\"extent_bytes\":"), n = JsonInt(sb, "\"num_extents\":");
+    const long slot = 4096 + (extent + 4095) / 4096 * 4096;
+    c->offsets[0] = 4096 + (2 * n - 2) * slot;
+    c->offsets[1] = c->offsets[0] + slot;
+  }
+  for (int k = 0; k < 2; ++k) {
+    unsigned char buf[64];
+    fseek(f, c->offsets[k], SEEK_SET);
+    if (!restore) {
+      EXPECT(fread(c->saved[k], 1, 64, f) == 64);
+      for (int i = 0; i < 64; ++i) buf[i] = c->saved[k][i] ^ 0xFF;
+    } else {
+      memcpy(buf, c->saved[k], 64);
+    }
+    fseek(f, c->offsets[k], SEEK_SET);
+    EXPECT(fwrite(buf, 1, 64, f) == 64);
+  }
+  fclose(f);
+}
+
+/* The step state machine, rebinding a param's memory, shapes in checkpoints
+ * and the export, through the C API. */
+static void Safety(strata_device* dev, const char* dir) {
+  enum { kN = 700 };
+  unsigned seed = 7;
+  float* a = malloc(kN * sizeof(float));
+  float* ga = calloc(kN, sizeof(float));
+  float b[kN], gb[kN];
+  for (int i = 0; i < kN; ++i) a[i] = b[i] = Rand(&seed), gb[i] = 0;
+  char nvme_a[600], nvme_b[600], config_a[900], config_b[900];
+  snprintf(nvme_a, sizeof nvme_a, "%s/nvme_a", dir);
+  snprintf(nvme_b, sizeof nvme_b, "%s/nvme_b", dir);
+  const char* fmt =
+      "{\"gradient_clipping\": 0, \"zero_optimization\": {\"sub_group_size\": 128, "
+      "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}}";
+  snprintf(config_a, sizeof config_a, fmt, nvme_a);
+  snprintf(config_b, sizeof config_b, fmt, nvme_b);
+  char cmd[1400];
+  snprintf(cmd, sizeof cmd, "mkdir -p '%s' '%s'", nvme_a, nvme_b);
+  EXPECT(system(cmd) == 0);
+  strata_param pa = {"w", a, ga, kN, 0}, pb = {"w", b, gb, kN, 0};
+  strata_optimizer *opt_a = NULL, *opt_b = NULL;
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, config_a, &pa, 1, NULL, 1, &opt_a));
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, config_b, &pb, 1, NULL, 1, &opt_b));
+  EXPECT(strata_optimizer_step_state(opt_a) == STRATA_STEP_READY);
+  EXPECT(strata_optimizer_format_step_failure(opt_a, NULL, 0) == 0);
+  EXPECT(strata_optimizer_retry_step(opt_a) == STRATA_FAILED_PRECONDITION);
+
+  /* The trainer moves `w` (new memory, old freed): rebind, and the run goes on
+   * bitwise like the twin that never moved. */
+  for (int step = 0; step < 2; ++step) {
+    for (int i = 0; i < kN; ++i) ga[i] = gb[i] = Rand(&seed);
+    CHECK_OK(strata_optimizer_step(opt_a));
+    CHECK_OK(strata_optimizer_step(opt_b));
+  }
+  float* moved = malloc(kN * sizeof(float));
+  float* moved_g = calloc(kN, sizeof(float));
+  memcpy(moved, a, kN * sizeof(float));
+  EXPECT(strata_optimizer_rebind_param(opt_a, 0, NULL, moved_g) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strata_optimizer_rebind_param(opt_a, 3, moved, moved_g) == STRATA_INVALID_ARGUMENT);
+  CHECK_OK(strata_optimizer_rebind_param(opt_a, 0, moved, moved_g));
+  free(a);
+  free(ga);
+  a = moved;
+  ga = moved_g;
+  for (int i = 0; i < kN; ++i) ga[i] = gb[i] = Rand(&seed);
+  CHECK_OK(strata_optimizer_step(opt_a));
+  CHECK_OK(strata_optimizer_step(opt_b));
+  EXPECT(memcmp(a, b, sizeof b) == 0);
+
+  /* A step that fails part way: refused until retried; the retry is the clean step. */
+  Corruption c;
+  snprintf(c.path, sizeof c.path, "%s/strata-rank0.state", nvme_a);
+  FlipSlots(&c, 0);
+  for (int i = 0; i < kN; ++i) ga[i] = gb[i] = Rand(&seed);
+  EXPECT(strata_optimizer_step(opt_a) != STRATA_OK);
+  EXPECT(strata_optimizer_step_state(opt_a) == STRATA_STEP_FAILED);
+  char failure[512];
+  EXPECT(strata_optimizer_format_step_failure(opt_a, failure, sizeof failure) > 0);
+  EXPECT(strstr(failure, "strata-rank0.state") != NULL);
+  EXPECT(strata_optimizer_step(opt_a) == STRATA_FAILED_PRECONDITION);
+  EXPECT(strstr(strata_last_error(), "RetryStep()") != NULL);
+  char never[700];
+  snprintf(never, sizeof never, "%s/never", dir);
+  EXPECT(strata_optimizer_save(opt_a, never) == STRATA_FAILED_PRECONDITION);
+  EXPECT(access(never, F_OK) != 0);
+  FlipSlots(&c, 1);
+  CHECK_OK(strata_optimizer_retry_step(opt_a));
+  EXPECT(strata_optimizer_step_state(opt_a) == STRATA_STEP_READY);
+  CHECK_OK(strata_optimizer_step(opt_b));
+  EXPECT(memcmp(a, b, sizeof b) == 0);
+
+  /* Shapes: recorded by the save, checked by the load, in the export. */
+  const uint64_t shape[2] = {35, 20}, transposed[2] = {20, 35}, wrong[2] = {7, 7};
+  EXPECT(strata_optimizer_set_param_shape(opt_a, 0, wrong, 2) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "[7, 7]") != NULL);
+  CHECK_OK(strata_optimizer_set_param_shape(opt_a, 0, shape, 2));
+  char ckpt[700], out[800];
+  snprintf(ckpt, sizeof ckpt, "%s/shaped", dir);
+  snprintf(out, sizeof out, "%s/w.safetensors", dir);
+  CHECK_OK(strata_optimizer_save(opt_a, ckpt));
+  CHECK_OK(strata_optimizer_set_param_shape(opt_b, 0, transposed, 2));
+  EXPECT(strata_optimizer_load(opt_b, ckpt) == STRATA_FAILED_PRECONDITION);
+  EXPECT(strstr(strata_last_error(), "shape [35, 20] in the checkpoint, [20, 35] here") != NULL);
+  CHECK_OK(strata_checkpoint_export(ckpt, out, "bf16", 0, 0));
+  EXPECT(strata_checkpoint_export(ckpt, out, "bf16", 0, 0) == STRATA_FAILED_PRECONDITION);
+  CHECK_OK(strata_checkpoint_export(ckpt, out, "fp32", 0, 1));
+  EXPECT(strata_checkpoint_export(ckpt, out, "fp64", 0, 1) == STRATA_INVALID_ARGUMENT);
+  FILE* f = fopen(out, "rb");
+  char header[512] = {0};
+  EXPECT(f != NULL && fread(header, 1, sizeof header - 1, f) > 8);
+  if (f != NULL) fclose(f);
+  EXPECT(strstr(header + 8, "\"shape\":[35,20]") != NULL);
+  strata_optimizer_free(opt_a);
+  strata_optimizer_free(opt_b);
+  free(a);
+  free(ga);
+}
+
 static void Errors(strata_device* dev) {
   float w[4] = {0}, g[4] = {0};
   strata_param p = {"w", w, g, 4, 0};
@@ -231,6 +373,7 @@ int main(void) {
   char ckpt[600];
   snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
   SaveLoad(dev, ckpt);
+  Safety(dev, dir);
   char cmd[700];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);

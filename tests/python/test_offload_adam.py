@@ -281,8 +281,8 @@ def test_load_state_dict_refuses_other_shapes():
     opt_b = OffloadAdam(b.parameters())
     with pytest.raises(ValueError, match="other shapes"):
         opt_b.load_state_dict(opt_a.state_dict())
-    with pytest.raises(ValueError, match="not an OffloadAdam state_dict"):
-        opt_a.load_state_dict(torch.optim.AdamW(a.parameters()).state_dict())
+    with pytest.raises(ValueError, match="not an optimizer state_dict"):
+        opt_a.load_state_dict({"state": {}})
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path):

@@ -209,6 +209,43 @@ TEST_P(StorageConformance, OpenMissingIsNotFound) {
   EXPECT_EQ(storage_->Remove(dir_.File("missing")).code(), StatusCode::kNotFound);
 }
 
+TEST_P(StorageConformance, RenameReplacesTheTargetAndAMissingSourceIsNotFound) {
+  std::vector<std::byte> a(100, std::byte{0xA1}), b(60, std::byte{0xB2});
+  for (auto [name, bytes] : {std::pair{"a", &a}, std::pair{"b", &b}}) {
+    auto f = storage_->Open(dir_.File(name), {.create = FileCreate::kCreate, .direct = DirectIo::kOff});
+    ASSERT_TRUE(f.ok()) << f.status();
+    IoRequest w = IoRequest::Write(0, *bytes);
+    RunAll(**f, std::span(&w, 1));
+    ASSERT_TRUE(w.status.ok()) << w.status;
+  }
+  ASSERT_TRUE(storage_->Rename(dir_.File("a"), dir_.File("b")).ok());
+  EXPECT_EQ(storage_->Open(dir_.File("a"), {}).status().code(), StatusCode::kNotFound);
+  auto f = storage_->Open(dir_.File("b"), {.direct = DirectIo::kOff});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->SizeBytes().value(), a.size());  // b's old content is gone
+  std::vector<std::byte> back(a.size());
+  IoRequest r = IoRequest::Read(0, back);
+  RunAll(**f, std::span(&r, 1));
+  EXPECT_EQ(back, a);
+  Status missing = storage_->Rename(dir_.File("a"), dir_.File("c"));
+  EXPECT_EQ(missing.code(), StatusCode::kNotFound) << missing;
+}
+
+TEST_P(StorageConformance, LockIsExclusiveUntilReleasedEvenWithinOneProcess) {
+  const std::string path = dir_.File("x.lock");
+  auto first = storage_->Lock(path);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = storage_->Lock(path);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_NE(second.status().message().find(path), std::string_view::npos) << second.status();
+  EXPECT_NE(second.status().message().find("this process"), std::string_view::npos)
+      << second.status();
+  EXPECT_TRUE(storage_->Lock(dir_.File("other.lock")).ok());  // another name is free
+  first->reset();
+  EXPECT_TRUE(storage_->Lock(path).ok()) << "released with its handle";
+}
+
 TEST_P(StorageConformance, RegisteredBuffersAreUsedAndNeedNoIoInFlight) {
   auto f = OpenNew("g", 4);
   AlignedBuffer a(1 << 20), b(1 << 20);

@@ -1,0 +1,216 @@
+// ExportSafetensors: a checkpoint's master weights as safetensors files that
+// torch's load_state_dict takes (shaped, named, fp32/bf16/fp16), one file or
+// Hugging Face shards with an index, streamed tensor piece by tensor piece.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "offload/checkpoint_internal.h"
+
+namespace strata {
+
+using namespace checkpoint_internal;  // NOLINT: this file's own helpers
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr std::string_view kSingleFile = "model.safetensors";
+constexpr std::string_view kIndexFile = "model.safetensors.index.json";
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// FailedPrecondition when `out` is the checkpoint directory or inside it:
+// an export must never replace what it reads (latest.json, a manifest).
+Status CheckOutsideCheckpoint(const std::string& dir, const std::string& out,
+                              std::string_view op) {
+  std::error_code ec;
+  const fs::path root = fs::weakly_canonical(dir, ec);
+  if (ec) return OkStatus();  // the reader reports a missing checkpoint
+  const fs::path target = fs::weakly_canonical(out, ec);
+  if (ec) return ErrnoError(ec.value(), fmt::format("{}: resolve {}", op, out));
+  const std::string r = root.string(), t = target.string();
+  if (t == r || (t.size() > r.size() && t.compare(0, r.size(), r) == 0 && t[r.size()] == '/')) {
+    return FailedPreconditionError(fmt::format(
+        "{}: {} is inside the checkpoint directory {} that the export reads; write the export "
+        "somewhere else",
+        op, out, r));
+  }
+  return OkStatus();
+}
+
+std::string_view SafetensorsDType(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "F32";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    default:
+      return "";
+  }
+}
+
+// fp32 -> the export's dtype, as bytes appended to `out`.
+void Convert(std::span<const float> in, DType dtype, std::vector<std::byte>& out) {
+  const size_t size = DTypeSize(dtype);
+  out.resize(in.size() * size);
+  if (dtype == DType::kF32) {
+    std::memcpy(out.data(), in.data(), in.size_bytes());
+    return;
+  }
+  auto* dst = reinterpret_cast<uint16_t*>(out.data());
+  for (size_t i = 0; i < in.size(); ++i) {
+    dst[i] = dtype == DType::kBF16 ? F32ToBF16(in[i]) : F32ToF16(in[i]);
+  }
+}
+
+struct Shard {
+  std::string file;               // name inside the output directory (or the file itself)
+  std::vector<uint32_t> tensors;  // registration order
+  uint64_t bytes = 0;
+};
+
+// Hugging Face's rule: tensors in order; a new shard when the next tensor
+// would take the current one past the limit (a larger tensor alone).
+std::vector<Shard> PlanShards(const CheckpointInfo& info, uint64_t elem_bytes, uint64_t max_bytes) {
+  std::vector<Shard> shards(1);
+  for (uint32_t i = 0; i < info.tensors.size(); ++i) {
+    const uint64_t bytes = info.tensors[i].elems * elem_bytes;
+    if (max_bytes > 0 && !shards.back().tensors.empty() && shards.back().bytes + bytes > max_bytes) {
+      shards.emplace_back();
+    }
+    shards.back().tensors.push_back(i);
+    shards.back().bytes += bytes;
+  }
+  return shards;
+}
+
+}  // namespace
+
+Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string& out,
+                                       const ExportOptions& options) {
+  const std::string op = fmt::format("export {} to {}", dir, out);
+  const std::string_view st_dtype = SafetensorsDType(options.dtype);
+  if (st_dtype.empty()) {
+    return InvalidArgumentError(fmt::format("{}: dtype {}; export writes f32, bf16 or f16", op,
+                                            DTypeName(options.dtype)));
+  }
+  const bool one_file = EndsWith(out, ".safetensors");
+  if (one_file && options.max_shard_bytes > 0) {
+    return InvalidArgumentError(fmt::format(
+        "{}: a maximum shard size writes several files and an index into a directory; give a "
+        "directory, not a .safetensors file",
+        op));
+  }
+  STRATA_RETURN_IF_ERROR(CheckOutsideCheckpoint(dir, out, op));
+  STRATA_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(dir, options.reader));
+  const CheckpointInfo& info = reader->info();
+
+  std::vector<std::string> names;
+  std::set<std::string> seen = {"__metadata__"};
+  for (uint32_t i = 0; i < info.tensors.size(); ++i) {
+    const CheckpointTensor& t = info.tensors[i];
+    names.push_back(t.name.empty() ? fmt::format("param.{}", i) : t.name);
+    if (!seen.insert(names.back()).second) {
+      return FailedPreconditionError(fmt::format(
+          "{}: tensor {} is named '{}' like an earlier one; safetensors needs unique names: "
+          "register the params with unique names (or none)",
+          op, i, names.back()));
+    }
+  }
+  const uint64_t elem_bytes = DTypeSize(options.dtype);
+  std::vector<Shard> shards = PlanShards(info, elem_bytes, options.max_shard_bytes);
+  std::string out_dir;
+  if (one_file) {
+    shards[0].file = out;
+  } else {
+    out_dir = out;
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(out_dir, ec)) && !fs::is_directory(out_dir, ec)) {
+      return FailedPreconditionError(fmt::format(
+          "{}: {} exists and is not a directory; name a directory (or a .safetensors file)", op,
+          out_dir));
+    }
+    for (size_t s = 0; s < shards.size(); ++s) {
+      shards[s].file = out_dir + "/" +
+                       (shards.size() == 1 ? std::string(kSingleFile)
+                                           : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1,
+                                                         shards.size()));
+    }
+  }
+  // Refuse every bad output before the first byte is written.
+  for (const Shard& s : shards) STRATA_RETURN_IF_ERROR(CheckOutputPath(s.file, options.existing));
+  const std::string index_path = out_dir + "/" + std::string(kIndexFile);
+  if (shards.size() > 1) STRATA_RETURN_IF_ERROR(CheckOutputPath(index_path, options.existing));
+  if (!out_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(out_dir, ec);
+    if (ec) return ErrnoError(ec.value(), op + ": create directory " + out_dir);
+  }
+
+  STRATA_ASSIGN_OR_RETURN(StorageRef storage, StorageRef::Of(options.storage));
+  ExportResult result;
+  std::vector<float> buf(std::max<uint64_t>(options.buffer_bytes / 4, 1024));
+  std::vector<std::byte> converted;
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  for (const Shard& shard : shards) {
+    nlohmann::ordered_json header;
+    header["__metadata__"] = {{"format", "pt"},
+                              {"source", "strata checkpoint " + info.save_id},
+                              {"step", std::to_string(info.step)},
+                              {"world_size", std::to_string(info.world_size)},
+                              {"optimizer", info.optimizer}};
+    uint64_t offset = 0;
+    for (uint32_t i : shard.tensors) {
+      const CheckpointTensor& t = info.tensors[i];
+      const std::vector<uint64_t> shape = t.shape.value_or(std::vector<uint64_t>{t.elems});
+      header[names[i]] = {{"dtype", st_dtype},
+                          {"shape", shape},
+                          {"data_offsets", {offset, offset + t.elems * elem_bytes}}};
+      offset += t.elems * elem_bytes;
+      weight_map[names[i]] = fs::path(shard.file).filename().string();
+    }
+    std::string text = header.dump();
+    text.append(RoundUp(text.size(), 8) - text.size(), ' ');
+    std::string len(8, '\0');
+    for (int k = 0; k < 8; ++k) len[k] = static_cast<char>(uint64_t{text.size()} >> (8 * k));
+
+    STRATA_ASSIGN_OR_RETURN(auto writer,
+                            AtomicFileWriter::Create(*storage.storage, shard.file,
+                                                     {.existing = options.existing}));
+    STRATA_RETURN_IF_ERROR((writer->Append(len)).WithContext(op));
+    STRATA_RETURN_IF_ERROR((writer->Append(text)).WithContext(op));
+    for (uint32_t i : shard.tensors) {
+      for (uint64_t at = 0; at < info.tensors[i].elems; at += buf.size()) {
+        const uint64_t k = std::min<uint64_t>(buf.size(), info.tensors[i].elems - at);
+        std::span<float> part(buf.data(), k);
+        STRATA_RETURN_IF_ERROR((reader->ReadTensor(0, i, at, part)).WithContext(op));
+        Convert(part, options.dtype, converted);
+        STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
+      }
+    }
+    STRATA_RETURN_IF_ERROR((writer->Commit()).WithContext(op));
+    result.files.push_back(shard.file);
+    result.tensor_bytes += shard.bytes;
+    result.tensors += shard.tensors.size();
+  }
+  if (shards.size() > 1) {
+    const nlohmann::ordered_json index = {{"metadata", {{"total_size", result.tensor_bytes}}},
+                                          {"weight_map", weight_map}};
+    STRATA_RETURN_IF_ERROR((WriteFileAtomically(*storage.storage, index_path,
+                                                index.dump(2) + "\n",
+                                                {.existing = options.existing}))
+                               .WithContext(op));
+    result.files.push_back(index_path);
+  }
+  return result;
+}
+
+}  // namespace strata

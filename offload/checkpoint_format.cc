@@ -1,0 +1,370 @@
+// The checkpoint format as JSON (docs/checkpoint.md), the one validator every
+// reader applies, and the small-file IO the other checkpoint files share.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+
+#include "offload/checkpoint_internal.h"
+
+namespace strata {
+namespace checkpoint_internal {
+namespace {
+
+Result<uint64_t> ParseHex(const std::string& s) {
+  if (s.size() != 16) return InvalidArgumentError("'" + s + "' is not 16 hex digits");
+  char* end = nullptr;
+  const uint64_t v = std::strtoull(s.c_str(), &end, 16);
+  if (end != s.c_str() + s.size()) return InvalidArgumentError("'" + s + "' is not hex");
+  return v;
+}
+
+json HyperJson(const GroupHyper& h) {
+  return {{"lr", h.lr},
+          {"beta1", h.beta1},
+          {"beta2", h.beta2},
+          {"eps", h.eps},
+          {"weight_decay", h.weight_decay}};
+}
+
+json ManifestJson(const CheckpointInfo& info, const RankManifest& rank) {
+  json tensors = json::array();
+  for (const CheckpointTensor& t : info.tensors) {
+    json e = {{"name", t.name},
+              {"group", t.group},
+              {"offset_elems", t.offset_elems},
+              {"elems", t.elems}};
+    if (t.shape) e["shape"] = *t.shape;
+    tensors.push_back(std::move(e));
+  }
+  json groups = json::array();
+  for (const GroupHyper& h : info.groups) groups.push_back(HyperJson(h));
+  json files = json::array();
+  for (const CheckpointFile& f : rank.files) {
+    json chunks = json::array();
+    for (uint64_t h : f.chunk_xxh3) chunks.push_back(Hex(h));
+    files.push_back({{"array", f.array},
+                     {"name", f.name},
+                     {"payload_bytes", f.payload_bytes},
+                     {"file_bytes", f.file_bytes},
+                     {"xxh3", Hex(f.xxh3)},
+                     {"chunks_xxh3", chunks}});
+  }
+  return {{"format", kCheckpointFormatName},
+          {"format_version", kCheckpointFormatVersion},
+          {"save_id", info.save_id},
+          {"rank", rank.rank},
+          {"world_size", info.world_size},
+          {"step", info.step},
+          {"optimizer", info.optimizer},
+          {"state_dtype", "f32"},
+          {"param_dtype", info.param_dtype},
+          {"arrays", info.arrays},
+          {"layout",
+           {{"align_elems", info.align_elems},
+            {"total_elems", info.total_elems},
+            {"shard_elems", info.shard_elems},
+            {"tensor_elems", info.tensor_elems}}},
+          {"shard", {{"begin", rank.shard.begin}, {"end", rank.shard.end}}},
+          {"tensors", tensors},
+          {"groups", groups},
+          {"loss_scaler",
+           {{"scale", info.scaler.scale},
+            {"iteration", info.scaler.iteration},
+            {"last_overflow_iteration", info.scaler.last_overflow_iteration},
+            {"hysteresis_left", info.scaler.hysteresis_left}}},
+          {"chunk_bytes", info.chunk_bytes},
+          {"checksum", "xxh3-64"},
+          {"files", files}};
+}
+
+// The manifest's own checksum: XXH3-64 of its compact serialization (keys
+// sorted, no whitespace) without the "manifest_xxh3" key. A flipped byte in a
+// manifest would otherwise pass as, say, another learning rate.
+uint64_t ManifestHash(json j) {
+  j.erase("manifest_xxh3");
+  const std::string text = j.dump();
+  return XXH3_64bits(text.data(), text.size());
+}
+
+// One rule per hyperparameter, as the engine applies them (SetGroupHyper).
+Status CheckHyper(const GroupHyper& h, uint32_t group) {
+  struct Rule {
+    const char* field;
+    double value;
+    bool ok;
+    const char* allowed;
+  };
+  const Rule rules[] = {
+      {"lr", h.lr, h.lr >= 0, "finite and >= 0"},
+      {"beta1", h.beta1, h.beta1 >= 0 && h.beta1 < 1, "in [0, 1)"},
+      {"beta2", h.beta2, h.beta2 >= 0 && h.beta2 < 1, "in [0, 1)"},
+      {"eps", h.eps, h.eps > 0, "finite and > 0"},
+      {"weight_decay", h.weight_decay, h.weight_decay >= 0, "finite and >= 0"},
+  };
+  for (const Rule& r : rules) {
+    if (!r.ok || !std::isfinite(r.value)) {
+      return InvalidArgumentError(
+          fmt::format("groups[{}].{} is {}; it must be {}", group, r.field, r.value, r.allowed));
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+std::string Hex(uint64_t v) { return fmt::format("{:016x}", v); }
+
+std::string RankName(uint32_t rank) { return fmt::format("rank{:05}", rank); }
+
+std::string ShapeString(const CheckpointTensor& t) {
+  return t.shape ? fmt::format("[{}]", fmt::join(*t.shape, ", ")) : fmt::format("[{}]", t.elems);
+}
+
+json SealedManifestJson(const CheckpointInfo& info, const RankManifest& rank) {
+  json j = ManifestJson(info, rank);
+  j["manifest_xxh3"] = Hex(ManifestHash(j));
+  return j;
+}
+
+// Throws nlohmann's exceptions on missing keys and wrong types; the caller
+// turns them into DataLoss.
+Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
+  STRATA_ASSIGN_OR_RETURN(uint64_t sealed, ParseHex(j.at("manifest_xxh3").get<std::string>()));
+  if (sealed != ManifestHash(j)) {
+    return InvalidArgumentError(
+        fmt::format("its checksum (manifest_xxh3 {}) does not match its "
+                    "content (XXH3 {})",
+                    Hex(sealed), Hex(ManifestHash(j))));
+  }
+  info.save_id = j.at("save_id").get<std::string>();
+  info.world_size = j.at("world_size").get<uint32_t>();
+  info.step = j.at("step").get<int64_t>();
+  info.optimizer = j.at("optimizer").get<std::string>();
+  if (j.at("state_dtype").get<std::string>() != "f32") {
+    return InvalidArgumentError("state_dtype is " + j.at("state_dtype").get<std::string>() +
+                                "; this build reads f32");
+  }
+  info.param_dtype = j.at("param_dtype").get<std::string>();
+  info.arrays = j.at("arrays").get<std::vector<std::string>>();
+  const json& l = j.at("layout");
+  info.align_elems = l.at("align_elems").get<uint64_t>();
+  info.total_elems = l.at("total_elems").get<uint64_t>();
+  info.shard_elems = l.at("shard_elems").get<uint64_t>();
+  info.tensor_elems = l.at("tensor_elems").get<uint64_t>();
+  info.tensors.clear();
+  for (const json& t : j.at("tensors")) {
+    CheckpointTensor ct{.name = t.at("name").get<std::string>(),
+                        .group = t.at("group").get<uint32_t>(),
+                        .offset_elems = t.at("offset_elems").get<uint64_t>(),
+                        .elems = t.at("elems").get<uint64_t>(),
+                        .shape = std::nullopt};
+    if (t.contains("shape")) ct.shape = t.at("shape").get<std::vector<uint64_t>>();
+    info.tensors.push_back(std::move(ct));
+  }
+  info.groups.clear();
+  for (const json& g : j.at("groups")) {
+    info.groups.push_back({.lr = g.at("lr").get<double>(),
+                           .beta1 = g.at("beta1").get<double>(),
+                           .beta2 = g.at("beta2").get<double>(),
+                           .eps = g.at("eps").get<double>(),
+                           .weight_decay = g.at("weight_decay").get<double>()});
+  }
+  const json& s = j.at("loss_scaler");
+  info.scaler = {.scale = s.at("scale").get<double>(),
+                 .iteration = s.at("iteration").get<int64_t>(),
+                 .last_overflow_iteration = s.at("last_overflow_iteration").get<int64_t>(),
+                 .hysteresis_left = s.at("hysteresis_left").get<uint32_t>()};
+  info.chunk_bytes = j.at("chunk_bytes").get<uint64_t>();
+  if (j.at("checksum").get<std::string>() != "xxh3-64") {
+    return InvalidArgumentError("checksum is " + j.at("checksum").get<std::string>() +
+                                "; this build knows xxh3-64");
+  }
+  rank.rank = j.at("rank").get<uint32_t>();
+  rank.shard = {j.at("shard").at("begin").get<uint64_t>(), j.at("shard").at("end").get<uint64_t>()};
+  rank.files.clear();
+  for (const json& f : j.at("files")) {
+    CheckpointFile cf;
+    cf.array = f.at("array").get<std::string>();
+    cf.name = f.at("name").get<std::string>();
+    cf.payload_bytes = f.at("payload_bytes").get<uint64_t>();
+    cf.file_bytes = f.at("file_bytes").get<uint64_t>();
+    STRATA_ASSIGN_OR_RETURN(cf.xxh3, ParseHex(f.at("xxh3").get<std::string>()));
+    for (const json& c : f.at("chunks_xxh3")) {
+      STRATA_ASSIGN_OR_RETURN(uint64_t h, ParseHex(c.get<std::string>()));
+      cf.chunk_xxh3.push_back(h);
+    }
+    rank.files.push_back(std::move(cf));
+  }
+  return OkStatus();
+}
+
+json CommonPart(json j) {
+  for (const char* k : {"rank", "shard", "files", "manifest_xxh3"}) j.erase(k);
+  return j;
+}
+
+Status ValidateCommon(const CheckpointInfo& info) {
+  if (info.world_size == 0) return InvalidArgumentError("world_size is 0");
+  if (info.chunk_bytes == 0 || info.chunk_bytes % kFileAlign != 0) {
+    return InvalidArgumentError(
+        fmt::format("chunk_bytes {} is not a positive multiple of 4096", info.chunk_bytes));
+  }
+  if (info.arrays.empty() || info.arrays[0] != "master") {
+    return InvalidArgumentError("arrays must start with \"master\"");
+  }
+  if (info.step < 0) return InvalidArgumentError(fmt::format("step {} is negative", info.step));
+  // The tensors: a layout the sizes give, shapes that match the sizes.
+  std::vector<TensorSpec> specs;
+  for (const CheckpointTensor& t : info.tensors) specs.push_back({.elems = t.elems});
+  STRATA_ASSIGN_OR_RETURN(FlatLayout l, PlanFlatLayout(specs, {.align_elems = info.align_elems,
+                                                               .world_size = info.world_size}));
+  bool same = l.total_elems == info.total_elems && l.shard_elems == info.shard_elems &&
+              l.tensor_elems == info.tensor_elems;
+  for (size_t t = 0; same && t < specs.size(); ++t) {
+    same = l.tensors[t].offset_elems == info.tensors[t].offset_elems;
+  }
+  if (!same) {
+    return InvalidArgumentError(
+        "the layout (tensor offsets, totals) is not what the tensor sizes, align_elems and "
+        "world_size give");
+  }
+  for (uint32_t i = 0; i < info.tensors.size(); ++i) {
+    const CheckpointTensor& t = info.tensors[i];
+    if (t.group >= info.groups.size()) {
+      return InvalidArgumentError(
+          fmt::format("tensor '{}' is in group {} of {}", t.name, t.group, info.groups.size()));
+    }
+    if (!t.shape) continue;
+    uint64_t product = 1;
+    for (uint64_t d : *t.shape) {
+      product = d != 0 && product > std::numeric_limits<uint64_t>::max() / d ? 0 : product * d;
+    }
+    if (product != t.elems) {
+      return InvalidArgumentError(fmt::format("tensor {} ('{}') has shape {} but {} elems", i,
+                                              t.name, ShapeString(t), t.elems));
+    }
+  }
+  // Counters and hyperparameters: values the engine accepts.
+  for (uint32_t g = 0; g < info.groups.size(); ++g) {
+    STRATA_RETURN_IF_ERROR(CheckHyper(info.groups[g], g));
+  }
+  // Any scaler state a dynamic scaler can reach (a static one is a special
+  // case the loading optimizer checks against its own config).
+  STRATA_ASSIGN_OR_RETURN(
+      LossScaler scaler,
+      LossScaler::Create({.hysteresis = std::numeric_limits<uint32_t>::max()}));
+  STRATA_RETURN_IF_ERROR((scaler.Restore(info.scaler)).WithContext("loss_scaler"));
+  return OkStatus();
+}
+
+// Checks a manifest against the layout it claims (so a reader can trust
+// offsets and sizes).
+Status ValidateRank(const CheckpointInfo& info, const RankManifest& rank) {
+  const ElemRange want{uint64_t{rank.rank} * info.shard_elems,
+                       uint64_t{rank.rank + 1} * info.shard_elems};
+  if (!(rank.shard == want)) {
+    return InvalidArgumentError(fmt::format("shard is [{}, {}); rank {} of {} owns [{}, {})",
+                                            rank.shard.begin, rank.shard.end, rank.rank,
+                                            info.world_size, want.begin, want.end));
+  }
+  if (rank.files.size() != info.arrays.size()) {
+    return InvalidArgumentError(
+        fmt::format("{} files for {} arrays", rank.files.size(), info.arrays.size()));
+  }
+  for (size_t a = 0; a < rank.files.size(); ++a) {
+    const CheckpointFile& f = rank.files[a];
+    if (f.array != info.arrays[a] || f.payload_bytes != info.shard_elems * 4 ||
+        f.file_bytes != RoundUp(f.payload_bytes, kFileAlign) ||
+        f.chunk_xxh3.size() != (f.file_bytes + info.chunk_bytes - 1) / info.chunk_bytes ||
+        f.name.empty() || f.name.find('/') != std::string::npos || f.name[0] == '.') {
+      return InvalidArgumentError(fmt::format(
+          "file entry {} ({}) does not match the layout (array {}, {} payload bytes, {} file "
+          "bytes, {} chunks)",
+          a, f.name, f.array, f.payload_bytes, f.file_bytes, f.chunk_xxh3.size()));
+    }
+  }
+  return OkStatus();
+}
+
+json LatestJson(const CheckpointInfo& info, const std::vector<std::string>& history) {
+  return {{"format", kCheckpointFormatName}, {"format_version", kCheckpointFormatVersion},
+          {"checkpoint", info.save_id},      {"step", info.step},
+          {"world_size", info.world_size},   {"history", history}};
+}
+
+std::optional<Latest> ParseLatest(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("checkpoint") ||
+      !j["checkpoint"].is_string()) {
+    return std::nullopt;
+  }
+  Latest out{.checkpoint = j["checkpoint"].get<std::string>(), .history = {}};
+  if (j.contains("history") && j["history"].is_array()) {
+    for (const json& h : j["history"]) {
+      if (h.is_string()) out.history.push_back(h.get<std::string>());
+    }
+  }
+  return out;
+}
+
+// ---- Small file IO ------------------------------------------------------------------
+
+Result<std::string> ReadSmallFile(Storage& storage, const std::string& path) {
+  STRATA_ASSIGN_OR_RETURN(auto file, storage.Open(path, {.direct = DirectIo::kOff}));
+  STRATA_ASSIGN_OR_RETURN(uint64_t size, file->SizeBytes());
+  std::string text(size, '\0');
+  if (size == 0) return text;
+  IoRequest request = IoRequest::Read(0, std::as_writable_bytes(std::span(text.data(), size)));
+  STRATA_RETURN_IF_ERROR(file->Submit({&request, 1}));
+  IoRequest* done = nullptr;
+  STRATA_ASSIGN_OR_RETURN(size_t n, file->Reap({&done, 1}, 1));
+  if (n != 1) return InternalError("reap " + path + ": no completion");
+  STRATA_RETURN_IF_ERROR(done->status);
+  return text;
+}
+
+bool Exists(const std::string& path) {
+  std::error_code ec;
+  return std::filesystem::exists(path, ec);
+}
+
+Result<StorageRef> StorageRef::Of(Storage* given) {
+  StorageRef r;
+  if (given != nullptr) {
+    r.storage = given;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(r.owned, CreateStorage({}));
+    r.storage = r.owned.get();
+  }
+  return r;
+}
+
+}  // namespace checkpoint_internal
+
+std::vector<std::string> StateArrayNames(OptimizerType type) {
+  switch (type) {
+    case OptimizerType::kAdam:
+    case OptimizerType::kAdamW:
+      return {"master", "exp_avg", "exp_avg_sq"};
+    case OptimizerType::kAdagrad:
+      return {"master", "sum"};
+    case OptimizerType::kLion:
+      return {"master", "exp_avg"};
+  }
+  return {"master"};
+}
+
+uint64_t CheckpointInfo::data_bytes() const {
+  uint64_t n = 0;
+  for (const RankManifest& r : ranks) {
+    for (const CheckpointFile& f : r.files) n += f.file_bytes;
+  }
+  return n;
+}
+
+}  // namespace strata

@@ -1,0 +1,74 @@
+// Pieces the checkpoint files share (not a public header):
+//   checkpoint_format.cc     the manifest and latest.json as JSON, and the one
+//                            validator every reader of a checkpoint applies
+//   checkpoint_reader.cc     CheckpointReader: open, read ranges, verify
+//   checkpoint_save_load.cc  SaveCheckpoint / LoadCheckpoint, retention
+//   checkpoint_export.cc     ExportSafetensors
+// The format itself is docs/checkpoint.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "offload/checkpoint.h"
+#include "runtime/status.h"
+#include "runtime/storage.h"
+
+namespace strata::checkpoint_internal {
+
+using json = nlohmann::json;
+
+inline constexpr uint64_t kFileAlign = 4096;
+inline constexpr std::string_view kLatest = "latest.json";
+// Held by rank 0 while a save runs (SaveCheckpoint).
+inline constexpr std::string_view kSaveLock = "strata-save.lock";
+
+inline uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+std::string Hex(uint64_t v);
+std::string RankName(uint32_t rank);  // "rank00003"
+// "[32, 16]"; "[elems]" for a tensor saved without a shape.
+std::string ShapeString(const CheckpointTensor& t);
+
+// ---- Manifests (checkpoint_format.cc) ----------------------------------------
+
+// The sealed manifest of one rank (manifest_xxh3 included).
+json SealedManifestJson(const CheckpointInfo& info, const RankManifest& rank);
+// Checks the seal, then parses one rank's manifest into `info` (the common
+// part) and `rank`. InvalidArgument (the caller makes it DataLoss, naming the
+// file) for a missing key, a wrong type or a value this build cannot read.
+Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank);
+// The parts every rank's manifest of one save must agree on.
+json CommonPart(json j);
+
+// The one validator: what must hold of a checkpoint for anything (load,
+// export, inspect --verify) to use it, without a model to compare with.
+// `info` with its ranks so far. InvalidArgument naming the field.
+Status ValidateCommon(const CheckpointInfo& info);
+Status ValidateRank(const CheckpointInfo& info, const RankManifest& rank);
+
+// latest.json: the save it names, and the saves it keeps (newest first).
+json LatestJson(const CheckpointInfo& info, const std::vector<std::string>& history);
+struct Latest {
+  std::string checkpoint;
+  std::vector<std::string> history;
+};
+// nullopt when the text is not a valid latest.json.
+std::optional<Latest> ParseLatest(const std::string& text);
+
+// ---- Small file IO -------------------------------------------------------------
+
+Result<std::string> ReadSmallFile(Storage& storage, const std::string& path);
+bool Exists(const std::string& path);
+
+// The storage the caller gave, or one made for this call.
+struct StorageRef {
+  std::unique_ptr<Storage> owned;
+  Storage* storage = nullptr;
+  static Result<StorageRef> Of(Storage* given);
+};
+
+}  // namespace strata::checkpoint_internal

@@ -1,0 +1,346 @@
+// CheckpointReader: opens a checkpoint (latest.json or a save directory),
+// checks every manifest with the one validator (checkpoint_format.cc), and
+// reads flat ranges of the arrays chunk by chunk, each chunk verified against
+// its checksum as it arrives.
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+
+#include "offload/checkpoint_internal.h"
+
+namespace strata {
+
+using namespace checkpoint_internal;  // NOLINT: this file's own helpers
+
+namespace {
+
+// 4096-aligned host memory for O_DIRECT.
+class AlignedBytes {
+ public:
+  AlignedBytes() = default;
+  explicit AlignedBytes(size_t bytes)
+      : data_(static_cast<std::byte*>(std::aligned_alloc(kFileAlign, RoundUp(bytes, kFileAlign)))),
+        size_(bytes) {
+    STRATA_CHECK(data_ != nullptr) << "aligned_alloc of " << bytes << " bytes";
+  }
+  AlignedBytes(AlignedBytes&& o) noexcept { *this = std::move(o); }
+  AlignedBytes& operator=(AlignedBytes&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(size_, o.size_);
+    return *this;
+  }
+  ~AlignedBytes() { std::free(data_); }
+  std::span<std::byte> span() const { return {data_, size_}; }
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace
+
+// ---- CheckpointReader --------------------------------------------------------------
+
+struct CheckpointReader::Impl {
+  StorageRef storage;
+  ReaderOptions options;
+  const CheckpointInfo* info = nullptr;
+  std::map<std::pair<uint32_t, uint32_t>, std::unique_ptr<File>> files;  // (rank, array)
+  std::vector<AlignedBytes> bufs;
+  std::vector<IoRequest> reqs;
+  // The last chunk read (sub-groups and tensors share boundary chunks).
+  AlignedBytes cache;
+  int64_t cache_rank = -1, cache_array = -1, cache_chunk = -1;
+  uint64_t cache_bytes = 0;
+
+  std::string PathOf(uint32_t rank, uint32_t array) const {
+    return info->save_dir + "/" + info->ranks[rank].files[array].name;
+  }
+  Result<File*> FileOf(uint32_t rank, uint32_t array);
+  // Reads chunks [first, last) of a file in order, queue_depth in flight,
+  // checks each chunk's checksum and hands it to `fn`.
+  Status ReadChunks(uint32_t rank, uint32_t array, uint64_t first, uint64_t last,
+                    const std::function<void(uint64_t, std::span<const std::byte>)>& fn);
+};
+
+Result<File*> CheckpointReader::Impl::FileOf(uint32_t rank, uint32_t array) {
+  auto key = std::make_pair(rank, array);
+  if (auto it = files.find(key); it != files.end()) return it->second.get();
+  const std::string path = PathOf(rank, array);
+  auto opened = storage.storage->Open(
+      path, {.direct = options.direct, .queue_depth = std::max<uint32_t>(options.queue_depth, 1)});
+  if (!opened.ok()) {
+    if (opened.status().code() == StatusCode::kNotFound) {
+      return NotFoundError(fmt::format(
+          "{} is missing (rank {}'s {} of save {}): copy every file of the save directory, or "
+          "load an earlier checkpoint",
+          path, rank, info->arrays[array], info->save_id));
+    }
+    return opened.status();
+  }
+  std::unique_ptr<File> file = std::move(*opened);
+  STRATA_ASSIGN_OR_RETURN(uint64_t size, file->SizeBytes());
+  const uint64_t want = info->ranks[rank].files[array].file_bytes;
+  if (size != want) {
+    return DataLossError(fmt::format(
+        "{} has {} bytes; its manifest says {}: the file is {} (an interrupted copy?); restore "
+        "it or load an earlier checkpoint",
+        path, size, want, size < want ? "truncated" : "longer than written"));
+  }
+  File* raw = file.get();
+  files.emplace(key, std::move(file));
+  return raw;
+}
+
+Status CheckpointReader::Impl::ReadChunks(
+    uint32_t rank, uint32_t array, uint64_t first, uint64_t last,
+    const std::function<void(uint64_t, std::span<const std::byte>)>& fn) {
+  const CheckpointFile& meta = info->ranks[rank].files[array];
+  const uint64_t cb = info->chunk_bytes;
+  auto chunk_len = [&](uint64_t c) { return std::min(cb, meta.file_bytes - c * cb); };
+  if (first < last && cache_rank == rank && cache_array == array &&
+      cache_chunk == static_cast<int64_t>(first)) {
+    fn(first, cache.span().first(cache_bytes));
+    ++first;
+  }
+  if (first >= last) return OkStatus();
+  STRATA_ASSIGN_OR_RETURN(File * file, FileOf(rank, array));
+  const std::string path = PathOf(rank, array);
+  const uint64_t depth = bufs.size();
+  std::vector<uint8_t> done(depth, 0);
+  uint64_t next_submit = first;
+  Status error;
+  for (uint64_t next = first; next < last && error.ok(); ++next) {
+    while (next_submit < last && next_submit - next < depth) {
+      const uint64_t slot = next_submit % depth;
+      reqs[slot] =
+          IoRequest::Read(next_submit * cb, bufs[slot].span().first(chunk_len(next_submit)), slot);
+      done[slot] = 0;
+      if (Status s = file->Submit({&reqs[slot], 1}); !s.ok()) {
+        error = std::move(s);
+        break;
+      }
+      ++next_submit;
+    }
+    if (!error.ok()) break;
+    const uint64_t slot = next % depth;
+    while (!done[slot]) {
+      std::vector<IoRequest*> got(depth);
+      auto n = file->Reap(got, 1);
+      if (!n.ok()) return n.status();  // the backend broke: nothing more is reaped
+      for (size_t k = 0; k < *n; ++k) done[got[k]->user_data] = 1;
+    }
+    if (!reqs[slot].status.ok()) {
+      error = reqs[slot].status;
+      break;
+    }
+    std::span<const std::byte> data = bufs[slot].span().first(chunk_len(next));
+    const uint64_t h = XXH3_64bits(data.data(), data.size());
+    if (h != meta.chunk_xxh3[next]) {
+      error = DataLossError(fmt::format(
+          "{}: chunk {} (bytes {}+{}) fails its checksum (XXH3 {}, manifest {}): the file is "
+          "corrupt; restore it from a copy or load an earlier checkpoint",
+          path, next, next * cb, data.size(), Hex(h), Hex(meta.chunk_xxh3[next])));
+      break;
+    }
+    fn(next, data);
+    if (next + 1 == last) {
+      std::memcpy(cache.span().data(), data.data(), data.size());
+      cache_rank = rank;
+      cache_array = array;
+      cache_chunk = static_cast<int64_t>(next);
+      cache_bytes = data.size();
+    }
+  }
+  // Requests still in flight use our buffers: wait for them.
+  while (file->InFlight() > 0) {
+    std::vector<IoRequest*> got(depth);
+    if (!file->Reap(got, file->InFlight()).ok()) break;
+  }
+  return error;
+}
+
+CheckpointReader::CheckpointReader(CheckpointInfo info, std::unique_ptr<Impl> impl)
+    : info_(std::move(info)), impl_(std::move(impl)) {
+  impl_->info = &info_;
+}
+CheckpointReader::~CheckpointReader() = default;
+
+Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::string& dir,
+                                                                 const ReaderOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  STRATA_ASSIGN_OR_RETURN(impl->storage, StorageRef::Of(options.storage));
+  Storage& storage = *impl->storage.storage;
+  CheckpointInfo info;
+  info.root = dir;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return NotFoundError(fmt::format(
+        "open checkpoint {}: no such directory; pass the directory given to Save", dir));
+  }
+  const std::string latest = dir + "/" + std::string(kLatest);
+  if (Exists(latest)) {
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(storage, latest));
+    const std::optional<Latest> parsed = ParseLatest(text);
+    if (!parsed) {
+      return DataLossError(fmt::format(
+          "open checkpoint: {} is not valid (no \"checkpoint\" string): the pointer file is "
+          "damaged; open one of the step-* directories in {} directly",
+          latest, dir));
+    }
+    const std::string name = parsed->checkpoint;
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+      return DataLossError(
+          fmt::format("open checkpoint: {} names '{}', not a save directory", latest, name));
+    }
+    info.save_dir = dir + "/" + name;
+  } else if (Exists(dir + "/" + RankName(0) + ".json")) {
+    info.save_dir = dir;
+  } else {
+    return NotFoundError(
+        fmt::format("open checkpoint {}: no {} and no {}.json: this is not a checkpoint; pass the "
+                    "directory given to Save, or one of its step-* directories",
+                    dir, kLatest, RankName(0)));
+  }
+  json common0;
+  for (uint32_t r = 0;; ++r) {
+    const std::string path = info.save_dir + "/" + RankName(r) + ".json";
+    if (!Exists(path)) {
+      return NotFoundError(fmt::format(
+          "open checkpoint: {} is missing{}: copy every rank's files into the save directory, "
+          "or load an earlier checkpoint",
+          path, r == 0 ? "" : fmt::format(" (the save has {} ranks)", info.world_size)));
+    }
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(storage, path));
+    json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    auto bad = [&](std::string_view why) {
+      return DataLossError(fmt::format(
+          "open checkpoint: {} is not a valid manifest ({}): restore it from a copy or load "
+          "an earlier checkpoint",
+          path, why));
+    };
+    if (j.is_discarded() || !j.is_object()) return bad("not JSON; truncated or overwritten?");
+    if (!j.contains("format") || j["format"] != kCheckpointFormatName ||
+        !j.contains("format_version") || !j["format_version"].is_number_integer()) {
+      return bad("no \"format\": \"strata-checkpoint\" with a format_version");
+    }
+    const int version = j["format_version"].get<int>();
+    if (version != kCheckpointFormatVersion) {
+      return FailedPreconditionError(fmt::format(
+          "open checkpoint: {} has format version {}; this build reads version {}: {}", path,
+          version, kCheckpointFormatVersion,
+          version > kCheckpointFormatVersion ? "load it with a newer strata"
+                                             : "convert it with the strata that wrote it"));
+    }
+    RankManifest rank;
+    Status parsed;
+    try {
+      parsed = ParseManifest(j, info, rank);
+    } catch (const json::exception& e) {
+      return bad(e.what());
+    }
+    if (!parsed.ok()) return bad(parsed.message());
+    info.format_version = version;
+    if (r == 0) {
+      common0 = CommonPart(j);
+      if (Status s = ValidateCommon(info); !s.ok()) return bad(s.message());
+    } else if (CommonPart(j) != common0) {
+      return DataLossError(fmt::format(
+          "open checkpoint: {} does not agree with {}.json (save id, step, layout or "
+          "hyperparameters differ): the directory mixes files of different saves; restore it "
+          "or load an earlier checkpoint",
+          path, RankName(0)));
+    }
+    if (rank.rank != r) return bad(fmt::format("it says rank {}", rank.rank));
+    if (Status s = ValidateRank(info, rank); !s.ok()) return bad(s.message());
+    info.ranks.push_back(std::move(rank));
+    if (info.ranks.size() == info.world_size) break;
+  }
+  const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
+  for (uint32_t i = 0; i < depth; ++i) impl->bufs.emplace_back(info.chunk_bytes);
+  impl->reqs.resize(depth);
+  impl->cache = AlignedBytes(info.chunk_bytes);
+  return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(info), std::move(impl)));
+}
+
+Status CheckpointReader::ReadFlat(uint32_t array, ElemRange range, std::span<float> out) {
+  if (array >= info_.arrays.size() || range.end < range.begin || range.end > info_.total_elems ||
+      out.size() != range.elems()) {
+    return OutOfRangeError(fmt::format(
+        "read checkpoint {}: array {} range [{}, {}) into {} floats; the save has {} arrays of "
+        "{} elems",
+        info_.save_dir, array, range.begin, range.end, out.size(), info_.arrays.size(),
+        info_.total_elems));
+  }
+  const uint64_t cb = info_.chunk_bytes;
+  auto* dst = reinterpret_cast<std::byte*>(out.data());
+  while (range.begin < range.end) {
+    const uint32_t r = static_cast<uint32_t>(range.begin / info_.shard_elems);
+    const uint64_t shard_end = (uint64_t{r} + 1) * info_.shard_elems;
+    const uint64_t end = std::min(range.end, shard_end);
+    const uint64_t lo = (range.begin - uint64_t{r} * info_.shard_elems) * 4;
+    const uint64_t hi = (end - uint64_t{r} * info_.shard_elems) * 4;
+    STRATA_RETURN_IF_ERROR(impl_->ReadChunks(
+        r, array, lo / cb, (hi + cb - 1) / cb, [&](uint64_t c, std::span<const std::byte> data) {
+          const uint64_t c0 = c * cb;
+          const uint64_t from = std::max(lo, c0);
+          const uint64_t to = std::min(hi, c0 + data.size());
+          std::memcpy(dst + (from - lo), data.data() + (from - c0), to - from);
+        }));
+    dst += hi - lo;
+    range.begin = end;
+  }
+  return OkStatus();
+}
+
+Status CheckpointReader::ReadTensor(uint32_t array, uint32_t tensor, uint64_t offset_elems,
+                                    std::span<float> out) {
+  if (tensor >= info_.tensors.size() || offset_elems + out.size() > info_.tensors[tensor].elems) {
+    return OutOfRangeError(
+        fmt::format("read checkpoint {}: tensor {} elems [{}, +{}) is outside "
+                    "the save's {} tensors",
+                    info_.save_dir, tensor, offset_elems, out.size(), info_.tensors.size()));
+  }
+  const uint64_t begin = info_.tensors[tensor].offset_elems + offset_elems;
+  return ReadFlat(array, {begin, begin + out.size()}, out);
+}
+
+Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
+  std::vector<uint32_t> all;
+  if (ranks.empty()) {
+    for (uint32_t r = 0; r < info_.world_size; ++r) all.push_back(r);
+    ranks = all;
+  }
+  XXH3_state_t* state = XXH3_createState();
+  Status result;
+  for (uint32_t r : ranks) {
+    for (uint32_t a = 0; a < info_.arrays.size() && result.ok(); ++a) {
+      const CheckpointFile& f = info_.ranks[r].files[a];
+      XXH3_64bits_reset(state);
+      // Whole files go around the cache: a stale cached chunk would hide a
+      // change on disk.
+      impl_->cache_chunk = -1;
+      result = impl_->ReadChunks(r, a, 0, f.chunk_xxh3.size(),
+                                 [&](uint64_t, std::span<const std::byte> data) {
+                                   XXH3_64bits_update(state, data.data(), data.size());
+                                 });
+      if (result.ok() && XXH3_64bits_digest(state) != f.xxh3) {
+        result = DataLossError(fmt::format(
+            "{}: the file checksum (XXH3 {}) is not the manifest's ({}): the file is corrupt; "
+            "restore it or load an earlier checkpoint",
+            impl_->PathOf(r, a), Hex(XXH3_64bits_digest(state)), Hex(f.xxh3)));
+      }
+    }
+  }
+  XXH3_freeState(state);
+  return std::move(result).WithContext("verify checkpoint " + info_.save_dir);
+}
+
+}  // namespace strata

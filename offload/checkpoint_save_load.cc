@@ -1,0 +1,503 @@
+// SaveCheckpoint and LoadCheckpoint: the collectives around the format
+// (checkpoint_format.cc) and the reader (checkpoint_reader.cc), and retention.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <random>
+#include <set>
+
+#include "offload/checkpoint_internal.h"
+#include "runtime/device.h"
+#include "runtime/log.h"
+
+namespace strata {
+
+using namespace checkpoint_internal;  // NOLINT: this file's own helpers
+
+namespace {
+
+namespace fs = std::filesystem;
+
+Status MakeDir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return ErrnoError(ec.value(), "create directory " + dir);
+  return OkStatus();
+}
+
+// InvalidArgument unless `shapes` is empty or gives every registered param a
+// shape whose product is its element count.
+Status CheckShapes(OffloadOptimizer& opt, const TensorShapes& shapes, std::string_view op) {
+  if (shapes.empty()) return OkStatus();
+  if (shapes.size() != opt.params().size()) {
+    return InvalidArgumentError(fmt::format("{}: {} shapes for {} registered params", op,
+                                            shapes.size(), opt.params().size()));
+  }
+  for (uint32_t i = 0; i < shapes.size(); ++i) {
+    uint64_t product = 1;
+    for (uint64_t d : shapes[i]) product *= d;
+    if (product != opt.params()[i].elems) {
+      return InvalidArgumentError(fmt::format("{}: param {} ('{}') has shape [{}] but {} elems",
+                                              op, i, opt.params()[i].name,
+                                              fmt::join(shapes[i], ", "), opt.params()[i].elems));
+    }
+  }
+  return OkStatus();
+}
+
+// Small all-reduces over the optimizer's communicator, on a stream of our
+// own (the local backend wants one stream per rank; nothing else runs on it).
+class Collective {
+ public:
+  static Result<Collective> Create(OffloadOptimizer& opt) {
+    Collective c;
+    c.comm_ = opt.comm();
+    if (c.comm_ == nullptr || opt.world_size() == 1) return c;
+    c.device_ = &opt.device();
+    STRATA_ASSIGN_OR_RETURN(c.stream_, c.device_->CreateStream());
+    STRATA_ASSIGN_OR_RETURN(c.buf_, c.device_->Allocate(sizeof(double)));
+    STRATA_ASSIGN_OR_RETURN(c.host_, c.device_->AllocateHost(sizeof(double)));
+    return c;
+  }
+  Result<double> AllReduce(double value, ReduceOp op) {
+    if (device_ == nullptr) return value;
+    double* host = static_cast<double*>(host_.data());
+    *host = value;
+    STRATA_RETURN_IF_ERROR(
+        device_->CopyAsync(buf_.data(), host, sizeof(double), CopyKind::kHostToDevice, stream_));
+    STRATA_RETURN_IF_ERROR(comm_->AllReduce(buf_.data(), buf_.data(), 1, DType::kF64, op, stream_));
+    STRATA_RETURN_IF_ERROR(
+        device_->CopyAsync(host, buf_.data(), sizeof(double), CopyKind::kDeviceToHost, stream_));
+    STRATA_RETURN_IF_ERROR(device_->StreamSynchronize(stream_));
+    return *host;
+  }
+  // How many ranks report a failure.
+  Result<int> CountFailures(const Status& local) {
+    STRATA_ASSIGN_OR_RETURN(double n, AllReduce(local.ok() ? 0.0 : 1.0, ReduceOp::kSum));
+    return static_cast<int>(n);
+  }
+
+ private:
+  Communicator* comm_ = nullptr;
+  Device* device_ = nullptr;
+  Stream stream_;
+  DeviceBuffer buf_;
+  HostAllocation host_;  // pinned: the CUDA backend copies from pinned memory only
+};
+
+// One data file: the rank's shard of one array, zero-padded to 4096 bytes,
+// with the checksum of every chunk_bytes piece and of the whole file.
+class ArrayFile {
+ public:
+  static Result<std::unique_ptr<ArrayFile>> Open(Storage& storage, const std::string& path,
+                                                 const SaveOptions& o) {
+    auto f = std::unique_ptr<ArrayFile>(new ArrayFile());
+    f->hash_ = XXH3_createState();
+    XXH3_64bits_reset(f->hash_);
+    ArrayFile* raw = f.get();
+    STRATA_ASSIGN_OR_RETURN(
+        f->writer_,
+        AtomicFileWriter::Create(storage, path,
+                                 {.existing = ExistingFile::kReplace,
+                                  .direct = o.direct,
+                                  .chunk_bytes = o.chunk_bytes,
+                                  .queue_depth = o.queue_depth,
+                                  .on_chunk = [raw](std::span<const std::byte> c) {
+                                    raw->chunk_xxh3_.push_back(XXH3_64bits(c.data(), c.size()));
+                                    XXH3_64bits_update(raw->hash_, c.data(), c.size());
+                                  }}));
+    return f;
+  }
+  ~ArrayFile() {
+    writer_.reset();  // its chunks still call into hash_
+    XXH3_freeState(hash_);
+  }
+
+  Status Append(std::span<const float> values) { return writer_->Append(std::as_bytes(values)); }
+
+  Result<CheckpointFile> Finish(std::string array, std::string name) {
+    const uint64_t payload = writer_->appended_bytes();
+    const std::string zeros(RoundUp(payload, kFileAlign) - payload, '\0');
+    STRATA_RETURN_IF_ERROR(writer_->Append(zeros));
+    STRATA_RETURN_IF_ERROR(writer_->Commit());
+    return CheckpointFile{.array = std::move(array),
+                          .name = std::move(name),
+                          .payload_bytes = payload,
+                          .file_bytes = writer_->file_bytes(),
+                          .xxh3 = XXH3_64bits_digest(hash_),
+                          .chunk_xxh3 = chunk_xxh3_};
+  }
+
+ private:
+  ArrayFile() = default;
+  std::unique_ptr<AtomicFileWriter> writer_;
+  XXH3_state_t* hash_ = nullptr;
+  std::vector<uint64_t> chunk_xxh3_;
+};
+
+// The manifest's checkpoint description of a live optimizer.
+CheckpointInfo InfoOf(OffloadOptimizer& opt, const std::string& save_id, uint64_t chunk_bytes,
+                      const TensorShapes& shapes) {
+  CheckpointInfo info;
+  info.save_id = save_id;
+  info.format_version = kCheckpointFormatVersion;
+  info.step = opt.step_count();
+  info.world_size = static_cast<uint32_t>(opt.world_size());
+  info.optimizer = std::string(OptimizerTypeName(opt.config().optimizer));
+  info.arrays = StateArrayNames(opt.config().optimizer);
+  info.param_dtype = std::string(DTypeName(opt.config().param_dtype));
+  const FlatLayout& l = opt.layout();
+  info.align_elems = l.align_elems;
+  info.total_elems = l.total_elems;
+  info.shard_elems = l.shard_elems;
+  info.tensor_elems = l.tensor_elems;
+  info.chunk_bytes = chunk_bytes;
+  for (uint32_t i = 0; i < opt.params().size(); ++i) {
+    info.tensors.push_back({.name = opt.params()[i].name,
+                            .group = opt.param_group(i),
+                            .offset_elems = l.tensors[i].offset_elems,
+                            .elems = l.tensors[i].elems,
+                            .shape = shapes.empty() ? std::nullopt
+                                                    : std::optional(shapes[i])});
+  }
+  for (uint32_t g = 0; g < opt.num_groups(); ++g) info.groups.push_back(opt.group_hyper(g));
+  info.scaler = opt.loss_scaler_state();
+  return info;
+}
+
+// The saves latest.json keeps, newest first; nullopt when it exists but
+// cannot be read (then retention removes nothing: we cannot tell what is
+// still wanted).
+std::optional<std::vector<std::string>> ReadHistory(Storage& storage, const std::string& dir) {
+  const std::string path = dir + "/" + std::string(kLatest);
+  if (!Exists(path)) return std::vector<std::string>{};
+  auto text = ReadSmallFile(storage, path);
+  if (!text.ok()) return std::nullopt;
+  std::optional<Latest> latest = ParseLatest(*text);
+  if (!latest) return std::nullopt;
+  std::vector<std::string> out = {latest->checkpoint};
+  for (const std::string& h : latest->history) {
+    if (h != out[0]) out.push_back(h);
+  }
+  return out;
+}
+
+// Rank 0, after every rank wrote its part, holding the save lock: point
+// latest.json at the save, then apply retention.
+Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& info,
+               uint32_t keep) {
+  std::vector<std::string> history = {info.save_id};
+  const std::optional<std::vector<std::string>> old = ReadHistory(storage, dir);
+  for (const std::string& h : old.value_or(std::vector<std::string>{})) {
+    if (history.size() >= std::max<uint32_t>(keep, 2)) break;
+    if (h != info.save_id && Exists(dir + "/" + h)) history.push_back(h);
+  }
+  STRATA_RETURN_IF_ERROR((WriteFileAtomically(storage, dir + "/" + std::string(kLatest),
+                                              LatestJson(info, history).dump(2) + "\n"))
+                             .WithContext("publish " + info.save_id));
+  // Retention: the published file no longer needs anything else. Failures
+  // only cost disk space, so they are warnings.
+  if (!old) {
+    LogWarning(
+        fmt::format("checkpoint retention: the previous {}/{} was unreadable, so no old "
+                    "save is removed; remove unwanted step-* directories by hand",
+                    dir, kLatest));
+    return OkStatus();
+  }
+  const std::string stale_tmp = "." + std::string(kLatest) + ".tmp-";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    // A crashed save's directory, or a latest.json temporary it left (no
+    // other save runs: we hold the lock).
+    const bool old_save = name.rfind("step-", 0) == 0 &&
+                          std::find(history.begin(), history.end(), name) == history.end();
+    if (!old_save && name.rfind(stale_tmp, 0) != 0) continue;
+    std::error_code rm;
+    fs::remove_all(entry.path(), rm);
+    if (rm) {
+      LogWarning(
+          fmt::format("checkpoint retention: remove {}: {}", entry.path().string(), rm.message()));
+    }
+  }
+  return OkStatus();
+}
+
+// This rank's data files and manifest inside `save_dir`.
+Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& save_dir,
+                 const CheckpointInfo& info, const SaveOptions& o) {
+  STRATA_RETURN_IF_ERROR(MakeDir(save_dir));
+  const uint32_t rank = static_cast<uint32_t>(opt.rank());
+  const uint32_t arrays = opt.StateArrayCount();
+  if (arrays != info.arrays.size()) {
+    return InternalError(fmt::format("the optimizer has {} state arrays; {} are named for {}",
+                                     arrays, info.arrays.size(), info.optimizer));
+  }
+  std::vector<std::unique_ptr<ArrayFile>> files;
+  std::vector<std::string> names;
+  for (uint32_t a = 0; a < arrays; ++a) {
+    names.push_back(fmt::format("{}.{}.f32", RankName(rank), info.arrays[a]));
+    STRATA_ASSIGN_OR_RETURN(auto f, ArrayFile::Open(storage, save_dir + "/" + names[a], o));
+    files.push_back(std::move(f));
+  }
+  // One sub-group's state at a time: host memory stays at the largest
+  // sub-group plus the writers' chunks.
+  uint64_t max_elems = 0;
+  for (const ElemRange& r : opt.sub_groups()) max_elems = std::max(max_elems, r.elems());
+  std::vector<float> state(max_elems * arrays);
+  for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
+    const uint64_t elems = opt.sub_groups()[i].elems();
+    std::span<float> s(state.data(), elems * arrays);
+    STRATA_RETURN_IF_ERROR(opt.ReadState(i, s));
+    for (uint32_t a = 0; a < arrays; ++a) {
+      STRATA_RETURN_IF_ERROR(files[a]->Append(s.subspan(a * elems, elems)));
+    }
+  }
+  RankManifest manifest{.rank = rank, .shard = opt.shard(), .files = {}};
+  for (uint32_t a = 0; a < arrays; ++a) {
+    STRATA_ASSIGN_OR_RETURN(CheckpointFile f, files[a]->Finish(info.arrays[a], names[a]));
+    manifest.files.push_back(std::move(f));
+  }
+  files.clear();
+  return WriteFileAtomically(storage, save_dir + "/" + RankName(rank) + ".json",
+                             SealedManifestJson(info, manifest).dump(1) + "\n");
+}
+
+// The flat ranges of the saved layout that `range` of `layout` maps to,
+// tensor by tensor: (saved flat begin, elems, offset in range).
+struct MappedPiece {
+  uint64_t saved_begin = 0;
+  uint64_t elems = 0;
+  uint64_t at = 0;
+};
+Result<std::vector<MappedPiece>> MapRange(const CheckpointInfo& info, const FlatLayout& layout,
+                                          ElemRange range) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> pieces, PiecesInRange(layout, range));
+  std::vector<MappedPiece> out;
+  for (const TensorPiece& p : pieces) {
+    out.push_back({.saved_begin = info.tensors[p.tensor].offset_elems + p.tensor_offset_elems,
+                   .elems = p.elems,
+                   .at = p.flat_offset_elems - range.begin});
+  }
+  return out;
+}
+
+// Is this checkpoint one of this optimizer's model? FailedPrecondition
+// naming the first difference.
+Status CheckSameModel(const CheckpointInfo& info, OffloadOptimizer& opt, const TensorShapes& shapes,
+                      const std::string& file) {
+  auto other = [&](std::string what) {
+    return FailedPreconditionError(fmt::format(
+        "{}: {}; the checkpoint was saved from another model (or another registration order): "
+        "load it into the model it was saved from",
+        file, what));
+  };
+  const std::vector<std::string> arrays = StateArrayNames(opt.config().optimizer);
+  if (info.arrays != arrays) {
+    return FailedPreconditionError(fmt::format(
+        "{}: the checkpoint holds {} state ({}); this optimizer is {} ({}): configure the "
+        "optimizer the checkpoint was saved with",
+        file, info.optimizer, fmt::join(info.arrays, ", "),
+        OptimizerTypeName(opt.config().optimizer), fmt::join(arrays, ", ")));
+  }
+  if (info.tensors.size() != opt.params().size()) {
+    return other(fmt::format("it has {} tensors, this optimizer {}", info.tensors.size(),
+                             opt.params().size()));
+  }
+  if (info.groups.size() != opt.num_groups()) {
+    return other(fmt::format("it has {} param groups, this optimizer {}", info.groups.size(),
+                             opt.num_groups()));
+  }
+  for (uint32_t i = 0; i < info.tensors.size(); ++i) {
+    const CheckpointTensor& t = info.tensors[i];
+    const Param& p = opt.params()[i];
+    if (t.elems != p.elems) {
+      return other(fmt::format("tensor {} ('{}') has {} elems in the checkpoint, {} here", i,
+                               t.name, t.elems, p.elems));
+    }
+    if (t.group != opt.param_group(i)) {
+      return other(fmt::format("tensor {} ('{}') is in group {} in the checkpoint, {} here", i,
+                               t.name, t.group, opt.param_group(i)));
+    }
+    if (!t.name.empty() && !p.name.empty() && t.name != p.name) {
+      return other(
+          fmt::format("tensor {} is '{}' in the checkpoint, '{}' here", i, t.name, p.name));
+    }
+    if (t.shape && !shapes.empty() && *t.shape != shapes[i]) {
+      CheckpointTensor here = t;
+      here.shape = shapes[i];
+      return other(fmt::format("tensor {} ('{}') has shape {} in the checkpoint, {} here", i,
+                               t.name, ShapeString(t), ShapeString(here)));
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveOptions& o) {
+  const std::string op =
+      fmt::format("save checkpoint {} (rank {}, step {})", dir, opt.rank(), opt.step_count());
+  if (opt.step_state() == StepState::kFailed) {
+    // Nothing is written for a state that mixes two steps.
+    return FailedPreconditionError(fmt::format(
+        "{}: step {} failed part way and is not finished ({}); RetryStep() finishes it (then "
+        "save), or loading a checkpoint replaces the state",
+        op, opt.step_count() + 1, opt.step_failure().ToString()));
+  }
+  if (o.chunk_bytes == 0 || o.chunk_bytes % kFileAlign != 0) {
+    return InvalidArgumentError(
+        fmt::format("{}: chunk_bytes {} is not a positive multiple of 4096", op, o.chunk_bytes));
+  }
+  STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, op));
+  STRATA_ASSIGN_OR_RETURN(StorageRef storage, StorageRef::Of(o.storage));
+  STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
+  // Rank 0 holds DIR's save lock from before the first byte until retention
+  // is done: a second job saving into DIR stops here, on every rank.
+  std::unique_ptr<StorageLock> lock;
+  Status locked = OkStatus();
+  if (opt.rank() == 0) {
+    locked = [&]() -> Status {
+      STRATA_RETURN_IF_ERROR(MakeDir(dir));
+      auto l = storage.storage->Lock(dir + "/" + std::string(kSaveLock));
+      if (!l.ok() && l.status().code() == StatusCode::kFailedPrecondition) {
+        return FailedPreconditionError(fmt::format(
+            "{}; another save into {} is running (another job, or another optimizer of this "
+            "process): wait for it to finish, or save into another directory",
+            l.status().message(), dir));
+      }
+      STRATA_ASSIGN_OR_RETURN(lock, std::move(l));
+      return OkStatus();
+    }();
+  }
+  STRATA_ASSIGN_OR_RETURN(int failed, coll.CountFailures(locked));
+  if (!locked.ok()) return std::move(locked).WithContext(op + ": nothing was written");
+  if (failed > 0) {
+    return FailedPreconditionError(fmt::format(
+        "{}: rank 0 could not take the save lock of {}; nothing was written; see rank 0's error",
+        op, dir));
+  }
+  // Every rank writes into the same new directory: rank 0 draws its id.
+  double nonce = 0;
+  if (opt.rank() == 0) {
+    std::random_device rd;
+    nonce = static_cast<double>(((uint64_t{rd()} << 32) | rd()) & ((uint64_t{1} << 48) - 1));
+  }
+  STRATA_ASSIGN_OR_RETURN(nonce, coll.AllReduce(nonce, ReduceOp::kMax));
+  const std::string save_id =
+      fmt::format("step-{:010}-{:012x}", opt.step_count(), static_cast<uint64_t>(nonce));
+  const std::string save_dir = dir + "/" + save_id;
+  const CheckpointInfo info = InfoOf(opt, save_id, o.chunk_bytes, o.shapes);
+
+  Status local = WriteRank(opt, *storage.storage, save_dir, info, o);
+  STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(local));
+  if (!local.ok()) return std::move(local).WithContext(op);
+  if (failed > 0) {
+    return UnavailableError(fmt::format(
+        "{}: {} other rank(s) failed to write their part; the previous checkpoint stays the "
+        "current one; see their errors and save again",
+        op, failed));
+  }
+  Status published =
+      opt.rank() == 0 ? Publish(*storage.storage, dir, info, o.keep_checkpoints) : OkStatus();
+  STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(published));
+  if (!published.ok()) return std::move(published).WithContext(op);
+  if (failed > 0) {
+    return UnavailableError(fmt::format(
+        "{}: rank 0 failed to publish {} in {}; the previous checkpoint stays the current one; "
+        "see rank 0's error and save again",
+        op, save_id, kLatest));
+  }
+  return OkStatus();
+}
+
+Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadOptions& o) {
+  const std::string op = fmt::format("load checkpoint {} (rank {})", dir, opt.rank());
+  STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
+  std::unique_ptr<CheckpointReader> reader;
+  // Phase 1, nothing changes: the checkpoint is complete, ours, and intact.
+  Status local = [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(
+        reader, CheckpointReader::Open(
+                    dir, {.storage = o.storage, .queue_depth = o.queue_depth, .direct = o.direct}));
+    const CheckpointInfo& info = reader->info();
+    const std::string manifest = info.save_dir + "/" + RankName(0) + ".json";
+    STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, "load checkpoint"));
+    STRATA_RETURN_IF_ERROR(CheckSameModel(info, opt, o.shapes, manifest));
+    if (info.world_size != static_cast<uint32_t>(opt.world_size()) &&
+        o.reshard == Reshard::kForbid) {
+      return FailedPreconditionError(fmt::format(
+          "{}: saved with {} ranks, loading with {} and resharding is off: run with {} ranks, "
+          "or load with Reshard::kAllow",
+          manifest, info.world_size, opt.world_size(), info.world_size));
+    }
+    // The saved ranks whose files hold this rank's shard: verify all of them.
+    STRATA_ASSIGN_OR_RETURN(std::vector<MappedPiece> pieces,
+                            MapRange(info, opt.layout(), opt.shard()));
+    std::set<uint32_t> need;
+    for (const MappedPiece& p : pieces) {
+      if (p.elems == 0) continue;
+      for (uint64_t r = p.saved_begin / info.shard_elems;
+           r <= (p.saved_begin + p.elems - 1) / info.shard_elems; ++r) {
+        need.insert(static_cast<uint32_t>(r));
+      }
+    }
+    const std::vector<uint32_t> ranks(need.begin(), need.end());
+    STRATA_RETURN_IF_ERROR(reader->Verify(ranks));
+    // The reader's validator checked the counters and hyperparameters; what
+    // is left depends on this optimizer's config (a static loss scale).
+    STRATA_ASSIGN_OR_RETURN(LossScaler scaler, LossScaler::Create(opt.config().loss_scaler));
+    STRATA_RETURN_IF_ERROR((scaler.Restore(info.scaler)).WithContext(manifest + ": loss_scaler"));
+    return OkStatus();
+  }();
+  STRATA_ASSIGN_OR_RETURN(int failed, coll.CountFailures(local));
+  if (!local.ok()) return std::move(local).WithContext(op + ": nothing was loaded");
+  if (failed > 0) {
+    return FailedPreconditionError(fmt::format(
+        "{}: {} other rank(s) could not verify the checkpoint; nothing was loaded on any rank; "
+        "see their errors",
+        op, failed));
+  }
+
+  // Phase 2: the state, sub-group by sub-group.
+  const CheckpointInfo& info = reader->info();
+  const uint32_t arrays = opt.StateArrayCount();
+  Status applied = [&]() -> Status {
+    uint64_t max_elems = 0;
+    for (const ElemRange& r : opt.sub_groups()) max_elems = std::max(max_elems, r.elems());
+    std::vector<float> state(max_elems * arrays);
+    for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
+      const ElemRange sg = opt.sub_groups()[i];
+      std::span<float> s(state.data(), sg.elems() * arrays);
+      std::fill(s.begin(), s.end(), 0.0f);  // padding
+      STRATA_ASSIGN_OR_RETURN(std::vector<MappedPiece> pieces, MapRange(info, opt.layout(), sg));
+      for (uint32_t a = 0; a < arrays; ++a) {
+        for (const MappedPiece& p : pieces) {
+          STRATA_RETURN_IF_ERROR(reader->ReadFlat(a, {p.saved_begin, p.saved_begin + p.elems},
+                                                  s.subspan(a * sg.elems() + p.at, p.elems)));
+        }
+      }
+      STRATA_RETURN_IF_ERROR(opt.WriteState(i, s));
+    }
+    STRATA_RETURN_IF_ERROR(opt.RestoreCounters(info.step, info.scaler));
+    for (uint32_t g = 0; g < info.groups.size(); ++g) {
+      STRATA_RETURN_IF_ERROR(opt.SetGroupHyper(g, info.groups[g]));
+    }
+    return OkStatus();
+  }();
+  STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(applied));
+  const std::string partial =
+      ": the optimizer state is partly loaded; load again, or recreate the optimizer";
+  if (!applied.ok()) return std::move(applied).WithContext(op + partial);
+  if (failed > 0) {
+    return FailedPreconditionError(
+        fmt::format("{}: {} other rank(s) failed while loading{}", op, failed, partial));
+  }
+  // Phase 3 (a collective): the trainer's tensors from the loaded masters.
+  return (opt.UploadParams()).WithContext(op);
+}
+
+}  // namespace strata

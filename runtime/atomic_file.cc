@@ -1,0 +1,227 @@
+#include "runtime/atomic_file.h"
+
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace strata {
+namespace {
+
+constexpr uint64_t kDirectAlign = 4096;
+
+uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string_view KindOf(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+  if (S_ISFIFO(mode)) return "a fifo";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// ".<name>.tmp-<pid>-<n>" next to `path`: unique among the threads and
+// processes that write one target at the same time.
+std::string TempPathFor(const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  static const uint64_t salt = [] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) | rd();
+  }();
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  return fmt::format("{}.{}.tmp-{}-{:x}", dir, name, static_cast<long>(::getpid()),
+                     salt + counter.fetch_add(1));
+}
+
+Status ExistsError(const std::string& path) {
+  return FailedPreconditionError(fmt::format(
+      "write {}: the file exists; remove it, choose another path, or allow replacing it "
+      "(--force)",
+      path));
+}
+
+}  // namespace
+
+Status CheckOutputPath(const std::string& path, ExistingFile existing) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return OkStatus();
+    return ErrnoError(errno, "write " + path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return FailedPreconditionError(fmt::format(
+        "write {}: it is {}, not a regular file; give the path of a new file", path,
+        KindOf(st.st_mode)));
+  }
+  if (existing == ExistingFile::kRefuse) return ExistsError(path);
+  return OkStatus();
+}
+
+// One write buffer: 4096-aligned (O_DIRECT) and its request.
+struct AtomicFileWriter::Chunk {
+  explicit Chunk(uint64_t bytes)
+      : data(static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, RoundUp(bytes, kDirectAlign)))) {
+    STRATA_CHECK(data != nullptr) << "aligned_alloc of " << bytes << " bytes";
+  }
+  ~Chunk() { std::free(data); }
+  std::byte* data;
+  IoRequest request;
+};
+
+Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& storage,
+                                                                   const std::string& path,
+                                                                   AtomicWriteOptions options) {
+  const bool direct = options.direct != DirectIo::kOff;
+  if (options.chunk_bytes == 0 || (direct && options.chunk_bytes % kDirectAlign != 0)) {
+    return InvalidArgumentError(fmt::format(
+        "write {}: chunk_bytes {} must be positive{}", path, options.chunk_bytes,
+        direct ? " and a multiple of 4096 (O_DIRECT)" : ""));
+  }
+  STRATA_RETURN_IF_ERROR(CheckOutputPath(path, options.existing));
+  if (options.existing == ExistingFile::kRefuse &&
+      storage.Open(path, {.direct = DirectIo::kOff}).ok()) {
+    return ExistsError(path);  // a file only the storage knows (the in-memory backend)
+  }
+  auto w = std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter());
+  w->storage_ = &storage;
+  w->path_ = path;
+  w->temp_path_ = TempPathFor(path);
+  const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
+  STRATA_ASSIGN_OR_RETURN(w->file_,
+                          storage.Open(w->temp_path_, {.create = FileCreate::kCreate,
+                                                       .direct = options.direct,
+                                                       .queue_depth = depth}));
+  w->align_ = direct ? std::max<uint64_t>(w->file_->info().alignment_bytes, kDirectAlign) : 1;
+  if (direct && options.chunk_bytes % w->align_ != 0) {
+    const Status bad = InvalidArgumentError(
+        fmt::format("write {}: chunk_bytes {} is not a multiple of the device's direct-IO "
+                    "alignment {}",
+                    path, options.chunk_bytes, w->align_));
+    w->Abandon();
+    return bad;
+  }
+  if (Status s = w->file_->Resize(0); !s.ok()) {
+    w->Abandon();
+    return s;
+  }
+  for (uint32_t i = 0; i < depth; ++i) {
+    w->chunks_.push_back(std::make_unique<Chunk>(options.chunk_bytes));
+    w->free_.push_back(i);
+  }
+  w->options_ = std::move(options);
+  return w;
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (!committed_) Abandon();
+}
+
+void AtomicFileWriter::Abandon() {
+  if (file_) {
+    Drain().IgnoreError();
+    file_.reset();
+    storage_->Remove(temp_path_).IgnoreError();
+  }
+  committed_ = false;
+}
+
+Status AtomicFileWriter::Append(std::span<const std::byte> bytes) {
+  if (!error_.ok()) return error_;
+  if (!file_) return FailedPreconditionError("write " + path_ + ": the writer is finished");
+  appended_ += bytes.size();
+  while (!bytes.empty()) {
+    if (cur_ < 0) {
+      while (free_.empty()) {
+        if (Status s = ReapSome(1); !s.ok()) return error_ = s;
+      }
+      if (!error_.ok()) return error_;
+      cur_ = static_cast<int>(free_.back());
+      free_.pop_back();
+      fill_ = 0;
+    }
+    const uint64_t n = std::min<uint64_t>(bytes.size(), options_.chunk_bytes - fill_);
+    std::memcpy(chunks_[cur_]->data + fill_, bytes.data(), n);
+    fill_ += n;
+    bytes = bytes.subspan(n);
+    if (fill_ == options_.chunk_bytes) {
+      if (Status s = Flush(); !s.ok()) return error_ = s;
+    }
+  }
+  return OkStatus();
+}
+
+Status AtomicFileWriter::Flush() {
+  const int slot = cur_;
+  const uint64_t padded = RoundUp(fill_, align_);
+  std::memset(chunks_[slot]->data + fill_, 0, padded - fill_);
+  std::span<std::byte> data(chunks_[slot]->data, padded);
+  if (options_.on_chunk) options_.on_chunk(data);
+  chunks_[slot]->request = IoRequest::Write(offset_, data, static_cast<uint64_t>(slot));
+  offset_ += padded;
+  cur_ = -1;
+  fill_ = 0;
+  Status s = file_->Submit({&chunks_[slot]->request, 1});
+  if (!s.ok()) {
+    free_.push_back(static_cast<uint32_t>(slot));
+    return std::move(s).WithContext("write " + path_);
+  }
+  return OkStatus();
+}
+
+Status AtomicFileWriter::ReapSome(size_t min) {
+  std::vector<IoRequest*> done(chunks_.size());
+  STRATA_ASSIGN_OR_RETURN(size_t n, file_->Reap(done, min));
+  for (size_t k = 0; k < n; ++k) {
+    if (!done[k]->status.ok() && error_.ok()) {
+      error_ = done[k]->status.WithContext("write " + path_);
+    }
+    free_.push_back(static_cast<uint32_t>(done[k]->user_data));
+  }
+  return OkStatus();
+}
+
+Status AtomicFileWriter::Drain() {
+  while (file_ && file_->InFlight() > 0) STRATA_RETURN_IF_ERROR(ReapSome(file_->InFlight()));
+  return OkStatus();
+}
+
+Status AtomicFileWriter::Commit() {
+  if (!file_) return error_.ok() ? FailedPreconditionError("write " + path_ + ": committed") : error_;
+  Status s = error_;
+  if (s.ok() && cur_ >= 0 && fill_ > 0) s = Flush();
+  if (Status d = Drain(); s.ok()) s = d;
+  if (s.ok()) s = error_;
+  if (s.ok()) s = file_->Sync().WithContext("write " + path_ + ": fsync " + temp_path_);
+  if (s.ok()) s = CheckOutputPath(path_, options_.existing);  // nothing appeared meanwhile
+  if (s.ok()) {
+    file_.reset();
+    s = storage_->Rename(temp_path_, path_);
+    if (s.ok()) {
+      committed_ = true;
+      return OkStatus();
+    }
+    storage_->Remove(temp_path_).IgnoreError();
+    return error_ = s;
+  }
+  Abandon();
+  return error_ = s;
+}
+
+Status WriteFileAtomically(Storage& storage, const std::string& path, std::string_view bytes,
+                           AtomicWriteOptions options) {
+  STRATA_ASSIGN_OR_RETURN(auto writer, AtomicFileWriter::Create(storage, path, std::move(options)));
+  STRATA_RETURN_IF_ERROR(writer->Append(bytes));
+  return writer->Commit();
+}
+
+}  // namespace strata

@@ -1,0 +1,118 @@
+// AtomicFileWriter: the one way Strata writes a whole file (checkpoint data
+// files and manifests, latest.json, safetensors exports, the NCCL id file).
+// Readers of `path` see the old file or the complete new one, never a part;
+// a failed or abandoned write leaves nothing behind; and every byte goes
+// through a Storage, so the fault-injecting storage (runtime/testing/)
+// reaches every writer.
+//
+//   STRATA_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(storage, "/out/model.safetensors",
+//                                                              {.existing = ExistingFile::kRefuse}));
+//   STRATA_RETURN_IF_ERROR(w->Append(header));
+//   for (...) STRATA_RETURN_IF_ERROR(w->Append(tensor_bytes));   // streamed, bounded memory
+//   STRATA_RETURN_IF_ERROR(w->Commit());                          // durable and visible
+//
+// Steps: Create checks the target (a new path, or an existing regular file
+// when replacing is allowed; never a directory, device, fifo, socket or
+// symlink) and opens a temporary file with a unique name in the target's
+// directory (".<name>.tmp-<pid>-<n>", so concurrent writers of one path,
+// threads or processes, never share it). Append copies into chunk_bytes
+// buffers and writes full chunks, queue_depth in flight. Commit writes the
+// tail (zero-padded to 4096 bytes when the file is O_DIRECT), waits for
+// every write, fsyncs, checks the target again and renames the temporary
+// file over it (Storage::Rename, which syncs the directory). Destroying a
+// writer that did not commit, or a failed Commit, waits for the writes in
+// flight and removes the temporary file. A crash (SIGKILL, power loss)
+// before the rename leaves the old file intact and, at worst, a stale
+// ".tmp-" file that nothing reads.
+//
+// Errors: FailedPrecondition for a target that exists (with kRefuse) or is
+// not a regular file, naming it and what to do; InvalidArgument for bad
+// options; the storage's IO errors, naming the file, offset and size. After
+// an error every later call returns it. Thread-safety: one thread drives a
+// writer; writers are independent.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "runtime/status.h"
+#include "runtime/storage.h"
+
+namespace strata {
+
+// What happens to an existing regular file at the target path.
+enum class ExistingFile : uint8_t {
+  kReplace,  // replaced atomically (manifests, latest.json)
+  kRefuse,   // FailedPrecondition: the caller asks for kReplace explicitly (`--force`)
+};
+
+struct AtomicWriteOptions {
+  ExistingFile existing = ExistingFile::kReplace;
+  // kOff: buffered IO, any size. kAuto/kRequire: O_DIRECT where the
+  // filesystem allows (storage.h); the file is then zero-padded to a
+  // multiple of 4096 bytes and chunk_bytes must be a multiple of 4096.
+  DirectIo direct = DirectIo::kOff;
+  uint64_t chunk_bytes = 1 << 20;  // bytes per write request
+  uint32_t queue_depth = 4;        // write requests in flight
+  // Called with each chunk as it is written, in file order, padding
+  // included (checksums of what reaches the disk).
+  std::function<void(std::span<const std::byte>)> on_chunk;
+};
+
+class AtomicFileWriter {
+ public:
+  static Result<std::unique_ptr<AtomicFileWriter>> Create(Storage& storage,
+                                                          const std::string& path,
+                                                          AtomicWriteOptions options = {});
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  Status Append(std::span<const std::byte> bytes);
+  Status Append(std::string_view text) { return Append(std::as_bytes(std::span(text))); }
+  // Durable and visible under path() when OK; on failure nothing is left.
+  Status Commit();
+
+  const std::string& path() const { return path_; }
+  const std::string& temp_path() const { return temp_path_; }
+  uint64_t appended_bytes() const { return appended_; }  // without padding
+  uint64_t file_bytes() const { return offset_ + fill_; }  // with padding, once committed
+
+ private:
+  AtomicFileWriter() = default;
+  Status Flush();
+  Status ReapSome(size_t min);
+  Status Drain();
+  void Abandon();
+
+  struct Chunk;
+  Storage* storage_ = nullptr;
+  AtomicWriteOptions options_;
+  std::string path_;
+  std::string temp_path_;
+  std::unique_ptr<File> file_;
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  std::vector<uint32_t> free_;
+  int cur_ = -1;
+  uint64_t fill_ = 0;
+  uint64_t offset_ = 0;
+  uint64_t appended_ = 0;
+  uint64_t align_ = 1;
+  Status error_;
+  bool committed_ = false;
+};
+
+// Create, Append(bytes), Commit.
+Status WriteFileAtomically(Storage& storage, const std::string& path, std::string_view bytes,
+                           AtomicWriteOptions options = {});
+
+// The target check Create and Commit make, for callers that want to refuse
+// a bad output before doing any work: OK for a new path or (kReplace) an
+// existing regular file; FailedPrecondition otherwise, naming `path`.
+Status CheckOutputPath(const std::string& path, ExistingFile existing);
+
+}  // namespace strata

@@ -1,0 +1,54 @@
+// FileLock: an exclusive, advisory lock on a lock file, so that two users of
+// one directory (two runs pointed at the same nvme_path, two optimizers of
+// one process, two jobs saving into one checkpoint directory) find out
+// instead of overwriting each other's files.
+//
+//   STRATA_ASSIGN_OR_RETURN(FileLock lock, FileLock::Acquire("/nvme/strata-rank0.lock"));
+//   ... the files the lock guards are ours until `lock` is destroyed ...
+//
+// Mechanism: flock(LOCK_EX | LOCK_NB) on the lock file (created, mode 0644,
+// when missing), which then holds the holder's pid as text. flock locks
+// belong to an open file description, so a second Acquire of the same path
+// conflicts even inside one process, and the kernel drops the lock when the
+// holder exits or is killed: a lock file left by a dead process never
+// blocks. The lock file itself is never removed (removing it would let two
+// processes hold locks on two different inodes of one name).
+//
+// A filesystem without flock (ENOLCK/EOPNOTSUPP: some network mounts) gives
+// an unguarded FileLock and one warning, rather than failing every run there.
+//
+// Errors: FailedPrecondition when another holder has it, naming the path and
+// the holder's pid ("held by process 4242", or "held by this process");
+// NotFound when the directory is missing; the errno of open/flock otherwise.
+// Never blocks. Thread-safe (a FileLock is a value; Acquire may run
+// concurrently from several threads). Locks on NFS work where the kernel
+// maps flock to fcntl locks (Linux >= 2.6.12).
+#pragma once
+
+#include <string>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+class FileLock {
+ public:
+  static Result<FileLock> Acquire(const std::string& path);
+
+  FileLock() = default;
+  FileLock(FileLock&& other) noexcept;
+  FileLock& operator=(FileLock&& other) noexcept;
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  ~FileLock();  // releases the lock
+
+  bool held() const { return fd_ >= 0; }
+  const std::string& path() const { return path_; }
+
+ private:
+  FileLock(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
+
+}  // namespace strata

@@ -1,0 +1,418 @@
+// Checkpoints that misuse cannot harm: recorded shapes checked on load, one
+// validator for every reader, exports that load_state_dict takes (shaped,
+// fp32/bf16/fp16, Hugging Face shards) and that refuse harmful outputs, the
+// save lock of a checkpoint directory.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <xxhash.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "offload/checkpoint.h"
+#include "runtime/testing/fault_storage.h"
+#include "runtime/testing/test_util.h"
+#include "tests/checkpoint/checkpoint_test_util.h"
+#include "tests/offload/test_seed.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::CkptConfig;
+using testing::Cluster;
+using testing::ExpectSameSnapshot;
+using testing::Snapshot;
+using testing::TakeSnapshot;
+using testing::TempDir;
+using testing::TestSeed;
+using testing::Where;
+
+std::string ReadAll(const std::string& path) { return testing::ReadFileBytes(path); }
+std::vector<std::string> Names(const std::string& dir) { return testing::DirNames(dir); }
+
+void ExpectMentions(const Status& s, const std::string& what) {
+  EXPECT_NE(s.message().find(what), std::string::npos) << "'" << what << "' not in: " << s;
+}
+
+// Shapes for testing::kCkptSizes = {1000, 37, 4096, 1, 0, 2500, 777, 64}, in
+// registration (group) order, which Cluster's optimizers use.
+TensorShapes ShapesOf(OffloadOptimizer& opt) {
+  TensorShapes out;
+  for (const Param& p : opt.params()) {
+    switch (p.elems) {
+      case 1000: out.push_back({25, 40}); break;
+      case 4096: out.push_back({64, 8, 8}); break;
+      case 2500: out.push_back({50, 50}); break;
+      case 64: out.push_back({4, 16}); break;
+      case 1: out.push_back({}); break;  // a scalar
+      default: out.push_back({p.elems}); break;
+    }
+  }
+  return out;
+}
+
+// Rewrites rank 0's manifest of the save in `dir` through `edit` and seals it
+// again, as a tool that writes a wrong value with a valid checksum would.
+void EditManifest(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  auto reader = CheckpointReader::Open(dir);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const std::string path = (*reader)->info().save_dir + "/rank00000.json";
+  nlohmann::json j = nlohmann::json::parse(ReadAll(path));
+  edit(j);
+  j.erase("manifest_xxh3");
+  const std::string text = j.dump();
+  j["manifest_xxh3"] = fmt::format("{:016x}", XXH3_64bits(text.data(), text.size()));
+  std::ofstream(path) << j.dump(1);
+}
+
+// ---- Shapes ------------------------------------------------------------------------
+
+TEST(ShapesTest, SavedShapesAreRecordedAndALoadWithOtherShapesChangesNothing) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kMixed), seed);
+  ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  const TensorShapes shapes = ShapesOf(c.opt(0));
+  ASSERT_TRUE(c.Save(dir.path(), {.shapes = shapes}).ok());
+  auto reader = CheckpointReader::Open(dir.path());
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    ASSERT_TRUE((*reader)->info().tensors[i].shape.has_value()) << i;
+    EXPECT_EQ(*(*reader)->info().tensors[i].shape, shapes[i]) << i;
+  }
+
+  Cluster target(1, CkptConfig(Where::kMixed), seed + 1);
+  ASSERT_TRUE(target.status().ok());
+  const Snapshot before = *TakeSnapshot(target);
+  // The same element counts, another shape: a transposed weight.
+  TensorShapes transposed = shapes;
+  for (auto& s : transposed) {
+    if (s == std::vector<uint64_t>{25, 40}) s = {40, 25};
+  }
+  Status s = target.Load(dir.path(), {.shapes = transposed});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, "has shape [25, 40] in the checkpoint, [40, 25] here");
+  ExpectSameSnapshot(*TakeSnapshot(target), before);
+  // The right shapes, or none (a C++ trainer that knows only counts), load.
+  ASSERT_TRUE(target.Load(dir.path(), {.shapes = shapes}).ok());
+  ASSERT_TRUE(target.Load(dir.path()).ok());
+  ExpectSameSnapshot(*TakeSnapshot(target), *TakeSnapshot(c));
+}
+
+TEST(ShapesTest, ShapesThatDoNotMatchTheElementCountsAreRefusedBeforeWriting) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  TensorShapes bad = ShapesOf(c.opt(0));
+  bad[0] = {7, 7};
+  Status s = c.Save(dir.path(), {.shapes = bad});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  ExpectMentions(s, "shape [7, 7]");
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+  bad.pop_back();
+  EXPECT_EQ(c.Save(dir.path(), {.shapes = bad}).code(), StatusCode::kInvalidArgument);
+}
+
+// ---- One validator ---------------------------------------------------------------------
+
+// What load refuses, inspect (the reader that `strata inspect --verify` and
+// export use) refuses too, with the same message.
+TEST(ValidatorTest, ReadersRefuseWhatLoadRefusesNamingTheField) {
+  const uint64_t seed = TestSeed();
+  struct Case {
+    std::string what;
+    std::function<void(nlohmann::json&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"groups[1].lr is -0.5", [](nlohmann::json& j) { j["groups"][1]["lr"] = -0.5; }},
+      {"groups[0].beta2 is 1", [](nlohmann::json& j) { j["groups"][0]["beta2"] = 1.0; }},
+      {"groups[0].eps is 0", [](nlohmann::json& j) { j["groups"][0]["eps"] = 0.0; }},
+      {"hysteresis_left 0", [](nlohmann::json& j) { j["loss_scaler"]["hysteresis_left"] = 0; }},
+      {"scale -1", [](nlohmann::json& j) { j["loss_scaler"]["scale"] = -1.0; }},
+      {"step -3 is negative", [](nlohmann::json& j) { j["step"] = -3; }},
+      {"has shape [3, 3] but 1000 elems",
+       [](nlohmann::json& j) {
+         for (auto& t : j["tensors"]) {
+           if (t["elems"] == 1000) t["shape"] = {3, 3};
+         }
+       }},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    TempDir dir;
+    Cluster c(1, CkptConfig(Where::kHost), seed);
+    ASSERT_TRUE(c.status().ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    EditManifest(dir.path(), k.edit);
+    auto inspect = CheckpointReader::Open(dir.path());
+    ASSERT_FALSE(inspect.ok());
+    EXPECT_EQ(inspect.status().code(), StatusCode::kDataLoss) << inspect.status();
+    ExpectMentions(inspect.status(), k.what);
+    const Snapshot before = *TakeSnapshot(c);
+    Status load = c.Load(dir.path());
+    EXPECT_EQ(load.code(), StatusCode::kDataLoss) << load;
+    ExpectMentions(load, std::string(inspect.status().message()));
+    ExpectSameSnapshot(*TakeSnapshot(c), before);
+    TempDir out;
+    EXPECT_FALSE(ExportSafetensors(dir.path(), out.File("m.safetensors")).ok());
+  }
+}
+
+// ---- Export ---------------------------------------------------------------------------
+
+struct Safetensors {
+  nlohmann::json header;
+  std::string data;  // the data section
+};
+Safetensors ParseSafetensors(const std::string& path) {
+  const std::string raw = ReadAll(path);
+  uint64_t n = 0;
+  for (int k = 7; k >= 0; --k) n = (n << 8) | static_cast<uint8_t>(raw[k]);
+  Safetensors st{.header = nlohmann::json::parse(raw.substr(8, n)), .data = raw.substr(8 + n)};
+  return st;
+}
+
+class ExportShapedTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = TestSeed();
+    cluster_ = std::make_unique<Cluster>(2, CkptConfig(Where::kMixed, OptimizerType::kAdamW, 512, 2),
+                                         seed_);
+    ASSERT_TRUE(cluster_->status().ok()) << cluster_->status();
+    ASSERT_TRUE(cluster_->Train(seed_, 2).ok());
+    shapes_ = ShapesOf(cluster_->opt(0));
+    ASSERT_TRUE(cluster_->Save(ckpt_.path(), {.shapes = shapes_}).ok());
+    snap_ = *TakeSnapshot(*cluster_);
+  }
+  // The master weights of tensor i as `dtype` bytes, as the export must hold them.
+  std::string Want(size_t i, DType dtype) const {
+    std::string out;
+    for (uint32_t bits : snap_.state[0][i]) {
+      const float f = std::bit_cast<float>(bits);
+      if (dtype == DType::kF32) {
+        out.append(reinterpret_cast<const char*>(&f), 4);
+      } else {
+        const uint16_t h = dtype == DType::kBF16 ? F32ToBF16(f) : F32ToF16(f);
+        out.append(reinterpret_cast<const char*>(&h), 2);
+      }
+    }
+    return out;
+  }
+  void ExpectTensors(const Safetensors& st, DType dtype, std::string_view st_dtype,
+                     std::set<std::string>* seen) {
+    for (const auto& [name, t] : st.header.items()) {
+      if (name == "__metadata__") continue;
+      size_t i = 0;
+      while (i < cluster_->opt(0).params().size() && cluster_->opt(0).params()[i].name != name) ++i;
+      ASSERT_LT(i, cluster_->opt(0).params().size()) << name;
+      EXPECT_EQ(t.at("dtype"), st_dtype) << name;
+      EXPECT_EQ(t.at("shape").get<std::vector<uint64_t>>(), shapes_[i]) << name;
+      const uint64_t b = t.at("data_offsets")[0], e = t.at("data_offsets")[1];
+      EXPECT_EQ(st.data.substr(b, e - b), Want(i, dtype)) << name;
+      seen->insert(name);
+    }
+  }
+
+  uint64_t seed_ = 0;
+  TempDir ckpt_;
+  std::unique_ptr<Cluster> cluster_;
+  TensorShapes shapes_;
+  Snapshot snap_;
+};
+
+TEST_F(ExportShapedTest, OneFileInEachDTypeHoldsShapedNamedMasterWeights) {
+  for (const auto& [dtype, st_dtype] :
+       std::vector<std::pair<DType, std::string>>{{DType::kF32, "F32"}, {DType::kBF16, "BF16"},
+                                                  {DType::kF16, "F16"}}) {
+    SCOPED_TRACE(st_dtype);
+    TempDir out;
+    auto r = ExportSafetensors(ckpt_.path(), out.File("model.safetensors"), {.dtype = dtype});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->files, std::vector<std::string>{out.File("model.safetensors")});
+    std::set<std::string> seen;
+    ExpectTensors(ParseSafetensors(out.File("model.safetensors")), dtype, st_dtype, &seen);
+    EXPECT_EQ(seen.size(), cluster_->opt(0).params().size());
+    EXPECT_EQ(Names(out.path()), std::vector<std::string>{"model.safetensors"});
+  }
+  TempDir out;
+  EXPECT_EQ(ExportSafetensors(ckpt_.path(), out.File("m.safetensors"), {.dtype = DType::kF64})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(ExportShapedTest, ShardsFollowTheHuggingFaceLayoutWithAnIndex) {
+  TempDir out;
+  const std::string target = out.File("hf");
+  // 8 KiB per shard: several shards, and the 16 KiB tensor alone in one.
+  auto r = ExportSafetensors(ckpt_.path(), target, {.max_shard_bytes = 8192});
+  ASSERT_TRUE(r.ok()) << r.status();
+  const size_t n = r->files.size() - 1;
+  ASSERT_GE(n, 3u);
+  const nlohmann::json index = nlohmann::json::parse(ReadAll(target + "/model.safetensors.index.json"));
+  EXPECT_EQ(r->files.back(), target + "/model.safetensors.index.json");
+  EXPECT_EQ(index.at("metadata").at("total_size").get<uint64_t>(), r->tensor_bytes);
+  std::set<std::string> seen;
+  uint64_t total = 0;
+  for (size_t s = 0; s < n; ++s) {
+    const std::string file = fmt::format("model-{:05}-of-{:05}.safetensors", s + 1, n);
+    EXPECT_EQ(r->files[s], target + "/" + file);
+    const Safetensors st = ParseSafetensors(r->files[s]);
+    size_t tensors = 0;
+    for (const auto& [name, t] : st.header.items()) {
+      if (name == "__metadata__") continue;
+      EXPECT_EQ(index.at("weight_map").at(name), file) << name;
+      ++tensors;
+    }
+    // At most the limit, unless one tensor alone is larger.
+    EXPECT_TRUE(st.data.size() <= 8192 || tensors == 1) << file << ": " << st.data.size();
+    total += st.data.size();
+    ExpectTensors(st, DType::kF32, "F32", &seen);
+  }
+  EXPECT_EQ(seen.size(), cluster_->opt(0).params().size());
+  EXPECT_EQ(index.at("weight_map").size(), seen.size());
+  EXPECT_EQ(total, r->tensor_bytes);
+  // Everything fits in one shard: model.safetensors and no index, as Hugging Face does.
+  auto one = ExportSafetensors(ckpt_.path(), out.File("one"), {.max_shard_bytes = 1 << 30});
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(Names(out.File("one")), std::vector<std::string>{"model.safetensors"});
+  EXPECT_EQ(ExportSafetensors(ckpt_.path(), out.File("x.safetensors"), {.max_shard_bytes = 8192})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+// An export never replaces what it reads, nor anything that is not a new or
+// (with --force) a regular file, and a failed one leaves nothing behind.
+TEST_F(ExportShapedTest, HarmfulOutputsAreRefusedBeforeAnyByteIsWritten) {
+  const std::string latest = ckpt_.File("latest.json");
+  const std::string latest_before = ReadAll(latest);
+  const std::string save_dir = (*CheckpointReader::Open(ckpt_.path()))->info().save_dir;
+  for (const std::string& inside :
+       {latest, ckpt_.path(), save_dir + "/rank00000.json", ckpt_.File("sub/../model.safetensors"),
+        save_dir + "/new.safetensors"}) {
+    for (ExistingFile e : {ExistingFile::kRefuse, ExistingFile::kReplace}) {
+      auto r = ExportSafetensors(ckpt_.path(), inside, {.existing = e});
+      ASSERT_FALSE(r.ok()) << inside;
+      EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status();
+      ExpectMentions(r.status(), "inside the checkpoint directory");
+    }
+  }
+  EXPECT_EQ(ReadAll(latest), latest_before);
+  ASSERT_TRUE(cluster_->Load(ckpt_.path()).ok()) << "the checkpoint is intact";
+
+  TempDir out;
+  const std::string file = out.File("model.safetensors");
+  std::ofstream(file) << "precious";
+  auto refused = ExportSafetensors(ckpt_.path(), file);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  ExpectMentions(refused.status(), "--force");
+  EXPECT_EQ(ReadAll(file), "precious");
+  auto forced = ExportSafetensors(ckpt_.path(), file, {.existing = ExistingFile::kReplace});
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_NE(ReadAll(file), "precious");
+  // Not a regular file: refused even with --force.
+  fs::create_directory(out.File("d.safetensors"));
+  fs::create_symlink(file, out.File("link.safetensors"));
+  for (const std::string& bad : {std::string("/dev/null"), out.File("d.safetensors"),
+                                 out.File("link.safetensors")}) {
+    auto r = ExportSafetensors(ckpt_.path(), bad, {.existing = ExistingFile::kReplace});
+    EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << bad << ": " << r.status();
+  }
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+  // A device node named like an output file (root can make one; others skip this part).
+  if (::mknod(out.File("dev.safetensors").c_str(), S_IFCHR | 0600, makedev(1, 3)) == 0) {
+    auto r = ExportSafetensors(ckpt_.path(), out.File("dev.safetensors"),
+                               {.existing = ExistingFile::kReplace});
+    EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status();
+    ExpectMentions(r.status(), "a device, not a regular file");
+    EXPECT_TRUE(fs::is_character_file(out.File("dev.safetensors")));
+  }
+  // A shard directory whose second shard exists: nothing is written at all.
+  fs::create_directory(out.File("hf"));
+  std::ofstream(out.File("hf/model-00002-of-00005.safetensors")) << "x";
+  auto partial = ExportSafetensors(ckpt_.path(), out.File("hf"), {.max_shard_bytes = 8192});
+  EXPECT_EQ(partial.status().code(), StatusCode::kFailedPrecondition) << partial.status();
+  EXPECT_EQ(Names(out.File("hf")), std::vector<std::string>{"model-00002-of-00005.safetensors"});
+}
+
+// The export goes through the storage like every other writer, so the fault
+// storage reaches it: an IO error fails the export, naming the file, and
+// leaves neither the output nor a temporary file.
+TEST_F(ExportShapedTest, WriteFaultsFailTheExportAndLeaveNothing) {
+  for (const auto& [what, faults] : std::vector<std::pair<std::string, testing::FaultOptions>>{
+           {"write EIO", {.seed = 1, .write_eio_one_in = 2}},
+           {"ENOSPC", {.seed = 2, .write_enospc_one_in = 2}},
+           {"fsync EIO", {.seed = 3, .sync_eio_one_in = 1}}}) {
+    SCOPED_TRACE(what);
+    TempDir out;
+    auto fault = testing::FaultStorage::Create(CreatePosixStorage(), faults);
+    auto r = ExportSafetensors(ckpt_.path(), out.File("hf"),
+                               {.max_shard_bytes = 8192, .storage = fault.get(),
+                                .buffer_bytes = 4096});
+    ASSERT_FALSE(r.ok());
+    ExpectMentions(r.status(), out.File("hf/model-0000"));
+    EXPECT_GT(fault->stats().injected_errors.load(), 0u);
+    for (const std::string& name : Names(out.File("hf"))) {
+      EXPECT_EQ(name.find(".tmp-"), std::string::npos) << name;
+    }
+  }
+}
+
+// ---- Saving ---------------------------------------------------------------------------
+
+// Two jobs saving into one directory: the second finds rank 0's save lock,
+// fails on every rank naming the path and the holder, and writes nothing.
+TEST(SaveLockTest, ASaveWhileAnotherRunsInTheDirectoryIsRefusedOnEveryRank) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  const std::vector<std::string> before = Names(dir.path());
+  auto storage = CreatePosixStorage();
+  {
+    auto other = storage->Lock(dir.File("strata-save.lock"));
+    ASSERT_TRUE(other.ok()) << other.status();
+    std::vector<Status> status(2);
+    ASSERT_FALSE(c.Run([&](int r) { return status[r] = SaveCheckpoint(c.opt(r), dir.path()); })
+                     .ok());
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition) << status[r];
+      ExpectMentions(status[r], "nothing was written");
+    }
+    ExpectMentions(status[0], dir.File("strata-save.lock"));
+    ExpectMentions(status[0], "held by this process");
+    ExpectMentions(status[0], "another save into");
+    EXPECT_EQ(Names(dir.path()), before);
+  }
+  ASSERT_TRUE(c.Save(dir.path()).ok()) << "free again once the other save ends";
+}
+
+// A crash between writing latest.json's temporary file and renaming it leaves
+// a ".latest.json.tmp-..." file; the next save, holding the lock, removes it.
+TEST(SaveLockTest, RetentionRemovesTemporariesThatCrashedSavesLeft) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  std::ofstream(dir.File(".latest.json.tmp-4242-1f")) << "{";
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  for (const std::string& name : Names(dir.path())) {
+    EXPECT_EQ(name.find(".tmp-"), std::string::npos) << name;
+  }
+}
+
+}  // namespace
+}  // namespace strata

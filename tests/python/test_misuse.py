@@ -1,0 +1,430 @@
+"""Misuse loses nothing: a step that failed part way, state that comes in
+(validated whole before anything is written), two optimizers on one
+nvme_path, bad numbers, and the export to a model that load_state_dict takes."""
+import json
+import math
+import os
+import struct
+
+import pytest
+import torch
+
+import strata
+from strata.torch import OffloadAdam, export_checkpoint, state_dict_from_checkpoint
+
+ATOL, RTOL = 2e-6, 1e-5
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(12, 32)
+        self.b = torch.nn.Linear(32, 5)
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def batch(seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 12, generator=g).to(dtype), torch.randn(16, 5, generator=g).to(dtype)
+
+
+def backward(model, seed=1):
+    x, y = batch(seed, next(model.parameters()).dtype)
+    torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
+
+
+def train(model, opt, steps, seed0=0):
+    for s in range(steps):
+        backward(model, seed0 + s)
+        opt.step()
+        opt.zero_grad()
+
+
+def nvme(tmp_path, name="nvme"):
+    path = tmp_path / name
+    path.mkdir(exist_ok=True)
+    return {"offload": "nvme", "nvme_path": str(path), "sub_group_size": 128}
+
+
+def state_file(opt_kwargs):
+    return os.path.join(opt_kwargs["nvme_path"], "strata-rank0.state")
+
+
+class Corrupt:
+    """Flips the headers of both slots of the last NVMe extent, so the next step fails
+    on its last sub-group after the others were updated; restore() undoes it (a
+    transient fault: a retry then succeeds)."""
+
+    def __init__(self, path):
+        self.path = path
+        with open(path, "rb") as f:
+            sb = json.loads(f.read(4096).rstrip(b"\0"))
+        slot = 4096 + (sb["extent_bytes"] + 4095) // 4096 * 4096
+        last = 4096 + (2 * sb["num_extents"] - 2) * slot
+        self.ranges = [(last, 64), (last + slot, 64)]
+        self.saved = []
+        with open(path, "r+b") as f:
+            for off, n in self.ranges:
+                f.seek(off)
+                self.saved.append(f.read(n))
+                f.seek(off)
+                f.write(bytes(b ^ 0xFF for b in self.saved[-1]))
+
+    def restore(self):
+        with open(self.path, "r+b") as f:
+            for (off, _), data in zip(self.ranges, self.saved):
+                f.seek(off)
+                f.write(data)
+
+
+# ---- A step that fails part way ----------------------------------------------------
+
+def test_a_failed_step_refuses_step_state_dict_and_save_until_retried(tmp_path):
+    kw = nvme(tmp_path)
+    model, ref_model = Net(), Net()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **kw)
+    ref = OffloadAdam(ref_model.parameters(), lr=1e-2, **nvme(tmp_path, "ref"))
+    assert opt.plan()["nvme_sub_groups"] >= 3
+    train(model, opt, 2)
+    train(ref_model, ref, 2)
+
+    fault = Corrupt(state_file(kw))
+    backward(model, 2)
+    with pytest.raises(strata.StrataError, match="retry_step"):
+        opt.step()
+    assert opt.step_failed
+    assert opt.step_count == 2
+    # Nothing that would mix two steps, or apply the kept grads again silently.
+    for call in (opt.step, opt.state_dict, lambda: opt.save_checkpoint(tmp_path / "never"),
+                 lambda: list(opt.iter_state())):
+        with pytest.raises(strata.StrataError,
+                           match=r"step 3 failed part way.*retry_step\(\).*load_checkpoint"):
+            call()
+    assert not (tmp_path / "never").exists()
+    # A new backward does not change what the retry applies: the kept grads;
+    # nor does a param moved to new storage meanwhile (the old one is freed).
+    opt.zero_grad()
+    backward(model, 99)
+    first = next(model.parameters())
+    first.data = first.data.clone()
+    fault.restore()
+    opt.retry_step()
+    assert not opt.step_failed and opt.step_count == 3
+    opt.zero_grad()
+    backward(ref_model, 2)
+    ref.step()
+    ref.zero_grad()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), "the retried step is bitwise the clean run's"
+    train(model, opt, 1, 3)  # and training goes on
+    with pytest.raises(strata.StrataError, match="no step failed"):
+        opt.retry_step()
+
+
+def test_a_failed_step_is_recovered_by_loading_a_checkpoint(tmp_path):
+    kw = nvme(tmp_path)
+    model = Net()
+    opt = OffloadAdam(model.named_parameters(), lr=1e-2, **kw)
+    train(model, opt, 2)
+    opt.save_checkpoint(tmp_path / "ckpt")
+    saved = [p.detach().clone() for p in model.parameters()]
+    Corrupt(state_file(kw))  # a lasting fault: the retry fails too
+    backward(model)
+    with pytest.raises(strata.StrataError):
+        opt.step()
+    with pytest.raises(strata.StrataError):
+        opt.retry_step()
+    assert opt.step_failed
+    opt.load_checkpoint(tmp_path / "ckpt")  # rewrites every extent
+    assert not opt.step_failed and opt.step_count == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved))
+    opt.zero_grad()
+    train(model, opt, 1)
+    assert opt.step_count == 3
+
+
+# ---- State that comes in is validated before anything is written --------------------
+
+def test_load_state_dict_checks_everything_before_writing(tmp_path):
+    model = Net()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **nvme(tmp_path))
+    train(model, opt, 2)
+    good = opt.state_dict()
+    train(model, opt, 1)
+    before = opt.state_dict()
+
+    def broken(edit):
+        sd = {"state": {"strata": dict(good["state"]["strata"])},
+              "param_groups": [dict(g) for g in good["param_groups"]]}
+        edit(sd["state"]["strata"], sd["param_groups"])
+        return sd
+
+    cases = [
+        (lambda s, g: s.update(arrays=s["arrays"][:-1]), "state arrays for"),
+        (lambda s, g: s.update(arrays=s["arrays"][:-1] + [s["arrays"][-1][:-1]]),
+         "state array .* needs"),
+        (lambda s, g: s.update(arrays=[a.double() for a in s["arrays"]]), "torch.float64"),
+        (lambda s, g: s.update(arrays=s["arrays"][:-1] + ["x"]), "is a str"),
+        (lambda s, g: s.update(step=-1), "step -1 is negative"),
+        (lambda s, g: s.update(step="3"), "step is '3'"),
+        (lambda s, g: s.update(loss_scaler={**s["loss_scaler"], "scale": -1.0}), "scale -1"),
+        (lambda s, g: s.pop("loss_scaler"), "no loss_scaler"),
+        (lambda s, g: g[0].update(lr=float("inf")), r"param_groups\[0\]: lr is inf"),
+        (lambda s, g: g[0].update(betas=(0.9, 1.5)), r"betas\[1\] is 1.5"),
+    ]
+    for edit, message in cases:
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(broken(edit))
+        after = opt.state_dict()
+        assert after["state"]["strata"]["step"] == before["state"]["strata"]["step"]
+        for a, b in zip(after["state"]["strata"]["arrays"], before["state"]["strata"]["arrays"]):
+            assert torch.equal(a, b), f"{message}: the state was partly written"
+    opt.load_state_dict(good)
+    assert opt.step_count == 2
+
+
+def test_a_torch_adamw_state_dict_loads_and_training_continues_alike():
+    """Switching optimizers mid-run: torch AdamW for 3 steps, then OffloadAdam from its
+    state_dict, side by side with AdamW going on."""
+    m_ref, m_ours = Net(), Net()
+    groups = lambda m: [{"params": [m.a.weight, m.b.weight], "weight_decay": 0.1},  # noqa
+                        {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0, "lr": 3e-3}]
+    ref = torch.optim.AdamW(groups(m_ref), lr=1e-2, betas=(0.8, 0.99))
+    train(m_ref, ref, 3)
+    m_ours.load_state_dict(m_ref.state_dict())
+    ours = OffloadAdam(groups(m_ours), lr=5e-2)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.step_count == 3
+    assert ours.param_groups[0]["lr"] == 1e-2 and ours.param_groups[0]["betas"] == (0.8, 0.99)
+    for s in range(5):
+        for model, opt in ((m_ref, ref), (m_ours, ours)):
+            backward(model, 10 + s)
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(m_ours.parameters(), m_ref.parameters()):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+    amsgrad = torch.optim.Adam(groups(Net()), amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        ours.load_state_dict(amsgrad.state_dict())
+    bad = ref.state_dict()
+    bad["state"][0]["step"] = torch.tensor(7.0)
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        ours.load_state_dict(bad)
+    bad = ref.state_dict()
+    bad["state"][1]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="exp_avg is not a float tensor of 160 elements"):
+        ours.load_state_dict(bad)
+
+
+# ---- Two optimizers on one nvme_path -------------------------------------------------
+
+def test_two_optimizers_on_one_nvme_path_are_refused_naming_it(tmp_path):
+    kw = nvme(tmp_path)
+    g_model, d_model = Net(), Net()
+    gen = OffloadAdam(g_model.parameters(), lr=1e-2, **kw)
+    train(g_model, gen, 1)
+    before = [p.detach().clone() for p in g_model.parameters()]
+    with pytest.raises(strata.StrataError, match=rf"{kw['nvme_path']}/strata-rank0.lock: held "
+                                                 rf"by this process \(pid {os.getpid()}\).*own "
+                                                 "nvme_path"):
+        OffloadAdam(d_model.parameters(), lr=1e-2, **kw)
+    # The first one's state was not truncated: it trains on as if alone.
+    twin_model = Net()
+    twin = OffloadAdam(twin_model.parameters(), lr=1e-2, **nvme(tmp_path, "twin"))
+    train(twin_model, twin, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, twin_model.parameters()))
+    train(g_model, gen, 1, 1)
+    train(twin_model, twin, 1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(g_model.parameters(), twin_model.parameters()))
+    # Its own directory each: fine. Once the first is gone, the directory is free.
+    OffloadAdam(d_model.parameters(), lr=1e-2, **nvme(tmp_path, "disc"))
+    del gen
+    OffloadAdam(d_model.parameters(), lr=1e-2, **kw)
+
+
+# ---- Numbers checked where they enter --------------------------------------------------
+
+def test_bad_numbers_are_named():
+    w = torch.nn.Parameter(torch.randn(4))
+    for kwargs, message in [
+        ({"lr": float("inf")}, "lr is inf"),
+        ({"lr": float("nan")}, "lr is nan"),
+        ({"eps": 0.0}, "eps is 0.0; it must be finite and > 0"),
+        ({"betas": (0.9, 1.0)}, r"betas\[1\] is 1.0"),
+        ({"weight_decay": -0.1}, "weight_decay is -0.1"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm=inf"),
+        ({"config": {"optimizer": {"params": {"lr": float("inf")}}}},
+         "config optimizer.params.lr = inf"),
+        ({"config": {"fp16": {"loss_scale": float("nan")}}}, "config fp16.loss_scale = nan"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            OffloadAdam([w], **kwargs)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr is inf"):
+        OffloadAdam([{"params": [w]}, {"params": [torch.nn.Parameter(torch.randn(2))],
+                                        "lr": float("inf")}])
+    opt = OffloadAdam([w])
+    opt.param_groups[0]["eps"] = float("nan")  # e.g. a scheduler gone wrong
+    w.grad = torch.ones(4)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: eps is nan"):
+        opt.step()
+
+
+def test_duplicate_nvme_paths_get_their_own_message(tmp_path):
+    w = torch.nn.Parameter(torch.randn(4))
+    d = str(tmp_path)
+    with pytest.raises(strata.InvalidArgumentError, match="is listed twice"):
+        OffloadAdam([w], offload="nvme", nvme_path=[d, d])
+    # Another spelling of the same directory meets the lock.
+    with pytest.raises(strata.StrataError, match="listed twice in nvme_path"):
+        OffloadAdam([w], offload="nvme", nvme_path=[d, d + "/."])
+
+
+def test_hugging_face_auto_values_are_filled_from_the_arguments():
+    """The shape of Hugging Face's DeepSpeed ZeRO config examples."""
+    config = {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+                 "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                     "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                "pin_memory": True},
+                              "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                              "overlap_comm": True, "reduce_scatter": True,
+                              "reduce_bucket_size": "auto", "contiguous_gradients": True,
+                              "sub_group_size": "auto"},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "steps_per_print": 2000, "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    }
+    model = Net(torch.bfloat16)
+    opt = OffloadAdam(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-6,
+                      weight_decay=0.1, max_grad_norm=1.0, config=config)
+    cfg = opt.engine_config
+    assert cfg["optimizer"]["params"]["lr"] == 3e-4
+    assert cfg["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    assert cfg["optimizer"]["params"]["weight_decay"] == 0.1
+    assert cfg["gradient_clipping"] == 1.0
+    assert cfg["bf16"]["enabled"] is True
+    assert config["optimizer"]["params"]["lr"] == "auto", "the caller's dict is not changed"
+    train(model, opt, 1)
+    with pytest.raises(strata.InvalidArgumentError, match="auto"):
+        OffloadAdam(Net().parameters(), config={"aio": {"queue_depth": "auto"}})
+
+
+def test_add_param_group_is_refused_with_a_way_out():
+    model = Net()
+    opt = OffloadAdam([model.a.weight])
+    with pytest.raises(RuntimeError, match="lr=0.*save_checkpoint"):
+        opt.add_param_group({"params": [model.b.weight]})
+
+
+# ---- Bounded state_dict and exports -----------------------------------------------------
+
+def test_state_dict_dir_keeps_state_dicts_small_and_resumes_exactly(tmp_path):
+    model = Net()
+    opt = OffloadAdam(model.named_parameters(), lr=1e-2, state_dict_dir=tmp_path / "sd",
+                      **nvme(tmp_path))
+    train(model, opt, 2)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ck.pt")
+    assert os.path.getsize(tmp_path / "ck.pt") < os.path.getsize(tmp_path / "sd") + 64 * 1024
+    sd = torch.load(tmp_path / "ck.pt")["optimizer"]
+    assert sd["state"]["strata"]["kind"] == "checkpoint"
+    assert not any(isinstance(v, torch.Tensor) for v in sd["state"]["strata"].values())
+    train(model, opt, 3, 2)
+
+    fresh = Net()
+    fresh.load_state_dict(torch.load(tmp_path / "ck.pt")["model"])
+    fresh_opt = OffloadAdam(fresh.named_parameters(), lr=1e-2, **nvme(tmp_path, "fresh"))
+    fresh_opt.load_state_dict(sd)
+    assert fresh_opt.step_count == 2
+    train(fresh, fresh_opt, 3, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def read_safetensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = t["data_offsets"]
+        data = bytearray(raw[8 + n + b:8 + n + e])
+        x = torch.frombuffer(data, dtype=dtypes[t["dtype"]]) if e > b else \
+            torch.zeros(0, dtype=dtypes[t["dtype"]])
+        out[name] = x.reshape(t["shape"])
+    return header, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_export_loads_into_the_model(tmp_path, dtype):
+    model = Net()
+    opt = OffloadAdam(model.named_parameters(), lr=1e-2, **nvme(tmp_path))
+    train(model, opt, 3)
+    opt.save_checkpoint(tmp_path / "ckpt")
+    files = export_checkpoint(tmp_path / "ckpt", tmp_path / "model.safetensors", dtype=dtype)
+    assert files == [str(tmp_path / "model.safetensors")]
+    _, tensors = read_safetensors(files[0])
+    other = Net(dtype)
+    other.load_state_dict(tensors)  # strict: every name and shape matches
+    for a, b in zip(other.parameters(), model.parameters()):
+        assert torch.equal(a, b.detach().to(dtype))
+
+    sd = state_dict_from_checkpoint(tmp_path / "ckpt", dtype=dtype)
+    assert list(sd) == [n for n, _ in model.named_parameters()]
+    assert all(torch.equal(sd[k], tensors[k]) for k in sd)
+    with pytest.raises(strata.StrataError, match="exists"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "model.safetensors", dtype=dtype)
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "model.safetensors", dtype=dtype, force=True)
+
+
+def test_sharded_export_has_a_hugging_face_index(tmp_path):
+    model = Net()
+    opt = OffloadAdam(model.named_parameters(), lr=1e-2)
+    train(model, opt, 1)
+    opt.save_checkpoint(tmp_path / "ckpt")
+    files = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", max_shard_size="1KiB")
+    index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))
+    assert files[-1] == str(tmp_path / "hf" / "model.safetensors.index.json")
+    merged = {}
+    for f in files[:-1]:
+        merged.update(read_safetensors(f)[1])
+    assert set(index["weight_map"]) == set(merged) == {n for n, _ in model.named_parameters()}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in merged.values())
+    Net().load_state_dict(merged)
+    latest = open(tmp_path / "ckpt" / "latest.json").read()
+    with pytest.raises(strata.StrataError, match="inside the checkpoint directory"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "ckpt" / "latest.json", force=True)
+    assert open(tmp_path / "ckpt" / "latest.json").read() == latest
+    with pytest.raises(strata.StrataError, match="not a directory"):
+        export_checkpoint(tmp_path / "ckpt", "/dev/null", force=True)
+    os.symlink("/dev/null", tmp_path / "null.safetensors")
+    with pytest.raises(strata.StrataError, match="symbolic link, not a regular file"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "null.safetensors", force=True)
+
+
+def test_a_checkpoint_load_checks_shapes_not_only_sizes(tmp_path):
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 4)      # weight 4x8 = 32 elems
+    b = torch.nn.Linear(4, 8)      # weight 8x4 = 32 elems, bias 8 != 4
+    opt_a = OffloadAdam([a.weight], lr=1e-2)
+    a.weight.grad = torch.ones_like(a.weight)
+    opt_a.step()
+    opt_a.save_checkpoint(tmp_path / "ckpt")
+    opt_b = OffloadAdam([b.weight], lr=1e-2)
+    before = b.weight.detach().clone()
+    with pytest.raises(strata.StrataError, match=r"shape \[4, 8\] in the checkpoint, \[8, 4\] "
+                                                 "here"):
+        opt_b.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(b.weight, before) and opt_b.step_count == 0

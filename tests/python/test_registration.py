@@ -1,0 +1,232 @@
+"""OffloadAdam's registration check: the engine holds each param's memory, so
+every step first compares the params with what was registered.
+
+A param whose storage was replaced (model.double().float(), p.data =
+p.data.clone(), ...) must be re-registered: before the check, the engine
+wrote into the freed memory (a 16x4 Linear after m.double().float() ended in
+a segfault). Any other change (dtype, shape, device, requires_grad, the
+groups' lists) must raise an error naming the param, before the engine
+touches anything. CI also runs this file under AddressSanitizer
+(scripts/asan_python), where a stale access is a hard error.
+"""
+import pytest
+import torch
+
+from strata import _strata
+from strata.torch import OffloadAdam
+
+ATOL, RTOL = 2e-6, 1e-5
+
+
+def linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(16, 4)
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def train(model, opt, steps, before_step=None):
+    x, y = batch()
+    for s in range(steps):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if before_step is not None:
+            before_step(s)
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_same(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+
+
+def offload_kwargs(offload, tmp_path):
+    if offload == "nvme":
+        return {"offload": "nvme", "nvme_path": str(tmp_path), "sub_group_size": 16}
+    return {"offload": "cpu"}
+
+
+def replace_storage(how):
+    """Each way a trainer replaces a param's storage with the same shape and dtype."""
+    def go(model):
+        if how == "double_float":
+            model.double().float()
+        elif how == "data_clone":
+            for p in model.parameters():
+                p.data = p.data.clone()
+        elif how == "to_copy":
+            for p in model.parameters():
+                p.data = p.data.to(torch.float32, copy=True)
+        elif how == "load_state_dict_assign":
+            # What Accelerate's prepare and meta-device init do: new tensors in place.
+            new = {k: v.clone() for k, v in model.state_dict().items()}
+            for name, p in model.named_parameters():
+                p.data = new[name]
+    return go
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("how", ["double_float", "data_clone", "to_copy",
+                                 "load_state_dict_assign"])
+def test_replaced_storage_is_reregistered_and_training_is_unchanged(how, offload, tmp_path):
+    m_ours, m_ref = linear(), linear()
+    ours = OffloadAdam(m_ours.named_parameters(), lr=1e-2, **offload_kwargs(offload, tmp_path))
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.0)
+    train(m_ours, ours, 2)
+    train(m_ref, ref, 2)
+    old = [p.data_ptr() for p in m_ours.parameters()]
+    replace_storage(how)(m_ours)
+    assert [p.data_ptr() for p in m_ours.parameters()] != old, "the case must move storage"
+    # Churn the allocator so the freed blocks are reused by other tensors.
+    junk = [torch.full((16, 4), 7.0) for _ in range(8)]
+    train(m_ours, ours, 3)
+    train(m_ref, ref, 3)
+    assert_same(m_ours, m_ref)
+    assert all(torch.equal(j, torch.full((16, 4), 7.0)) for j in junk), \
+        "the engine wrote into memory it no longer owns"
+    # The step wrote the new tensors, and zero_grad points .grad at the engine's buffers.
+    assert all(p.grad is not None and not p.grad.any() for p in m_ours.parameters())
+
+
+def test_params_that_trade_storage_are_reregistered():
+    """New storage where another param's old storage was (allocators reuse freed
+    blocks; here two params swap theirs): every param is re-registered at once, and
+    the engine's master weights stay each param's own."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
+                                   torch.nn.Linear(4, 4, bias=False))
+    ours, twin = model(), model()
+    opt = OffloadAdam(ours.parameters(), lr=1e-2)
+    opt_twin = OffloadAdam(twin.parameters(), lr=1e-2)
+    a, b = ours[0].weight, ours[1].weight
+    a.data, b.data = b.data, a.data
+    for m, o in ((ours, opt), (twin, opt_twin)):
+        for i, p in enumerate(m.parameters()):
+            p.grad = torch.full_like(p, 0.1 * (i + 1))
+        o.step()
+    for p, q in zip(ours.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_grad_buffer_whose_storage_was_replaced_is_reregistered():
+    """After zero_grad() a param's .grad is the engine's buffer; module.to()/.double()
+    replace a grad's storage as they do a param's, and the param's storage may land
+    where it was (same address): the buffer is checked too."""
+    m_ours, m_ref = linear(), linear()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.0)
+    train(m_ours, ours, 1)
+    train(m_ref, ref, 1)
+    for p in m_ours.parameters():
+        p.grad.data = p.grad.data.clone()     # the buffer object, new storage
+    junk = [torch.full((16, 4), 7.0) for _ in range(8)]
+    train(m_ours, ours, 2)
+    train(m_ref, ref, 2)
+    assert_same(m_ours, m_ref)
+    assert all(torch.equal(j, torch.full((16, 4), 7.0)) for j in junk)
+
+
+def test_replaced_storage_while_a_step_runs_under_a_closure():
+    """A closure that replaces storage (rare, but allowed): the check runs after it."""
+    m = linear()
+    opt = OffloadAdam(m.parameters(), lr=1e-2)
+    x, y = batch()
+
+    def closure():
+        m.double().float()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.step(closure)
+    assert all(not torch.equal(a, b) for a, b in zip(m.parameters(), before))
+
+
+def changed_dtype(model, opt):
+    model.double()
+
+
+def changed_shape(model, opt):
+    model.weight.data = torch.zeros(16, 4)
+
+
+def not_contiguous(model, opt):
+    model.weight.data = torch.zeros(16, 4).t()
+
+
+def frozen_later(model, opt):
+    model.bias.requires_grad_(False)
+
+
+def group_edited(model, opt):
+    opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
+
+
+def group_added(model, opt):
+    opt.param_groups.append({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 1e-3,
+                             "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
+
+
+@pytest.mark.parametrize("change,message", [
+    (changed_dtype, r"param 0 \('weight'\).*changed dtype from torch.float32 to torch.float64"),
+    (changed_shape, r"param 0 \('weight'\).*changed shape from \(4, 16\) to \(16, 4\)"),
+    (not_contiguous, r"param 0 \('weight'\).*no longer dense and contiguous"),
+    (frozen_later, r"param 1 \('bias'\).*no longer requires grad"),
+    (group_edited, r"param_groups\[0\]\['params'\] is not the list"),
+    (group_added, r"param_groups has 2 groups"),
+])
+def test_other_changes_raise_naming_the_param_and_change_nothing(change, message):
+    m = linear()
+    opt = OffloadAdam(m.named_parameters(), lr=1e-2)
+    train(m, opt, 1)
+    x, y = batch()
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    change(m, opt)
+    before = [p.detach().clone() for p in m.parameters()]
+    count = opt.step_count
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    assert opt.step_count == count
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), before))
+
+
+def test_a_param_frozen_at_construction_that_starts_training_is_named():
+    m = linear()
+    m.bias.requires_grad_(False)
+    opt = OffloadAdam(m.parameters(), lr=1e-2)
+    train(m, opt, 1)
+    m.bias.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\].*requires grad "
+                                           "now but did not"):
+        train(m, opt, 1)
+
+
+def test_grads_never_land_in_another_params_buffer():
+    """The old failure: requires_grad changed, grads were copied by position into
+    the wrong buffers. Now the step refuses, and zero_grad keeps each .grad with
+    its own param."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = OffloadAdam(model.named_parameters(), lr=1e-2)
+    model[0].weight.requires_grad_(False)
+    opt.zero_grad(set_to_none=False)
+    for p in model.parameters():
+        assert p.grad is None or p.grad.shape == p.shape
+    with pytest.raises(RuntimeError, match=r"'0.weight'.*no longer requires grad"):
+        opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _strata.cuda_available(),
+                    reason="no CUDA device here; model.cuda() after building the optimizer is "
+                           "checked on the GPU machine")
+def test_model_cuda_after_construction_is_refused():
+    m = linear()
+    opt = OffloadAdam(m.parameters(), lr=1e-2)
+    m.cuda()
+    with pytest.raises(RuntimeError, match="moved from cpu to cuda"):
+        opt.step()

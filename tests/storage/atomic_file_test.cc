@@ -1,0 +1,284 @@
+// AtomicFileWriter (runtime/atomic_file.h) on every backend, under faults,
+// and FileLock (runtime/file_lock.h) across processes.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "runtime/atomic_file.h"
+#include "runtime/file_lock.h"
+#include "runtime/storage.h"
+#include "runtime/testing/fault_storage.h"
+#include "runtime/testing/test_util.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::FaultStorage;
+using testing::TempDir;
+
+std::string ReadAll(const std::string& path) { return testing::ReadFileBytes(path); }
+std::vector<std::string> Names(const std::string& dir) { return testing::DirNames(dir); }
+
+std::string Pattern(size_t bytes, uint64_t seed) {
+  std::string s(bytes, '\0');
+  testing::FillPattern(std::as_writable_bytes(std::span(s.data(), s.size())), seed);
+  return s;
+}
+
+struct Backend {
+  std::string name;
+  std::function<std::unique_ptr<Storage>()> make;
+};
+
+std::vector<Backend> FileBackends() {
+  std::vector<Backend> out = {{"posix", [] { return CreatePosixStorage(); }}};
+  if (UringAvailable()) {
+    out.push_back({"uring", [] { return std::move(CreateUringStorage(SqPoll::kOff)).value(); }});
+  }
+  return out;
+}
+
+TEST(AtomicFileTest, ManyChunksReadBackBitwiseAndOnlyTheTargetRemains) {
+  for (const Backend& b : FileBackends()) {
+    SCOPED_TRACE(b.name);
+    TempDir dir;
+    auto storage = b.make();
+    const std::string data = Pattern(100'000, 7);
+    auto w = AtomicFileWriter::Create(*storage, dir.File("out.bin"),
+                                      {.chunk_bytes = 4096, .queue_depth = 3});
+    ASSERT_TRUE(w.ok()) << w.status();
+    // Odd pieces, so chunks fill across Append calls.
+    for (size_t at = 0; at < data.size(); at += 999) {
+      ASSERT_TRUE((*w)->Append(std::string_view(data).substr(at, 999)).ok());
+    }
+    EXPECT_FALSE(fs::exists(dir.File("out.bin"))) << "visible only after Commit";
+    ASSERT_TRUE((*w)->Commit().ok());
+    EXPECT_EQ(ReadAll(dir.File("out.bin")), data);
+    EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"out.bin"});
+  }
+}
+
+TEST(AtomicFileTest, TheMemBackendWritesAndRefusesAnExistingFile) {
+  auto storage = CreateMemStorage();
+  ASSERT_TRUE(WriteFileAtomically(*storage, "/mem/a", "hello").ok());
+  auto f = storage->Open("/mem/a", {.direct = DirectIo::kOff});
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ((*f)->SizeBytes().value(), 5u);
+  Status s = WriteFileAtomically(*storage, "/mem/a", "other", {.existing = ExistingFile::kRefuse});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(WriteFileAtomically(*storage, "/mem/a", "other").ok());  // kReplace
+}
+
+TEST(AtomicFileTest, ReplaceNeedsKReplaceAndRefusalLeavesTheFileAlone) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  const std::string path = dir.File("model.bin");
+  ASSERT_TRUE(WriteFileAtomically(*storage, path, "old").ok());
+  Status refused = WriteFileAtomically(*storage, path, "new", {.existing = ExistingFile::kRefuse});
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find(path), std::string_view::npos) << refused;
+  EXPECT_NE(refused.message().find("--force"), std::string_view::npos) << refused;
+  EXPECT_EQ(ReadAll(path), "old");
+  ASSERT_TRUE(WriteFileAtomically(*storage, path, "new", {.existing = ExistingFile::kReplace}).ok());
+  EXPECT_EQ(ReadAll(path), "new");
+  EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"model.bin"});
+}
+
+TEST(AtomicFileTest, NeverWritesOverADirectoryLinkDeviceOrFifo) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  ASSERT_TRUE(WriteFileAtomically(*storage, dir.File("target"), "keep").ok());
+  fs::create_directory(dir.File("d"));
+  fs::create_symlink(dir.File("target"), dir.File("link"));
+  ASSERT_EQ(::mkfifo(dir.File("fifo").c_str(), 0644), 0);
+  for (const auto& [path, kind] : std::vector<std::pair<std::string, std::string>>{
+           {dir.File("d"), "a directory"},
+           {dir.File("link"), "a symbolic link"},
+           {dir.File("fifo"), "a fifo"},
+           {"/dev/null", "a device"}}) {
+    for (ExistingFile e : {ExistingFile::kRefuse, ExistingFile::kReplace}) {
+      Status s = WriteFileAtomically(*storage, path, "x", {.existing = e});
+      EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << path << ": " << s;
+      EXPECT_NE(s.message().find(kind), std::string_view::npos) << s;
+    }
+  }
+  EXPECT_EQ(ReadAll(dir.File("target")), "keep");
+  EXPECT_TRUE(fs::is_symlink(dir.File("link")));
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+}
+
+TEST(AtomicFileTest, AnAbandonedWriterLeavesTheOldFileAndNoTemporary) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  const std::string path = dir.File("latest.json");
+  ASSERT_TRUE(WriteFileAtomically(*storage, path, "v1").ok());
+  {
+    auto w = AtomicFileWriter::Create(*storage, path);
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Append(Pattern(3 << 20, 1)).ok());
+    EXPECT_TRUE(fs::exists((*w)->temp_path()));
+  }
+  EXPECT_EQ(ReadAll(path), "v1");
+  EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"latest.json"});
+}
+
+// Every kind of write fault: the call that sees it fails, naming the file;
+// the target keeps its old content and no temporary file is left.
+TEST(AtomicFileTest, FaultsFailTheWriteAndLeaveTheOldFileAndNoTemporary) {
+  const std::vector<std::pair<std::string, testing::FaultOptions>> faults = {
+      {"write EIO", {.seed = 3, .write_eio_one_in = 3}},
+      {"ENOSPC", {.seed = 4, .write_enospc_one_in = 2}},
+      {"fsync EIO", {.seed = 5, .sync_eio_one_in = 1}},
+  };
+  for (const auto& [what, options] : faults) {
+    SCOPED_TRACE(what);
+    TempDir dir;
+    auto fault = FaultStorage::Create(CreatePosixStorage(), {});
+    const std::string path = dir.File("model.safetensors");
+    ASSERT_TRUE(WriteFileAtomically(*fault, path, "old").ok());
+    fault->SetOptions(options);
+    Status s = [&]() -> Status {
+      STRATA_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(*fault, path,
+                                                              {.chunk_bytes = 4096}));
+      STRATA_RETURN_IF_ERROR(w->Append(Pattern(64 << 10, 2)));
+      return w->Commit();
+    }();
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("model.safetensors"), std::string_view::npos) << s;
+    EXPECT_GT(fault->stats().injected_errors.load(), 0u);
+    EXPECT_EQ(ReadAll(path), "old");
+    EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"model.safetensors"});
+  }
+}
+
+TEST(AtomicFileTest, DirectIoPadsTheTailAndOnChunkSeesEveryByteWritten) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  uint64_t seen = 0;
+  std::string seen_bytes;
+  auto w = AtomicFileWriter::Create(
+      *storage, dir.File("a.f32"),
+      {.direct = DirectIo::kAuto,
+       .chunk_bytes = 8192,
+       .queue_depth = 2,
+       .on_chunk = [&](std::span<const std::byte> c) {
+         seen += c.size();
+         seen_bytes.append(reinterpret_cast<const char*>(c.data()), c.size());
+       }});
+  ASSERT_TRUE(w.ok()) << w.status();
+  const std::string data = Pattern(10'000, 9);
+  ASSERT_TRUE((*w)->Append(data).ok());
+  ASSERT_TRUE((*w)->Commit().ok());
+  EXPECT_EQ((*w)->appended_bytes(), 10'000u);
+  EXPECT_EQ((*w)->file_bytes(), 12'288u);
+  EXPECT_EQ(seen, 12'288u);
+  const std::string file = ReadAll(dir.File("a.f32"));
+  EXPECT_EQ(file, seen_bytes);
+  EXPECT_EQ(file.substr(0, data.size()), data);
+  EXPECT_EQ(file.substr(data.size()), std::string(12'288 - 10'000, '\0'));
+  EXPECT_EQ(AtomicFileWriter::Create(*storage, dir.File("b"), {.direct = DirectIo::kAuto,
+                                                                .chunk_bytes = 1000})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Two writers of one path at once (two processes saving into one checkpoint
+// directory did share one "latest.json.tmp"): each has its own temporary
+// file, and the target ends as one whole version.
+TEST(AtomicFileTest, ConcurrentWritersOfOnePathNeverMix) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  const std::string path = dir.File("latest.json");
+  const std::string a = Pattern(200'000, 11), b = Pattern(200'000, 12);
+  for (int round = 0; round < 10; ++round) {
+    auto wa = AtomicFileWriter::Create(*storage, path, {.chunk_bytes = 4096});
+    auto wb = AtomicFileWriter::Create(*storage, path, {.chunk_bytes = 4096});
+    ASSERT_TRUE(wa.ok() && wb.ok());
+    EXPECT_NE((*wa)->temp_path(), (*wb)->temp_path());
+    std::thread ta([&] { EXPECT_TRUE((*wa)->Append(a).ok() && (*wa)->Commit().ok()); });
+    std::thread tb([&] { EXPECT_TRUE((*wb)->Append(b).ok() && (*wb)->Commit().ok()); });
+    ta.join();
+    tb.join();
+    const std::string got = ReadAll(path);
+    EXPECT_TRUE(got == a || got == b) << "round " << round;
+  }
+  EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"latest.json"});
+}
+
+TEST(AtomicFileTest, CommitRefusesATargetThatAppearedMeanwhile) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  const std::string path = dir.File("out");
+  auto w = AtomicFileWriter::Create(*storage, path, {.existing = ExistingFile::kRefuse});
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Append("mine").ok());
+  ASSERT_TRUE(WriteFileAtomically(*storage, path, "theirs").ok());
+  EXPECT_EQ((*w)->Commit().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ReadAll(path), "theirs");
+  EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"out"});
+}
+
+// ---- FileLock -------------------------------------------------------------------
+
+TEST(FileLockTest, RecordsThePidAndAMissingDirectoryIsNotFound) {
+  TempDir dir;
+  auto lock = FileLock::Acquire(dir.File("a.lock"));
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  EXPECT_EQ(ReadAll(dir.File("a.lock")), std::to_string(::getpid()) + "\n");
+  auto missing = FileLock::Acquire(dir.File("nope/a.lock"));
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status();
+  FileLock moved = std::move(*lock);
+  EXPECT_TRUE(moved.held());
+  EXPECT_FALSE(FileLock::Acquire(dir.File("a.lock")).ok()) << "a moved lock is still held";
+}
+
+// A lock held by another process names its pid; once that process dies
+// (SIGKILL: no cleanup ran) the stale lock file does not block.
+TEST(FileLockTest, AnotherProcessIsNamedAndItsDeathReleasesTheLock) {
+  TempDir dir;
+  const std::string path = dir.File("strata-rank0.lock");
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Only system calls in the child of a threaded test process.
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT, 0644);
+    if (fd < 0 || ::flock(fd, LOCK_EX) != 0) ::_exit(1);
+    char buf[32];
+    const int n = std::snprintf(buf, sizeof(buf), "%ld\n", static_cast<long>(::getpid()));
+    if (::pwrite(fd, buf, n, 0) != n || ::write(ready[1], "x", 1) != 1) ::_exit(1);
+    for (;;) ::pause();
+  }
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  auto held = FileLock::Acquire(path);
+  ASSERT_FALSE(held.ok());
+  EXPECT_EQ(held.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(held.status().message().find("process " + std::to_string(child)),
+            std::string_view::npos)
+      << held.status();
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  auto after = FileLock::Acquire(path);
+  EXPECT_TRUE(after.ok()) << after.status();
+}
+
+}  // namespace
+}  // namespace strata
