@@ -19,6 +19,10 @@ endfunction()
 
 # strata_cc_test(NAME name SRCS ... [DEPS ...] [LABELS ...])
 # A GoogleTest binary, registered with ctest test by test (gtest_discover_tests).
+# GTEST_SKIP is reported by ctest as skipped through the SKIP_REGULAR_EXPRESSION
+# that gtest_discover_tests itself sets on every test (3.25 and later). Passing
+# it again in PROPERTIES breaks CMake 4, which writes the value into a bracket
+# argument that its trailing "]" closes early (tests/cmake/check_gtest_skip.sh).
 function(strata_cc_test)
   cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
   add_executable(${A_NAME} ${A_SRCS})
@@ -29,7 +33,7 @@ function(strata_cc_test)
     set(_labels unit)
   endif()
   gtest_discover_tests(${A_NAME}
-    PROPERTIES LABELS "${_labels}" SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
+    PROPERTIES LABELS "${_labels}"
     DISCOVERY_TIMEOUT 60)
 endfunction()
 
