@@ -36,6 +36,7 @@
 #include "offload/engine_io.h"
 #include "offload/state_store.h"
 #include "runtime/log.h"
+#include "runtime/machine.h"
 #include "runtime/pinned.h"
 #include "runtime/units.h"
 
@@ -374,7 +375,14 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
   std::vector<uint64_t> sizes;
   for (const ElemRange& r : sub_groups) sizes.push_back(r.elems());
   PlacementInputs inputs = PlacementInputsFor(config, sizes, static_cast<uint32_t>(world));
+  // Preflight: refuse a plan this machine cannot hold (placement.h, step 5).
+  inputs.machine = ProbeMachineLimits(
+      inputs.nvme == NvmeTier::kAvailable ? std::span<const std::string>(config.nvme_paths)
+                                          : std::span<const std::string>(),
+      static_cast<uint32_t>(rank),
+      RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world)));
   STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
+  for (const std::string& w : plan.warnings) LogWarning(fmt::format("rank {}: {}", rank, w));
   LogInfo(fmt::format("rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups)\n{}", rank,
                       world, params.size(), layout.tensor_elems, shard.elems(), sub_groups.size(),
                       FormatPlan(plan)));
@@ -482,6 +490,11 @@ Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
   Storage* storage = context.storage;
   if (!nvme_order.empty()) {
     if (storage == nullptr) {
+      // The engine's own storage is the filesystem: missing nvme_path
+      // folders are made, as DeepSpeed does.
+      for (const std::string& dir : config.nvme_paths) {
+        STRATA_RETURN_IF_ERROR(CreateDirectories(dir).WithContext(kOp));
+      }
       STRATA_ASSIGN_OR_RETURN(owned_storage, CreateStorage({}));
       storage = owned_storage.get();
     }
