@@ -213,7 +213,8 @@ struct OffloadOptimizer::Impl {
   std::vector<uint8_t> has_grad;  // per bucket: the grad buffer holds this step's grads
   std::vector<uint32_t> ready_count;
   std::vector<uint8_t> tensor_ready;
-  std::optional<Pending> pending;
+  std::optional<Pending> pending;  // a step that failed part way (StepState::kFailed)
+  Status failure;                  // its error
   std::vector<uint8_t> done;               // per sub-group, for the pending step
   std::vector<std::future<Status>> reads;  // per NVMe extent: its read in flight
   StageClock d2h_clock, comm_grad_clock, comm_h2d_clock, h2d_clock;
@@ -257,6 +258,12 @@ struct OffloadOptimizer::Impl {
   std::future<Status> WriteJob(uint32_t i);
   Status Step();
   Status RunPipeline(const Pending& p);
+  Status FailedStepError(std::string_view op) const;
+  void EndFailedStep() {
+    pending.reset();
+    failure = OkStatus();
+  }
+  Status BuildEntries();  // pack/unpack entries from the params' pointers
   // Queues the reads of the first buffer_count NVMe extents (not yet queued).
   void StartReads() {
     reads.resize(nvme_order.size());
@@ -432,7 +439,6 @@ Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
   for (const ElemRange& r : sub_groups) max_sg_elems = std::max(max_sg_elems, r.elems());
 
   // Runs, pack/unpack entries and the tensors each bucket waits for.
-  const size_t grad_size = DTypeSize(config.grad_dtype);
   tensor_buckets.assign(params.size(), {});
   bucket_need.assign(sub_groups.size(), 0);
   for (uint32_t i = 0; i < sub_groups.size(); ++i) {
@@ -452,22 +458,11 @@ Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
     if (rs.empty()) rs.push_back({0, 0, 0});  // all padding
     rs.back().end = elems;
     runs.push_back(std::move(rs));
-    std::vector<kernels::PackEntry> pe;
-    std::vector<kernels::UnpackEntry> ue;
     for (int r = 0; r < world; ++r) {
       const ElemRange range{r * layout.shard_elems + Rel(i),
                             r * layout.shard_elems + Rel(i) + elems};
       STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> pieces, PiecesInRange(layout, range));
       for (const TensorPiece& piece : pieces) {
-        const Param& t = params[piece.tensor];
-        const size_t off = r * elems + (piece.flat_offset_elems - range.begin);
-        pe.push_back(
-            {{static_cast<const std::byte*>(t.grad) + piece.tensor_offset_elems * grad_size,
-              piece.elems, config.grad_dtype},
-             off});
-        ue.push_back({{static_cast<std::byte*>(t.data) + piece.tensor_offset_elems * param_bytes,
-                       piece.elems, config.param_dtype},
-                      off});
         auto& tb = tensor_buckets[piece.tensor];
         if (tb.empty() || tb.back() != i) {
           tb.push_back(i);
@@ -475,9 +470,8 @@ Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
         }
       }
     }
-    pack.push_back(std::move(pe));
-    unpack.push_back(std::move(ue));
   }
+  STRATA_RETURN_IF_ERROR(BuildEntries());
 
   // NVMe store.
   extent_of.assign(sub_groups.size(), -1);
@@ -605,6 +599,42 @@ Status OffloadOptimizer::Impl::InitBuffers(const EngineContext& context) {
     read_bytes = write_bytes = 0;
   }
   return OkStatus();
+}
+
+// Every rank's block of each bucket, as pieces of the registered tensors.
+Status OffloadOptimizer::Impl::BuildEntries() {
+  const size_t grad_size = DTypeSize(config.grad_dtype);
+  pack.assign(sub_groups.size(), {});
+  unpack.assign(sub_groups.size(), {});
+  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
+    const uint64_t elems = sub_groups[i].elems();
+    for (int r = 0; r < world; ++r) {
+      const ElemRange range{r * layout.shard_elems + Rel(i),
+                            r * layout.shard_elems + Rel(i) + elems};
+      STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> pieces, PiecesInRange(layout, range));
+      for (const TensorPiece& piece : pieces) {
+        const Param& t = params[piece.tensor];
+        const size_t off = r * elems + (piece.flat_offset_elems - range.begin);
+        pack[i].push_back(
+            {{static_cast<const std::byte*>(t.grad) + piece.tensor_offset_elems * grad_size,
+              piece.elems, config.grad_dtype},
+             off});
+        unpack[i].push_back(
+            {{static_cast<std::byte*>(t.data) + piece.tensor_offset_elems * param_bytes,
+              piece.elems, config.param_dtype},
+             off});
+      }
+    }
+  }
+  return OkStatus();
+}
+
+Status OffloadOptimizer::Impl::FailedStepError(std::string_view op) const {
+  return FailedPreconditionError(fmt::format(
+      "{}: step {} failed part way and is not finished ({}); its update reached some "
+      "sub-groups only. RetryStep() finishes it with the gradients it kept; loading a "
+      "checkpoint or a state_dict replaces the state",
+      op, pending->step, failure.ToString()));
 }
 
 Status OffloadOptimizer::Impl::OrderAfterUser() {
@@ -975,7 +1005,12 @@ Status OffloadOptimizer::Impl::Step() {
     if (!last.skipped) last.h2d_bytes += r.elems() * param_bytes;
   }
   last.times.step = Now() - t0;
-  if (!result.ok()) return std::move(result).WithContext(fmt::format("step {}", p.step));
+  if (!result.ok()) {
+    result = std::move(result).WithContext(fmt::format("step {}", p.step));
+    if (pending) failure = result;
+    return result;
+  }
+  failure = OkStatus();
   return OkStatus();
 }
 
@@ -1025,7 +1060,59 @@ Status OffloadOptimizer::GradReady(uint32_t index) {
 
 Status OffloadOptimizer::ReduceGradients() { return impl_->ReduceGradients(); }
 
-Status OffloadOptimizer::Step() { return impl_->Step(); }
+Status OffloadOptimizer::Step() {
+  if (impl_->pending) return impl_->FailedStepError("step");
+  return impl_->Step();
+}
+
+Status OffloadOptimizer::RetryStep() {
+  if (!impl_->pending) {
+    return FailedPreconditionError(
+        "retry step: no step failed; there is nothing to retry (call Step() for a new step)");
+  }
+  return impl_->Step();
+}
+
+StepState OffloadOptimizer::step_state() const {
+  return impl_->pending ? StepState::kFailed : StepState::kReady;
+}
+
+const Status& OffloadOptimizer::step_failure() const { return impl_->failure; }
+
+Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
+  Impl& m = *impl_;
+  constexpr std::string_view kOp = "rebind param";
+  if (index >= m.params.size()) {
+    return InvalidArgumentError(
+        fmt::format("{}: param {} of {} registered", kOp, index, m.params.size()));
+  }
+  Param& p = m.params[index];
+  const std::string who =
+      fmt::format("param {}{}", index, p.name.empty() ? "" : " (" + p.name + ")");
+  if (m.pending) return m.FailedStepError(fmt::format("{} {}", kOp, who));
+  if (p.elems > 0 && (data == nullptr || grad == nullptr)) {
+    return InvalidArgumentError(fmt::format("{} {}: it has {} elems but the new {} pointer is null",
+                                            kOp, who, p.elems, data == nullptr ? "data" : "grad"));
+  }
+  for (uint32_t j = 0; j < m.params.size(); ++j) {
+    const Param& q = m.params[j];
+    if (j == index || q.elems == 0 || p.elems == 0) continue;
+    for (const void* ptr : {static_cast<const void*>(data), static_cast<const void*>(grad)}) {
+      if (ptr == q.data || ptr == q.grad) {
+        return InvalidArgumentError(fmt::format(
+            "{} {}: the pointer {} is registered by param {}{}; every tensor and grad must be "
+            "registered once",
+            kOp, who, ptr, j, q.name.empty() ? "" : " (" + q.name + ")"));
+      }
+    }
+  }
+  // Queued work may still read or write the old tensors.
+  STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.grad_stream)).WithContext(kOp));
+  STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.h2d_stream)).WithContext(kOp));
+  p.data = data;
+  p.grad = grad;
+  return m.BuildEntries();
+}
 
 Status OffloadOptimizer::ZeroGrad() {
   Impl& m = *impl_;
@@ -1107,6 +1194,7 @@ Status OffloadOptimizer::ReadState(uint32_t index, std::span<float> out) {
     return OutOfRangeError(
         fmt::format("read state: sub-group {} of {}", index, m.sub_groups.size()));
   }
+  if (m.pending) return m.FailedStepError("read state");
   const uint64_t want = m.sub_groups[index].elems() * m.arrays;
   if (out.size() != want) {
     return InvalidArgumentError(fmt::format(
@@ -1137,7 +1225,7 @@ Status OffloadOptimizer::WriteState(uint32_t index, std::span<const float> state
         m.SubGroupName(index), state.size(), want, m.arrays, m.sub_groups[index].elems()));
   }
   // New state: a failed step awaiting retry no longer applies.
-  m.pending.reset();
+  m.EndFailedStep();
   if (m.extent_of[index] < 0) {
     std::copy(state.begin(), state.end(), m.HostState(index).begin());
     return OkStatus();
@@ -1155,7 +1243,7 @@ Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& sc
   }
   STRATA_RETURN_IF_ERROR((impl_->scaler->Restore(scaler)).WithContext("restore counters"));
   impl_->step = step;
-  impl_->pending.reset();
+  impl_->EndFailedStep();
   return OkStatus();
 }
 

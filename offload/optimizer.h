@@ -54,12 +54,19 @@
 // fails on every rank together: the ranks whose own part worked return
 // FailedPrecondition ("another rank failed to create its optimizer"). Step
 // returns the IO error of the NVMe tier (with file, offset and size),
-// FailedPrecondition when the loss scaler gives up at min_scale. A failed
-// Step leaves the state as it was before the step: calling Step() again (the
-// gradients are kept) gives the result of a clean run. With several ranks a
-// rank whose own step worked returns Unavailable when another failed, so all
-// retry; a rank that never calls Step leaves the others waiting in a
-// collective (the local communicator's rendezvous timeout ends it).
+// FailedPrecondition when the loss scaler gives up at min_scale. A step that
+// fails part way (an IO error on a later sub-group) has updated some
+// sub-groups and not others: the optimizer is then in StepState::kFailed, and
+// until the step is finished or replaced it refuses to take another step
+// (Step), to save (Save) or to hand out state (ReadState), each with
+// FailedPrecondition naming the failed step and the way out, so no checkpoint
+// and no new step ever mixes two steps. RetryStep() finishes the failed step
+// with the gradients it kept (the result is bitwise a clean run's); Load(),
+// RestoreCounters() or WriteState() replace the state and make it ready. With
+// several ranks a rank whose own step worked returns Unavailable when another
+// failed, and every rank is in kFailed, so all retry; a rank that never calls
+// Step leaves the others waiting in a collective (the local communicator's
+// rendezvous timeout ends it).
 //
 // Thread-safety: one thread drives an optimizer. Different ranks' optimizers
 // (one per thread with the local communicator) run concurrently.
@@ -156,6 +163,10 @@ struct StepStats {
   uint64_t h2d_bytes = 0;
 };
 
+// kFailed: the last Step()/RetryStep() returned an error after part of its
+// update was applied (see "Errors" above).
+enum class StepState : uint8_t { kReady = 0, kFailed = 1 };
+
 // One line: "step 12: 1.23 s (read 1.1 s, adam 0.4 s, ...), loss scale 65536".
 std::string FormatStepStats(const StepStats& stats);
 
@@ -177,8 +188,14 @@ class OffloadOptimizer {
   Status GradReady(uint32_t index);
   // Hands over the gradients of the micro-step that just ended.
   Status ReduceGradients();
-  // One optimizer step (a collective).
+  // One optimizer step (a collective). FailedPrecondition while kFailed.
   Status Step();
+  // Finishes the failed step with the gradients it kept (a collective; every
+  // rank calls it); FailedPrecondition when no step failed.
+  Status RetryStep();
+  StepState step_state() const;
+  // The error of the failed step; OK while kReady.
+  const Status& step_failure() const;
   // Zeroes the registered grad tensors (on context.stream) and drops
   // gradients handed over but not yet consumed by a Step.
   Status ZeroGrad();
@@ -187,6 +204,15 @@ class OffloadOptimizer {
   // retried in either mode. For benchmarks and diagnosis.
   void SetPipelineMode(PipelineMode mode);
   PipelineMode pipeline_mode() const;
+
+  // Param `index` (flat over groups) now lives at `data` / `grad` (the
+  // trainer replaced its storage: same elems and dtypes, new memory). Waits
+  // for the engine's work in flight, then uses the new pointers from the
+  // next operation on. InvalidArgument for a bad index, a null pointer with
+  // elems > 0, or a pointer another param uses; FailedPrecondition while a
+  // failed step awaits RetryStep (its gradients were read from the old
+  // tensors and are kept: retry first).
+  Status RebindParam(uint32_t index, void* data, void* grad);
 
   // The loss multiplier for the next backward (1 unless fp16 loss scaling).
   double loss_scale() const;
@@ -216,16 +242,17 @@ class OffloadOptimizer {
   // The fp32 state of sub-group `index` as arrays of its elems, one after the
   // other: master, then the moments (Adam: master | exp_avg | exp_avg_sq).
   // StateArrayCount() arrays. Read gives the committed state wherever it
-  // lives; Write replaces it (NVMe: a new committed generation). For
-  // checkpoints and tests; not to be called while a step is running.
+  // lives (FailedPrecondition while kFailed: the state mixes two steps);
+  // Write replaces it (NVMe: a new committed generation) and ends a failed
+  // step. For checkpoints and tests; not to be called while a step is running.
   uint32_t StateArrayCount() const;
   Status ReadState(uint32_t index, std::span<float> out);
   Status WriteState(uint32_t index, std::span<const float> state);
 
   // Everything a checkpoint holds besides the arrays.
   LossScalerState loss_scaler_state() const;
-  // Sets the step counter and the scaler (checkpoint load); InvalidArgument
-  // for a state the scaler cannot reach or a negative step.
+  // Sets the step counter and the scaler (checkpoint load) and ends a failed
+  // step; InvalidArgument for a state the scaler cannot reach or a negative step.
   Status RestoreCounters(int64_t step, const LossScalerState& scaler);
 
   // Checkpoints (docs/checkpoint.md): a collective; every rank calls it with

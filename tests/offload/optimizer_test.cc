@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -482,7 +483,9 @@ TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
 }
 
 // An NVMe fault mid-step: a clear error naming the file and offset, no state
-// lost, and Step() again gives bitwise the clean run's params and state.
+// lost, the optimizer refuses a new step, a save and a state read while the
+// failed step is unfinished, and RetryStep() gives bitwise the clean run's
+// params and state.
 void RunFaultRetry(testing::FaultOptions faults) {
   const uint64_t seed = TestSeed();
   auto device = *CreateHostDevice();
@@ -527,19 +530,46 @@ void RunFaultRetry(testing::FaultOptions faults) {
       EXPECT_NE(failed.message().find("step " + std::to_string(taken + 1)), std::string::npos)
           << failed;
       EXPECT_EQ(opt->step_count(), taken);
+      EXPECT_EQ(opt->step_state(), StepState::kFailed);
+      EXPECT_EQ(opt->step_failure(), failed);
+      // Nothing that would mix two steps is accepted while it is unfinished.
+      fault->SetOptions({});
+      const std::string failed_step = "step " + std::to_string(taken + 1) + " failed part way";
+      for (Status refused :
+           {opt->Step(), opt->Save(::testing::TempDir() + "/never_written"),
+            [&] {
+              std::vector<float> st(opt->sub_groups()[0].elems() * opt->StateArrayCount());
+              return opt->ReadState(0, st);
+            }(),
+            opt->RebindParam(0, opt->params()[0].data, opt->params()[0].grad)}) {
+        EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
+        EXPECT_NE(refused.message().find(failed_step), std::string::npos) << refused;
+        EXPECT_NE(refused.message().find("RetryStep()"), std::string::npos) << refused;
+      }
+      EXPECT_FALSE(std::filesystem::exists(::testing::TempDir() + "/never_written"));
+      EXPECT_EQ(opt->step_count(), taken);
       // A second failure while retrying changes nothing either. Every IO of
       // the faulty kind fails now, so the retry cannot succeed by chance.
       testing::FaultOptions always = faults;
       if (always.read_eio_one_in > 0) always.read_eio_one_in = 1;
       if (always.write_eio_one_in > 0) always.write_eio_one_in = 1;
       fault->SetOptions(always);
-      ASSERT_FALSE(opt->Step().ok());
+      ASSERT_FALSE(opt->RetryStep().ok());
       EXPECT_EQ(opt->step_count(), taken);
+      EXPECT_EQ(opt->step_state(), StepState::kFailed);
       fault->SetOptions({});
       ASSERT_TRUE(device->Synchronize().ok());
       // The trainer may zero the grad tensors: the failed step keeps its own.
       ASSERT_TRUE(opt->ZeroGrad().ok());
       ASSERT_TRUE(device->Synchronize().ok());
+      Status retried = opt->RetryStep();
+      ASSERT_TRUE(retried.ok()) << retried;
+      EXPECT_EQ(opt->step_state(), StepState::kReady);
+      EXPECT_TRUE(opt->step_failure().ok());
+      expect_step(grads);
+      Status nothing = opt->RetryStep();
+      EXPECT_EQ(nothing.code(), StatusCode::kFailedPrecondition) << nothing;
+      continue;
     }
     Status ok = opt->Step();
     ASSERT_TRUE(ok.ok()) << ok;
@@ -549,6 +579,56 @@ void RunFaultRetry(testing::FaultOptions faults) {
 
 TEST(EngineFaults, WriteEioMidStepIsRetried) { RunFaultRetry({.write_eio_one_in = 3}); }
 TEST(EngineFaults, ReadEioMidStepIsRetried) { RunFaultRetry({.read_eio_one_in = 4}); }
+
+// A trainer replaces a param's storage between steps (model.to(), p.data =
+// ...): after RebindParam the engine reads and writes only the new tensors
+// (the old ones are freed: ASan would see a stale access) and the results stay
+// bitwise the reference's.
+TEST(EngineRebind, NewStorageIsUsedAndResultsStayBitwise) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto storage = CreateMemStorage();
+  Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0};
+  OffloadConfig config = MakeConfig(c);
+  SetMixedBudget(config, 0);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  auto master = model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, storage.get(), config, model);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  const auto order = model.FlatOrder();
+  for (int step = 0; step < 3; ++step) {
+    // Move a different tensor each step; find its engine index by name.
+    const size_t t = order[(step * 3 + 1) % order.size()];
+    uint32_t index = 0;
+    while (opt->params()[index].name != "t" + std::to_string(t)) ++index;
+    auto [data, grad] = model.Relocate(t);
+    Status rebound = opt->RebindParam(index, data, grad);
+    ASSERT_TRUE(rebound.ok()) << rebound;
+    EXPECT_EQ(opt->params()[index].data, data);
+    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+    Status s = opt->Step();
+    ASSERT_TRUE(s.ok()) << s;
+    const GradStats st = FlatStats(opt->layout(), order, grads);
+    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(*opt, model, ref);
+    ASSERT_TRUE(opt->ZeroGrad().ok());
+    ASSERT_TRUE(device->Synchronize().ok());
+  }
+  // Bad rebinds name the param and change nothing.
+  const Param p0 = opt->params()[0];
+  const Param p1 = opt->params()[1];
+  Status bad = opt->RebindParam(99, p0.data, p0.grad);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  bad = opt->RebindParam(0, nullptr, p0.grad);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("new data pointer is null"), std::string::npos) << bad;
+  bad = opt->RebindParam(0, p1.data, p0.grad);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("is registered by param 1 (" + p1.name + ")"), std::string::npos)
+      << bad;
+  EXPECT_EQ(opt->params()[0].data, p0.data);
+}
 
 TEST(EngineValidation, BadGroupsAreInvalidArgumentNamingTheParam) {
   auto device = *CreateHostDevice();

@@ -101,6 +101,17 @@ class TestModel {
     return {p, p + sizes_[t] * DTypeSize(grad_dtype_)};
   }
 
+  // Moves tensor t's param and grad to new device memory (same contents) and
+  // frees the old, as a trainer that replaces a param's storage does.
+  std::pair<void*, void*> Relocate(size_t t) {
+    for (auto* v : {&data_, &grad_}) {
+      DeviceBuffer moved = std::move(*device_.Allocate((*v)[t].bytes()));
+      std::memcpy(moved.data(), (*v)[t].data(), (*v)[t].bytes());
+      (*v)[t] = std::move(moved);
+    }
+    return {data_[t].data(), grad_[t].data()};
+  }
+
   std::vector<ParamGroup> Groups(std::span<const GroupHyper> hypers) const {
     std::vector<ParamGroup> groups(hypers.size());
     for (size_t g = 0; g < hypers.size(); ++g) groups[g].hyper = hypers[g];

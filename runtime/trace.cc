@@ -1,0 +1,200 @@
+#include "runtime/trace.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+#if STRATA_HAVE_CUDA
+#include <nvtx3/nvToolsExt.h>
+#endif
+
+namespace strata {
+
+std::string_view TraceTrackName(TraceTrack track) {
+  switch (track) {
+    case TraceTrack::kStep:
+      return "step";
+    case TraceTrack::kDevice:
+      return "device";
+    case TraceTrack::kD2H:
+      return "pcie d2h";
+    case TraceTrack::kH2D:
+      return "pcie h2d";
+    case TraceTrack::kComm:
+      return "comm";
+    case TraceTrack::kCpu:
+      return "cpu adam";
+    case TraceTrack::kNvmeRead:
+      return "nvme read";
+    case TraceTrack::kNvmeWrite:
+      return "nvme write";
+  }
+  return "?";
+}
+
+Result<std::unique_ptr<TraceRecorder>> TraceRecorder::Create(const TraceOptions& options) {
+  if (options.steps == 0) {
+    return InvalidArgumentError("create trace recorder: steps is 0; keep at least one step");
+  }
+  return std::unique_ptr<TraceRecorder>(new TraceRecorder(options));
+}
+
+uint64_t TraceRecorder::Now() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+void TraceRecorder::ReserveSteps(uint64_t events) {
+  per_step_events_ += events;
+  capacity_ = per_step_events_ * options_.steps;
+  ring_ = std::make_unique<TraceEvent[]>(capacity_);
+  Clear();
+}
+
+std::vector<TraceEvent> TraceRecorder::Events() const {
+  const uint64_t n = recorded();
+  std::vector<TraceEvent> out;
+  if (capacity_ == 0) return out;
+  const uint64_t first = n > capacity_ ? n - capacity_ : 0;
+  out.reserve(n - first);
+  for (uint64_t i = first; i < n; ++i) out.push_back(ring_[i % capacity_]);
+  return out;
+}
+
+uint64_t TraceRecorder::dropped() const {
+  const uint64_t n = recorded();
+  return n > capacity_ ? n - capacity_ : 0;
+}
+
+Result<std::string> TraceRecorder::ChromeTraceJson(std::string_view other_data_json) const {
+  nlohmann::json other = nlohmann::json::parse(other_data_json, nullptr, /*allow_exceptions=*/false);
+  if (!other.is_object()) {
+    return InvalidArgumentError(fmt::format(
+        "write chrome trace: the other data must be a JSON object, got '{}'", other_data_json));
+  }
+  const std::vector<TraceEvent> events = Events();
+  uint64_t origin = UINT64_MAX;
+  for (const TraceEvent& e : events) origin = std::min(origin, e.begin_ns);
+  auto us = [origin](uint64_t ns) { return static_cast<double>(ns - origin) * 1e-3; };
+
+  nlohmann::json list = nlohmann::json::array();
+  std::vector<int32_t> ranks;
+  for (const TraceEvent& e : events) {
+    if (std::find(ranks.begin(), ranks.end(), e.rank) == ranks.end()) ranks.push_back(e.rank);
+  }
+  std::sort(ranks.begin(), ranks.end());
+  for (int32_t rank : ranks) {
+    list.push_back({{"ph", "M"},
+                    {"name", "process_name"},
+                    {"pid", rank},
+                    {"args", {{"name", fmt::format("rank {}", rank)}}}});
+    list.push_back(
+        {{"ph", "M"}, {"name", "process_sort_index"}, {"pid", rank}, {"args", {{"sort_index", rank}}}});
+    for (int t = 0; t < kTraceTrackCount; ++t) {
+      list.push_back({{"ph", "M"},
+                      {"name", "thread_name"},
+                      {"pid", rank},
+                      {"tid", t},
+                      {"args", {{"name", TraceTrackName(static_cast<TraceTrack>(t))}}}});
+      list.push_back({{"ph", "M"},
+                      {"name", "thread_sort_index"},
+                      {"pid", rank},
+                      {"tid", t},
+                      {"args", {{"sort_index", t}}}});
+    }
+  }
+  for (const TraceEvent& e : events) {
+    if (e.kind == TraceKind::kCounter) {
+      list.push_back({{"ph", "C"},
+                      {"name", e.name},
+                      {"pid", e.rank},
+                      {"ts", us(e.begin_ns)},
+                      {"args", {{"value", e.bytes}}}});
+      continue;
+    }
+    const uint64_t dur_ns = e.end_ns > e.begin_ns ? e.end_ns - e.begin_ns : 0;
+    nlohmann::json args = {{"step", e.step}};
+    if (e.sub_group >= 0) args["sub_group"] = e.sub_group;
+    if (e.bytes > 0) {
+      args["bytes"] = e.bytes;
+      if (dur_ns > 0) args["GB/s"] = static_cast<double>(e.bytes) / static_cast<double>(dur_ns);
+    }
+    if (e.tier != nullptr) args["tier"] = e.tier;
+    list.push_back({{"ph", "X"},
+                    {"name", e.sub_group >= 0 ? fmt::format("{} {}", e.name, e.sub_group)
+                                              : std::string(e.name)},
+                    {"cat", TraceTrackName(e.track)},
+                    {"pid", e.rank},
+                    {"tid", static_cast<int>(e.track)},
+                    {"ts", us(e.begin_ns)},
+                    {"dur", static_cast<double>(dur_ns) * 1e-3},
+                    {"args", std::move(args)}});
+  }
+  nlohmann::json doc = {
+      {"traceEvents", std::move(list)}, {"displayTimeUnit", "ms"}, {"otherData", other}};
+  if (dropped() > 0) doc["otherData"]["dropped_events"] = dropped();
+  return doc.dump();
+}
+
+Status TraceRecorder::WriteChromeTrace(const std::string& path,
+                                       std::string_view other_data_json) const {
+  STRATA_ASSIGN_OR_RETURN(std::string text, ChromeTraceJson(other_data_json));
+  const std::string op = fmt::format("write chrome trace {}", path);
+  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError(errno, op);
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return ErrnoError(err, op);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return ErrnoError(err, op);
+  }
+  return OkStatus();
+}
+
+#if STRATA_HAVE_CUDA
+namespace {
+nvtxDomainHandle_t StrataDomain() {
+  static nvtxDomainHandle_t domain = nvtxDomainCreateA("strata");
+  return domain;
+}
+}  // namespace
+
+NvtxRange::NvtxRange(const char* name, int64_t payload) {
+  nvtxEventAttributes_t a{};
+  a.version = NVTX_VERSION;
+  a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+  a.messageType = NVTX_MESSAGE_TYPE_ASCII;
+  a.message.ascii = name;
+  if (payload >= 0) {
+    a.payloadType = NVTX_PAYLOAD_TYPE_INT64;
+    a.payload.llValue = payload;
+  }
+  pushed_ = nvtxDomainRangePushEx(StrataDomain(), &a) >= 0;
+}
+
+NvtxRange::~NvtxRange() {
+  if (pushed_) nvtxDomainRangePop(StrataDomain());
+}
+#else
+NvtxRange::NvtxRange(const char*, int64_t) {}
+NvtxRange::~NvtxRange() {}
+#endif
+
+}  // namespace strata
