@@ -1,18 +1,22 @@
 # strata_cc_library / strata_cc_test / strata_cc_bench: one target per module,
 # one test binary per suite, the same warnings everywhere.
 include_guard(GLOBAL)
+include(GNUInstallDirs)
 
 # GCC 12 reports false maybe-uninitialized warnings through std::optional.
 set(STRATA_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-maybe-uninitialized)
 
 # strata_cc_library(NAME name SRCS ... [DEPS ...] [PRIVATE_DEPS ...])
-# Creates strata_<name> and its alias strata::<name>. The project root is the
-# include root, so headers are included as "runtime/status.h".
+# Creates strata_<name> and its alias strata::<name> (exported under the same
+# name by cmake/StrataInstall.cmake). The project root is the include root,
+# so headers are included as "runtime/status.h" (installed: include/strata).
 function(strata_cc_library)
   cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(strata_${A_NAME} ${A_SRCS})
   add_library(strata::${A_NAME} ALIAS strata_${A_NAME})
-  target_include_directories(strata_${A_NAME} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_include_directories(strata_${A_NAME} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}> $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/strata>)
+  set_target_properties(strata_${A_NAME} PROPERTIES EXPORT_NAME ${A_NAME})
   target_link_libraries(strata_${A_NAME} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
   target_compile_options(strata_${A_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${STRATA_WARNINGS}>)
 endfunction()
