@@ -180,6 +180,14 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   plan.buffers.push_back({"grad", Tier::kHost, 1, shard_elems * in.grad_bytes_per_elem});
   plan.buffers.push_back(
       {"param", Tier::kHost, in.buffer_count, max_elems * in.param_bytes_per_elem});
+  // A bucket holds every rank's block: world_size x the largest sub-group,
+  // bounded like the shard so that the products below stay in 64 bits.
+  if (uint64_t{in.world_size} * max_elems > kMaxElems) {
+    return InvalidArgumentError(fmt::format(
+        "{}: a device bucket of {} ranks x {} elems exceeds 2^44 elems; lower "
+        "zero_optimization.sub_group_size",
+        kOp, in.world_size, max_elems));
+  }
   plan.buffers.push_back({"device bucket", Tier::kDevice, in.buffer_count,
                           uint64_t{in.world_size} * max_elems *
                               std::max(in.grad_bytes_per_elem, in.param_bytes_per_elem)});

@@ -338,6 +338,15 @@ TEST(PreflightTest, DiskSpaceIsCheckedPerFilesystem) {
   EXPECT_TRUE(Contains(p.status().message(), "of /a, /b")) << p.status();
 }
 
+TEST(PreflightTest, AHugeDeviceBucketIsInvalidNotAnOverflow) {
+  PlacementInputs in = Small();
+  in.sub_group_elems = {uint64_t{1} << 40};
+  in.world_size = 65536;  // 2^56 elems in one bucket: x 4 bytes x buffers would wrap
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(p.status().message(), "device bucket of 65536 ranks")) << p.status();
+}
+
 TEST(PreflightTest, TooManySubGroupsIsInvalid) {
   PlacementInputs in = Small();
   in.sub_group_elems.assign(kMaxSubGroups + 1, 1);
