@@ -1,24 +1,32 @@
 # strata_cc_library / strata_cc_test / strata_cc_bench: one target per module,
 # one test binary per suite, the same warnings everywhere.
 include_guard(GLOBAL)
+include(GNUInstallDirs)
 
 # GCC 12 reports false maybe-uninitialized warnings through std::optional.
 set(STRATA_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-maybe-uninitialized)
 
 # strata_cc_library(NAME name SRCS ... [DEPS ...] [PRIVATE_DEPS ...])
-# Creates strata_<name> and its alias strata::<name>. The project root is the
-# include root, so headers are included as "runtime/status.h".
+# Creates strata_<name> and its alias strata::<name> (exported under the same
+# name by cmake/StrataInstall.cmake). The project root is the include root,
+# so headers are included as "runtime/status.h" (installed: include/strata).
 function(strata_cc_library)
   cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(strata_${A_NAME} ${A_SRCS})
   add_library(strata::${A_NAME} ALIAS strata_${A_NAME})
-  target_include_directories(strata_${A_NAME} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_include_directories(strata_${A_NAME} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}> $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/strata>)
+  set_target_properties(strata_${A_NAME} PROPERTIES EXPORT_NAME ${A_NAME})
   target_link_libraries(strata_${A_NAME} PUBLIC ${A_DEPS} PRIVATE ${A_PRIVATE_DEPS})
   target_compile_options(strata_${A_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${STRATA_WARNINGS}>)
 endfunction()
 
 # strata_cc_test(NAME name SRCS ... [DEPS ...] [LABELS ...])
 # A GoogleTest binary, registered with ctest test by test (gtest_discover_tests).
+# GTEST_SKIP is reported by ctest as skipped through the SKIP_REGULAR_EXPRESSION
+# that gtest_discover_tests itself sets on every test (3.25 and later). Passing
+# it again in PROPERTIES breaks CMake 4, which writes the value into a bracket
+# argument that its trailing "]" closes early (tests/cmake/check_gtest_skip.sh).
 function(strata_cc_test)
   cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
   add_executable(${A_NAME} ${A_SRCS})
@@ -29,7 +37,7 @@ function(strata_cc_test)
     set(_labels unit)
   endif()
   gtest_discover_tests(${A_NAME}
-    PROPERTIES LABELS "${_labels}" SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]"
+    PROPERTIES LABELS "${_labels}"
     DISCOVERY_TIMEOUT 60)
 endfunction()
 

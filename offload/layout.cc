@@ -81,8 +81,18 @@ Result<std::vector<ElemRange>> CutSubGroups(ElemRange range, uint64_t sub_group_
     return InvalidArgumentError(
         fmt::format("cut sub-groups: range [{}, {}) is inverted", range.begin, range.end));
   }
+  // Bounded before anything is allocated: a tiny sub-group size on a large
+  // shard would otherwise ask for billions of ranges.
+  const uint64_t count = range.elems() / sub_group_elems + (range.elems() % sub_group_elems != 0);
+  if (count > kMaxSubGroupCount) {
+    return InvalidArgumentError(fmt::format(
+        "cut sub-groups: {} elems in sub-groups of {} make {} sub-groups; at most {}: raise "
+        "zero_optimization.sub_group_size to at least {}",
+        range.elems(), sub_group_elems, count, kMaxSubGroupCount,
+        (range.elems() + kMaxSubGroupCount - 1) / kMaxSubGroupCount));
+  }
   std::vector<ElemRange> groups;
-  groups.reserve(range.elems() / sub_group_elems + 1);
+  groups.reserve(count);
   for (uint64_t begin = range.begin; begin < range.end;) {
     const uint64_t len = std::min(sub_group_elems, range.end - begin);
     groups.push_back({begin, begin + len});

@@ -95,9 +95,13 @@ Result<FlatLayout> PlanFlatLayout(std::span<const TensorSpec> tensors,
 // OutOfRange when rank >= world_size.
 Result<ElemRange> ShardRange(const FlatLayout& layout, uint32_t rank);
 
+// At most this many sub-groups in one cut (2^20), the planner's limit too.
+inline constexpr uint64_t kMaxSubGroupCount = uint64_t{1} << 20;
+
 // Cuts `range` into consecutive sub-groups of `sub_group_elems`; the last one
 // is shorter when the size does not divide. An empty range gives no
-// sub-groups. InvalidArgument when sub_group_elems is 0.
+// sub-groups. InvalidArgument when sub_group_elems is 0 or the cut would make
+// more than kMaxSubGroupCount sub-groups (checked before allocating).
 Result<std::vector<ElemRange>> CutSubGroups(ElemRange range, uint64_t sub_group_elems);
 
 // The tensor pieces inside `range`, in flat order; elements of `range` not

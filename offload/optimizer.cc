@@ -56,6 +56,7 @@
 #include "offload/step_plan.h"
 #include "offload/tensor_map.h"
 #include "runtime/log.h"
+#include "runtime/machine.h"
 #include "runtime/pinned.h"
 #include "runtime/units.h"
 
@@ -342,7 +343,14 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
   std::vector<uint64_t> sizes;
   for (const ElemRange& r : sub_groups) sizes.push_back(r.elems());
   PlacementInputs inputs = PlacementInputsFor(config, sizes, static_cast<uint32_t>(world));
+  // Preflight: refuse a plan this machine cannot hold (placement.h, step 5).
+  inputs.machine = ProbeMachineLimits(
+      inputs.nvme == NvmeTier::kAvailable ? std::span<const std::string>(config.nvme_paths)
+                                          : std::span<const std::string>(),
+      static_cast<uint32_t>(rank),
+      RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world)));
   STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
+  for (const std::string& w : plan.warnings) LogWarning(fmt::format("rank {}: {}", rank, w));
   LogInfo(fmt::format("rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups)\n{}", rank,
                       world, params.size(), layout.tensor_elems, shard.elems(), sub_groups.size(),
                       FormatPlan(plan)));

@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <limits>
+#include <cstdlib>
+#include <map>
 
+#include "runtime/machine.h"
 #include "runtime/units.h"
 
 namespace strata {
@@ -14,6 +16,105 @@ constexpr uint64_t kPage = 4096;
 constexpr uint64_t kExtentHeaderBytes = 4096;  // StateStore::kHeaderBytes
 
 uint64_t RoundUpPage(uint64_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+// Bytes of one rank's state file per nvme_path: a superblock, then two slots
+// per NVMe sub-group, each slot (one NVMe buffer) cut into block_bytes chunks
+// dealt round-robin over the paths (offload/state_store.h). An upper bound by
+// at most one partial block per slot.
+uint64_t NvmeFileBytes(const PlacementPlan& plan, uint64_t block_bytes, uint64_t paths) {
+  if (plan.nvme_sub_groups == 0) return 0;
+  const uint64_t chunks = CeilDiv(plan.nvme_buffer_bytes, block_bytes);
+  const uint64_t per_file_slot = std::min(CeilDiv(chunks, paths) * block_bytes,
+                                          plan.nvme_buffer_bytes);
+  return kPage + 2 * uint64_t{plan.nvme_sub_groups} * per_file_slot;
+}
+
+// Step 5 of the header: the plan against what the machine has.
+Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
+  constexpr std::string_view kOp = "plan placement";
+  const MachineLimits& m = in.machine;
+  const uint64_t ranks = std::max<uint32_t>(m.ranks_per_node, 1);
+  const uint64_t pinned = plan.host_total_bytes();
+  if (m.host_available_bytes != 0 && pinned * ranks > m.host_available_bytes) {
+    const uint64_t each = m.host_available_bytes / ranks;
+    const std::string have =
+        ranks > 1 ? fmt::format("{} available ({} total) shared by {} ranks: {} each",
+                                FormatBytes(m.host_available_bytes),
+                                FormatBytes(m.host_total_bytes), ranks, FormatBytes(each))
+                  : fmt::format("{} available ({} total)", FormatBytes(m.host_available_bytes),
+                                FormatBytes(m.host_total_bytes));
+    std::string knob;
+    if (plan.host_staging_bytes > each) {
+      // One rank: a ring of sub-group slots; several: the reduced shard.
+      const bool shard_buffer = in.world_size > 1;
+      knob = fmt::format(
+          "the pinned staging alone needs {} ({}: {}); lower zero_optimization.sub_group_size "
+          "or offload_optimizer.buffer_count{}",
+          FormatBytes(plan.host_staging_bytes), plan.buffers[0].name,
+          FormatBytes(plan.buffers[0].total_bytes()),
+          shard_buffer ? ", or shard over more ranks (the grad shard holds the rank's reduced "
+                         "gradient)"
+                       : "");
+      if (in.nvme != NvmeTier::kAvailable && plan.host_state_bytes > 0) {
+        knob += fmt::format(
+            "; and the state ({}) needs NVMe: set zero_optimization.offload_optimizer.device to "
+            "\"nvme\" with an nvme_path",
+            FormatBytes(plan.host_state_bytes));
+      }
+    } else if (in.nvme == NvmeTier::kAvailable) {
+      knob = fmt::format(
+          "set strata.host_budget to at most {} so that the rest of the state goes to NVMe",
+          FormatBytes(each));
+    } else {
+      knob = fmt::format(
+          "set zero_optimization.offload_optimizer.device to \"nvme\" with an nvme_path and "
+          "strata.host_budget to at most {}, or shard over more ranks",
+          FormatBytes(each));
+    }
+    return ResourceExhaustedError(fmt::format(
+        "{}: the plan pins {} of host memory ({} state + {} staging) but this machine has {}; {}",
+        kOp, FormatBytes(pinned), FormatBytes(plan.host_state_bytes),
+        FormatBytes(plan.host_staging_bytes), have, knob));
+  }
+  if (m.memlock_bytes != 0 && m.memlock_bytes != kUnlimitedBytes && pinned > m.memlock_bytes) {
+    plan.warnings.push_back(fmt::format(
+        "the plan pins {} but `ulimit -l` is {}: past it host memory is not page-locked and "
+        "io_uring cannot register the NVMe buffers (slower copies and IO, still correct); "
+        "raise it (`ulimit -l unlimited`, memlock in /etc/security/limits.conf, "
+        "LimitMEMLOCK= in systemd, --ulimit memlock=-1 in docker) or grant CAP_IPC_LOCK",
+        FormatBytes(pinned), FormatBytes(m.memlock_bytes)));
+  }
+  plan.nvme_file_bytes = NvmeFileBytes(plan, in.block_bytes, std::max<size_t>(m.nvme.size(), 1));
+  if (plan.nvme_file_bytes == 0 || m.nvme.empty()) return OkStatus();
+  // Paths on one filesystem share its free space.
+  struct Need {
+    uint64_t need = 0, free = 0, reclaimable = 0;
+    std::string paths;
+  };
+  std::map<uint64_t, Need> by_device;
+  for (const NvmePathSpace& p : m.nvme) {
+    Need& n = by_device[p.device_id];
+    n.need += plan.nvme_file_bytes;
+    n.free = p.free_bytes;
+    n.reclaimable += p.reclaimable_bytes;
+    n.paths += (n.paths.empty() ? "" : ", ") + p.path;
+  }
+  for (const auto& [device, n] : by_device) {
+    if (n.need > n.free + n.reclaimable) {
+      return ResourceExhaustedError(fmt::format(
+          "{}: the NVMe state needs {} ({} sub-groups, two slots each) on the filesystem of {} "
+          "but it has {} free{}; free space there, add an nvme_path on another drive (the "
+          "state is striped over them), or raise strata.host_budget so that more state stays "
+          "in DRAM",
+          kOp, FormatBytes(n.need), plan.nvme_sub_groups, n.paths, FormatBytes(n.free),
+          n.reclaimable > 0
+              ? fmt::format(" (+ {} of this rank's old state file)", FormatBytes(n.reclaimable))
+              : std::string()));
+    }
+  }
+  return OkStatus();
+}
 
 }  // namespace
 
@@ -33,14 +134,17 @@ uint64_t NvmeBufferBytes(uint64_t state_bytes) {
   return RoundUpPage(state_bytes) + kExtentHeaderBytes;
 }
 
-Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
+namespace {
+
+Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   constexpr std::string_view kOp = "plan placement";
   if (in.sub_group_elems.empty()) {
     return InvalidArgumentError(fmt::format("{}: no sub-groups (the shard is empty)", kOp));
   }
-  if (in.sub_group_elems.size() > std::numeric_limits<uint32_t>::max()) {
+  if (in.sub_group_elems.size() > kMaxSubGroups) {
     return InvalidArgumentError(
-        fmt::format("{}: {} sub-groups; at most 2^32 - 1", kOp, in.sub_group_elems.size()));
+        fmt::format("{}: {} sub-groups; at most {}: raise zero_optimization.sub_group_size", kOp,
+                    in.sub_group_elems.size(), kMaxSubGroups));
   }
   if (in.state_bytes_per_elem == 0 || in.grad_bytes_per_elem == 0 || in.param_bytes_per_elem == 0) {
     return InvalidArgumentError(
@@ -98,6 +202,14 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
     plan.buffers.push_back({"grad stats", Tier::kDevice, 1,
                             16 * ((shard_elems + 4095) / 4096 + in.sub_group_elems.size())});
   } else {
+    // A bucket holds every rank's block: world_size x the largest sub-group,
+    // bounded like the shard so that the products below stay in 64 bits.
+    if (uint64_t{in.world_size} * max_elems > kMaxElems) {
+      return InvalidArgumentError(fmt::format(
+          "{}: a device bucket of {} ranks x {} elems exceeds 2^44 elems; lower "
+          "zero_optimization.sub_group_size",
+          kOp, in.world_size, max_elems));
+    }
     const uint64_t block = uint64_t{in.world_size} * max_elems;
     plan.buffers.push_back({"grad bucket", Tier::kDevice, 1, block * in.grad_bytes_per_elem});
     plan.buffers.push_back({"param bucket", Tier::kDevice, 1, block * in.param_bytes_per_elem});
@@ -170,6 +282,49 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& in) {
   return plan;
 }
 
+}  // namespace
+
+Result<PlacementPlan> PlanPlacement(const PlacementInputs& inputs) {
+  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanTiers(inputs));
+  STRATA_RETURN_IF_ERROR(Preflight(inputs, plan));
+  return plan;
+}
+
+MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32_t rank,
+                                 uint32_t ranks_per_node) {
+  MachineLimits m;
+  m.ranks_per_node = std::max<uint32_t>(ranks_per_node, 1);
+  if (Result<HostMemory> mem = ProbeHostMemory(); mem.ok()) {
+    m.host_available_bytes = mem->available_bytes;
+    m.host_total_bytes = mem->total_bytes;
+    m.memlock_bytes =
+        mem->memlock == MemlockLimit::kUnlimited ? kUnlimitedBytes : mem->memlock_limit_bytes;
+  }
+  for (const std::string& path : nvme_paths) {
+    DirectoryProbe d = ProbeDirectory(path, DirectoryChecks::kSpace);
+    if (!d.space.ok()) {  // unknown space: the disks are not checked
+      m.nvme.clear();
+      return m;
+    }
+    // The state file's name is offload/state_store.h's on-disk layout.
+    m.nvme.push_back({.path = path,
+                      .device_id = d.device_id,
+                      .free_bytes = d.free_bytes,
+                      .reclaimable_bytes = FileAllocatedBytes(
+                          fmt::format("{}/strata-rank{}.state", path, rank))});
+  }
+  return m;
+}
+
+uint32_t RanksPerNode(std::string_view comm_backend, uint32_t world_size) {
+  if (comm_backend == "local") return std::max<uint32_t>(world_size, 1);
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE"); v != nullptr) {
+    const long n = std::strtol(v, nullptr, 10);
+    if (n >= 1 && n <= 65536) return static_cast<uint32_t>(n);
+  }
+  return 1;
+}
+
 std::string FormatPlan(const PlacementPlan& plan) {
   auto budget = [](uint64_t b, std::string_view zero) {
     return b == 0 ? std::string(zero) : FormatBytes(b);
@@ -206,6 +361,7 @@ std::string FormatPlan(const PlacementPlan& plan) {
     i = j + 1;
   }
   out += "\n";
+  for (const std::string& w : plan.warnings) out += "  warning: " + w + "\n";
   return out;
 }
 

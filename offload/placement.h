@@ -43,21 +43,57 @@
 //      zero_optimization.offload_optimizer.nvme_path, sub_group_size,
 //      buffer_count, strata.device_budget).
 //
-// Pure, deterministic (same inputs, same plan), thread-safe. InvalidArgument
-// for malformed inputs (no sub-groups, a 0-elem sub-group, 0 bytes per
-// element, buffer_count 0, a block size that is not a multiple of 4096).
+//   5. Preflight, when PlacementInputs::machine says what this machine has
+//      (ProbeMachineLimits fills it in; the default checks nothing): a plan
+//      that pins more host memory than the machine has available (shared by
+//      the ranks of one node), or puts more state on a filesystem than it has
+//      free, is ResourceExhausted with the numbers and the knob to turn. A
+//      plan that pins more than `ulimit -l` is kept, with a warning in
+//      PlacementPlan::warnings (the pinned pool then falls back to unlocked
+//      memory and io_uring cannot register its buffers).
+//
+// PlanPlacement is pure, deterministic (same inputs, same plan) and
+// thread-safe; ProbeMachineLimits reads the machine. InvalidArgument for
+// malformed inputs (no sub-groups, more than kMaxSubGroups, a 0-elem
+// sub-group, 0 bytes per element, buffer_count 0, a block size that is not a
+// multiple of 4096).
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "offload/layout.h"
 #include "runtime/status.h"
 
 namespace strata {
 
 enum class NvmeTier : uint8_t { kUnavailable = 0, kAvailable = 1 };
+
+// At most this many sub-groups per rank (2^20, CutSubGroups' limit): the
+// engine keeps a few hundred bytes of bookkeeping per sub-group, so a tiny
+// sub_group_size on a large model would otherwise exhaust memory before any
+// check ran.
+inline constexpr uint64_t kMaxSubGroups = kMaxSubGroupCount;
+
+// One nvme_path as the preflight sees it.
+struct NvmePathSpace {
+  std::string path{};
+  uint64_t device_id = 0;          // paths on one filesystem share its free space
+  uint64_t free_bytes = 0;         // available to this user now
+  uint64_t reclaimable_bytes = 0;  // this rank's old state file there, replaced on create
+};
+
+// What this machine offers the plan; 0 / empty fields are not checked.
+struct MachineLimits {
+  uint64_t host_available_bytes = 0;  // memory available now (MemAvailable)
+  uint64_t host_total_bytes = 0;      // for the message only
+  uint64_t memlock_bytes = 0;         // `ulimit -l`; 0 or kUnlimitedBytes: no warning
+  uint32_t ranks_per_node = 1;        // ranks that share this machine's memory
+  std::vector<NvmePathSpace> nvme{};  // one per nvme_path, in config order
+};
 
 enum class Tier : uint8_t { kHost = 0, kNvme = 1, kDevice = 2 };
 std::string_view TierName(Tier tier);  // "host", "nvme", "device"
@@ -73,6 +109,7 @@ struct PlacementInputs {
   uint32_t buffer_count = 4;       // pipeline depth (DeepSpeed offload_optimizer.buffer_count)
   uint64_t block_bytes = 1 << 20;  // NVMe IO size (aio.block_size); a multiple of 4096
   uint32_t world_size = 1;         // ranks: a device bucket holds every rank's block (>= 1)
+  MachineLimits machine{};         // the preflight's view of the machine (step 5)
 };
 
 struct SubGroupPlacement {
@@ -102,13 +139,30 @@ struct PlacementPlan {
   uint64_t device_budget_bytes = 0;
   uint64_t nvme_buffer_bytes = 0;  // bytes of one NVMe buffer (0 when no NVMe)
   uint32_t nvme_buffers = 0;       // NVMe extent buffers: the read-ahead depth (0 when no NVMe)
+  uint64_t nvme_file_bytes = 0;    // bytes of each rank's state file per nvme_path (checked inputs)
+  std::vector<std::string> warnings;  // the preflight's: fine to run, worth knowing
   uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }
 };
 
 Result<PlacementPlan> PlanPlacement(const PlacementInputs& inputs);
 
-// The start-up table: bytes and sub-groups per tier, the buffers, the budgets.
+// The start-up table: bytes and sub-groups per tier, the buffers, the
+// budgets, and the preflight's warnings.
 std::string FormatPlan(const PlacementPlan& plan);
+
+// This machine's limits for the plan of `rank` whose state files go to
+// `nvme_paths` (may be empty): MemAvailable, `ulimit -l`, and per path its
+// free space (of the nearest existing ancestor when the directory is yet to
+// be created) and the size of this rank's old state file. Reads
+// /proc/meminfo, getrlimit and statvfs; fields it cannot read stay 0 (not
+// checked).
+MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32_t rank,
+                                 uint32_t ranks_per_node);
+
+// Ranks that share this machine: all of them for the in-process
+// communicator ("local"), else LOCAL_WORLD_SIZE from the environment (set by
+// torchrun), else 1.
+uint32_t RanksPerNode(std::string_view comm_backend, uint32_t world_size);
 
 // The bytes one NVMe buffer needs for a sub-group state of `state_bytes`:
 // rounded up to 4 KiB, plus the state store's 4 KiB extent header.

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "runtime/machine.h"
+
 namespace strata::internal {
 
 Result<std::unique_ptr<StateTiers>> StateTiers::Create(const StateTiersOptions& options) {
@@ -41,6 +43,11 @@ Status StateTiers::Init() {
   if (nvme_order_.empty()) return OkStatus();
   Storage* storage = o_.storage;
   if (storage == nullptr) {
+    // The engine's own storage is the filesystem: missing nvme_path folders
+    // are made, as DeepSpeed does.
+    for (const std::string& dir : o_.config->nvme_paths) {
+      STRATA_RETURN_IF_ERROR(CreateDirectories(dir));
+    }
     STRATA_ASSIGN_OR_RETURN(owned_storage_, CreateStorage({}));
     storage = owned_storage_.get();
   }

@@ -179,6 +179,53 @@ class PythonCommunicator final : public Communicator {
   py::object impl_;
 };
 
+// "debug", "info", "warning", "error", "off"; ValueError otherwise.
+LogLevel LevelFromName(const std::string& name) {
+  for (LogLevel l : {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError,
+                     LogLevel::kOff}) {
+    if (name == LogLevelName(l)) return l;
+  }
+  Raise(InvalidArgumentError(
+      fmt::format("log level '{}': use debug, info, warning, error or off", name)));
+}
+
+// Sends the engine's log lines to `handler(level: str, message: str)`, or
+// back to stderr for None. The sink runs on whichever thread logs (engine
+// stream and IO threads too) and takes the GIL for the call; engine calls
+// release the GIL, so such a thread never waits on one that waits on it. An
+// exception in the handler is reported as unraisable and the line goes to
+// stderr. strata/__init__.py installs its handler at import and removes it
+// at exit, before the interpreter finalizes.
+void SetLogHandler(py::object handler) {
+  if (handler.is_none()) {
+    LogSink previous = SetLogSink(nullptr);
+    return;  // `previous` (and the handler it holds) is released here, with the GIL held
+  }
+  // The Python object may be released on any thread: take the GIL for it.
+  std::shared_ptr<py::object> held(new py::object(std::move(handler)), [](py::object* o) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete o;
+    } else {
+      o->release();  // the interpreter is gone: leak the reference, never touch it
+      delete o;
+    }
+  });
+  LogSink previous = SetLogSink([held](LogLevel level, std::string_view message) {
+    if (!Py_IsInitialized()) {
+      WriteLogToStderr(level, message);
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      (*held)(LogLevelName(level), py::str(message.data(), message.size()));
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("strata log handler");
+      WriteLogToStderr(level, message);
+    }
+  });
+}
+
 // One optimizer with the device, communicator and stream it runs on.
 class Engine {
  public:
@@ -516,15 +563,18 @@ PYBIND11_MODULE(_strata, m) {
   m.def("nccl_unique_id", &strata::NewNcclId, "A fresh ncclUniqueId (128 bytes).");
   m.def(
       "set_log_level",
-      [](const std::string& level) {
-        if (level == "debug") strata::SetLogLevel(strata::LogLevel::kDebug);
-        else if (level == "info") strata::SetLogLevel(strata::LogLevel::kInfo);
-        else if (level == "warning") strata::SetLogLevel(strata::LogLevel::kWarning);
-        else if (level == "error") strata::SetLogLevel(strata::LogLevel::kError);
-        else if (level == "off") strata::SetLogLevel(strata::LogLevel::kOff);
-        else strata::Raise(strata::InvalidArgumentError("log level: debug|info|warning|error|off"));
+      [](const std::string& level) { strata::SetLogLevel(strata::LevelFromName(level)); },
+      "Engine log level: debug|info|warning|error|off (lines below it reach no handler).");
+  m.def(
+      "log",
+      [](const std::string& level, const std::string& message) {
+        strata::Log(strata::LevelFromName(level), message);  // "off": logs nothing
       },
-      "Engine log level (stderr): debug|info|warning|error|off.");
+      py::arg("level"), py::arg("message"),
+      "Log a line through the engine's logging (its level, then the handler).");
+  m.def("set_log_handler", &strata::SetLogHandler, py::arg("handler"),
+        "Send engine log lines to handler(level, message) (None: stderr). strata installs one "
+        "that forwards to the `logging` logger 'strata'.");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const std::string&, const std::string&, py::list, py::object, py::object>(),

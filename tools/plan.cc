@@ -1,7 +1,11 @@
 // `strata plan`: reads a DeepSpeed-style config, prints the effective config
 // and the placement plan of one rank for a model of --params parameters, or
-// the refusal with the knob to turn. Needs no GPU and touches no file but the
-// config, so a config can be checked before a job is launched.
+// the refusal with the knob to turn. Needs no GPU and writes nothing, so a
+// config can be checked before a job is launched. The preflight checks the
+// plan against this machine (memory available, `ulimit -l`, free space of
+// the nvme_paths) as the engine will; --no-preflight plans for another one.
+// Exit codes: 0 the plan fits, 1 it cannot run here (or the planner refused
+// it), 2 a bad command line or config.
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -25,6 +29,8 @@ struct PlanArgs {
   std::string params;
   uint32_t world_size = 1;
   uint32_t rank = 0;
+  uint32_t ranks_per_node = 0;  // 0: RanksPerNode() (LOCAL_WORLD_SIZE, else 1)
+  bool no_preflight = false;
   bool json = false;
 };
 
@@ -52,7 +58,14 @@ Status RunPlan(const PlanArgs& args) {
                           CutSubGroups(shard, config.sub_group_elems));
   std::vector<uint64_t> sizes;
   for (const ElemRange& g : groups) sizes.push_back(g.elems());
-  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(PlacementInputsFor(config, sizes, args.world_size)));
+  PlacementInputs inputs = PlacementInputsFor(config, sizes, args.world_size);
+  if (!args.no_preflight) {
+    inputs.machine = ProbeMachineLimits(
+        inputs.nvme == NvmeTier::kAvailable ? std::span<const std::string>(config.nvme_paths)
+                                            : std::span<const std::string>(),
+        args.rank, args.ranks_per_node > 0 ? args.ranks_per_node : RanksPerNode("", 1));
+  }
+  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(inputs));
   if (args.json) {
     nlohmann::json tiers = nlohmann::json::array();
     for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));
@@ -73,7 +86,13 @@ Status RunPlan(const PlanArgs& args) {
                             {"host_state_bytes", plan.host_state_bytes},
                             {"nvme_state_bytes", plan.nvme_state_bytes},
                             {"host_staging_bytes", plan.host_staging_bytes},
-                            {"device_staging_bytes", plan.device_staging_bytes}}}};
+                            {"device_staging_bytes", plan.device_staging_bytes},
+                            {"nvme_file_bytes", plan.nvme_file_bytes}}},
+                          {"preflight",
+                           {{"checked", !args.no_preflight},
+                            {"host_available_bytes", inputs.machine.host_available_bytes},
+                            {"ranks_per_node", inputs.machine.ranks_per_node},
+                            {"warnings", plan.warnings}}}};
     std::printf("%s\n", out.dump(2).c_str());
     return OkStatus();
   }
@@ -81,6 +100,15 @@ Status RunPlan(const PlanArgs& args) {
   std::printf("rank %u of %u: %s elements in %zu sub-groups\n", args.rank, args.world_size,
               FormatCount(shard.elems()).c_str(), groups.size());
   std::fputs(FormatPlan(plan).c_str(), stdout);
+  if (args.no_preflight) {
+    std::printf("preflight: not checked (--no-preflight)\n");
+  } else {
+    std::printf("preflight: fits this machine (%s of memory available%s)\n",
+                FormatBytes(inputs.machine.host_available_bytes).c_str(),
+                inputs.machine.ranks_per_node > 1
+                    ? fmt::format(", shared by {} ranks", inputs.machine.ranks_per_node).c_str()
+                    : "");
+  }
   return OkStatus();
 }
 
@@ -96,6 +124,11 @@ void AddPlanCommand(Cli& cli) {
   cmd->add_option("--world-size", args->world_size, "data-parallel ranks")
       ->check(CLI::Range(1u, 1u << 20));
   cmd->add_option("--rank", args->rank, "the rank to plan for");
+  cmd->add_option("--ranks-per-node", args->ranks_per_node,
+                  "ranks sharing this machine's memory (default: $LOCAL_WORLD_SIZE, else 1)")
+      ->check(CLI::Range(1u, 65536u));
+  cmd->add_flag("--no-preflight", args->no_preflight,
+                "do not check the plan against this machine (plan for another one)");
   cmd->add_flag("--json", args->json, "print one JSON object");
   cmd->callback([&cli, args] { RunAction(cli, "plan", [args] { return RunPlan(*args); }); });
 }

@@ -224,9 +224,9 @@ class OffloadAdam(torch.optim.Optimizer):
         offload: ``"cpu"`` (state in pinned DRAM) or ``"nvme"`` (in DRAM as far
             as ``host_budget`` allows, the rest in files under ``nvme_path``).
         nvme_path: directory (or list of directories, striped) for the NVMe
-            tier; required with ``offload="nvme"``. Each optimizer holds a lock
-            on it (per rank) while it lives: a second optimizer on the same
-            directory fails with the holder's pid.
+            tier; required with ``offload="nvme"``; created when missing. Each
+            optimizer holds a lock on it (per rank) while it lives: a second
+            optimizer on the same directory fails with the holder's pid.
         host_budget: pinned DRAM for state and staging, bytes or "8GiB".
             None: unlimited with "cpu", staging only with "nvme".
         sub_group_size: elements per pipelined sub-group (default 1e9; smaller
@@ -369,9 +369,10 @@ class OffloadAdam(torch.optim.Optimizer):
         if nvme_path:
             paths = [nvme_path] if isinstance(nvme_path, (str, os.PathLike)) else list(nvme_path)
             for path in paths:
-                if not os.path.isdir(path):
-                    raise ValueError(f"OffloadAdam: nvme_path {str(path)!r} is not a directory; "
-                                     "create it first")
+                # A missing folder is made by the engine (as DeepSpeed does).
+                if os.path.exists(path) and not os.path.isdir(path):
+                    raise ValueError(f"OffloadAdam: nvme_path {str(path)!r} exists and is not a "
+                                     "directory; give a directory (it is created if missing)")
             base["zero_optimization"]["offload_optimizer"]["nvme_path"] = [str(p) for p in paths]
         if sub_group_size is not None:
             base["zero_optimization"]["sub_group_size"] = int(sub_group_size)

@@ -88,6 +88,23 @@ TEST(LayoutTest, Errors) {
   EXPECT_EQ(PiecesInRange(*l, {5, 4}).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A tiny sub-group size on a large shard fails with the knob, before it
+// allocates (1e9 ranges would be 16 GB: once std::bad_alloc, an abort).
+TEST(LayoutTest, TooManySubGroupsIsRefusedBeforeAllocating) {
+  Result<std::vector<ElemRange>> g = CutSubGroups({0, 1'000'000'000}, 1);
+  ASSERT_EQ(g.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(g.status().message().find("make 1000000000 sub-groups; at most 1048576: raise "
+                                      "zero_optimization.sub_group_size to at least 954"),
+            std::string_view::npos)
+      << g.status();
+  // Exactly the limit is fine.
+  Result<std::vector<ElemRange>> at_limit = CutSubGroups({0, kMaxSubGroupCount * 3}, 3);
+  ASSERT_TRUE(at_limit.ok()) << at_limit.status();
+  EXPECT_EQ(at_limit->size(), kMaxSubGroupCount);
+  EXPECT_EQ(CutSubGroups({0, kMaxSubGroupCount * 3 + 1}, 3).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 // Property test against a per-element owner map built the simple way.
 TEST(LayoutTest, PropertiesOnRandomLayouts) {
   const uint64_t seed = testing::TestSeed();

@@ -5,9 +5,15 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <random>
 
+#include "runtime/machine.h"
 #include "runtime/units.h"
 #include "tests/offload/test_seed.h"
 
@@ -251,6 +257,173 @@ TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
     }
     ASSERT_EQ(p->host_state_bytes + p->nvme_state_bytes, all_state);
   }
+}
+
+// ---- Preflight: the plan against the machine ------------------------------
+
+TEST(PreflightTest, NothingCheckedByDefault) {
+  PlacementInputs in = Small();
+  in.host_budget_bytes = 0;  // unlimited, no NVMe
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->warnings.empty());
+}
+
+TEST(PreflightTest, StateLargerThanMemoryWithoutNvmeNamesTheNumbersAndTheKnob) {
+  PlacementInputs in = Small();  // unlimited host: all 4200 B of state + 2400 staging pinned
+  in.machine = {.host_available_bytes = 6000, .host_total_bytes = 8192};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  const std::string m(p.status().message());
+  EXPECT_TRUE(Contains(m, "the plan pins 6.45 KiB of host memory (4.10 KiB state + 2.34 KiB "
+                          "staging) but this machine has 5.86 KiB available (8.00 KiB total)"))
+      << m;
+  EXPECT_TRUE(Contains(m, "offload_optimizer.device to \"nvme\" with an nvme_path and "
+                          "strata.host_budget to at most 5.86 KiB"))
+      << m;
+  in.machine.host_available_bytes = kFixed + kAllState;  // exactly enough
+  EXPECT_TRUE(PlanPlacement(in).ok());
+}
+
+TEST(PreflightTest, WithNvmeTheKnobIsTheHostBudget) {
+  PlacementInputs in = Large();
+  in.host_budget_bytes = kLargeStaging + 5 * 24576;  // five sub-groups in DRAM
+  in.machine = {.host_available_bytes = kLargeStaging + 2 * 24576, .host_total_bytes = kGiB};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(p.status().message(), "set strata.host_budget to at most"))
+      << p.status();
+  // Lowering the budget as told makes it fit.
+  in.host_budget_bytes = in.machine.host_available_bytes;
+  Result<PlacementPlan> fits = PlanPlacement(in);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(fits->host_sub_groups, 2u);
+}
+
+TEST(PreflightTest, StagingLargerThanMemoryPointsAtSubGroupsAndWithRanksAtTheShard) {
+  PlacementInputs in = Large();
+  in.host_budget_bytes = 0;  // staging only
+  in.machine = {.host_available_bytes = kLargeStaging - 1, .host_total_bytes = kGiB};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  std::string m(p.status().message());
+  EXPECT_TRUE(Contains(m, "the pinned staging alone needs")) << m;
+  EXPECT_TRUE(Contains(m, "(grad ring: ")) << m;
+  EXPECT_TRUE(Contains(m, "sub_group_size")) << m;
+  EXPECT_FALSE(Contains(m, "shard over more ranks")) << m;  // one rank holds no shard buffer
+  // Two ranks: the reduced shard is the big buffer, more ranks shrink it.
+  in.world_size = 2;
+  in.machine.host_available_bytes = 1;
+  p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  m = std::string(p.status().message());
+  EXPECT_TRUE(Contains(m, "(grad shard: ")) << m;
+  EXPECT_TRUE(Contains(m, "shard over more ranks")) << m;
+}
+
+TEST(PreflightTest, RanksOnOneNodeShareItsMemory) {
+  PlacementInputs in = Small();
+  in.machine = {.host_available_bytes = 4 * (kFixed + kAllState), .ranks_per_node = 4};
+  EXPECT_TRUE(PlanPlacement(in).ok());
+  in.machine.ranks_per_node = 5;
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(p.status().message(), "shared by 5 ranks")) << p.status();
+}
+
+TEST(PreflightTest, MoreThanUlimitLIsAWarningNotARefusal) {
+  PlacementInputs in = Small();
+  in.machine = {.host_available_bytes = kGiB, .memlock_bytes = 4096};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->warnings.size(), 1u);
+  EXPECT_TRUE(Contains(p->warnings[0], "`ulimit -l` is 4.00 KiB")) << p->warnings[0];
+  EXPECT_TRUE(Contains(FormatPlan(*p), "warning: the plan pins")) << FormatPlan(*p);
+  in.machine.memlock_bytes = kUnlimitedBytes;
+  EXPECT_TRUE(PlanPlacement(in)->warnings.empty());
+}
+
+// Large(), all on NVMe: 11 extents of 28672 B (24576 payload + 4 KiB header)
+// in 4 KiB blocks, two slots each, plus a 4 KiB superblock per file.
+TEST(PreflightTest, DiskSpaceIsCheckedPerFilesystem) {
+  PlacementInputs in = Large();
+  in.host_budget_bytes = 0;
+  constexpr uint64_t kOnePath = 4096 + 2 * 11 * 28672;
+  in.machine = {.nvme = {{.path = "/a", .device_id = 1, .free_bytes = kOnePath}}};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->nvme_file_bytes, kOnePath);
+  in.machine.nvme[0].free_bytes = kOnePath - 1;
+  p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(p.status().message(), "on the filesystem of /a but it has")) << p.status();
+  EXPECT_TRUE(Contains(p.status().message(), "add an nvme_path on another drive"));
+  // This rank's old state file there is given back when the store is made.
+  in.machine.nvme[0].reclaimable_bytes = 1;
+  EXPECT_TRUE(PlanPlacement(in).ok());
+
+  // Two paths: each file holds half of every slot (7 of 4 KiB chunks: 4 and 3).
+  constexpr uint64_t kHalf = 4096 + 2 * 11 * 4 * 4096;
+  in.machine.nvme = {{.path = "/a", .device_id = 1, .free_bytes = kHalf},
+                     {.path = "/b", .device_id = 2, .free_bytes = kHalf}};
+  p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->nvme_file_bytes, kHalf);
+  // Both on one filesystem: they share its free space.
+  in.machine.nvme[1].device_id = 1;
+  p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(p.status().message(), "of /a, /b")) << p.status();
+}
+
+TEST(PreflightTest, AHugeDeviceBucketIsInvalidNotAnOverflow) {
+  PlacementInputs in = Small();
+  in.sub_group_elems = {uint64_t{1} << 40};
+  in.world_size = 65536;  // 2^56 elems in one bucket: x 4 bytes x buffers would wrap
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(p.status().message(), "device bucket of 65536 ranks")) << p.status();
+}
+
+TEST(PreflightTest, TooManySubGroupsIsInvalid) {
+  PlacementInputs in = Small();
+  in.sub_group_elems.assign(kMaxSubGroups + 1, 1);
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(p.status().message(), "raise zero_optimization.sub_group_size"));
+}
+
+TEST(PreflightTest, ProbeReadsThisMachineAndCountsTheOldStateFile) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("strata-preflight-" + std::to_string(getpid())))
+          .string();
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream f(dir + "/strata-rank3.state");
+    f << std::string(1 << 16, 'x');
+  }
+  const std::vector<std::string> paths = {dir, dir + "/not/yet"};
+  MachineLimits m = ProbeMachineLimits(paths, 3, 2);
+  EXPECT_GT(m.host_available_bytes, 0u);
+  EXPECT_LE(m.host_available_bytes, m.host_total_bytes);
+  EXPECT_EQ(m.ranks_per_node, 2u);
+  ASSERT_EQ(m.nvme.size(), 2u);
+  EXPECT_GT(m.nvme[0].free_bytes, 0u);
+  EXPECT_GE(m.nvme[0].reclaimable_bytes, uint64_t{1} << 16);
+  // A directory yet to be created answers with its parent's filesystem.
+  EXPECT_EQ(m.nvme[1].device_id, m.nvme[0].device_id);
+  EXPECT_EQ(m.nvme[1].reclaimable_bytes, 0u);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PreflightTest, RanksPerNode) {
+  EXPECT_EQ(RanksPerNode("local", 4), 4u);
+  ::setenv("LOCAL_WORLD_SIZE", "8", 1);
+  EXPECT_EQ(RanksPerNode("nccl", 16), 8u);
+  ::setenv("LOCAL_WORLD_SIZE", "junk", 1);
+  EXPECT_EQ(RanksPerNode("nccl", 16), 1u);
+  ::unsetenv("LOCAL_WORLD_SIZE");
+  EXPECT_EQ(RanksPerNode("python", 16), 1u);
 }
 
 }  // namespace

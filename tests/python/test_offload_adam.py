@@ -297,8 +297,9 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         OffloadAdam([torch.randn(3, dtype=torch.float64, requires_grad=True)])
     with pytest.raises(ValueError, match="needs nvme_path"):
         OffloadAdam([w], offload="nvme")
+    (tmp_path / "a-file").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
-        OffloadAdam([w], offload="nvme", nvme_path=str(tmp_path / "missing"))
+        OffloadAdam([w], offload="nvme", nvme_path=str(tmp_path / "a-file"))
     with pytest.raises(ValueError, match="offload="):
         OffloadAdam([w], offload="gpu")
     with pytest.raises(strata.ResourceExhaustedError, match="budget"):

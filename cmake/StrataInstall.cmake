@@ -1,0 +1,49 @@
+# `cmake --install build --prefix /opt/strata`: the libraries, headers and the
+# `strata` tool, with
+#   lib/cmake/strata/strataConfig.cmake   find_package(strata) -> strata::offload, ...
+#   lib/pkgconfig/strata_c.pc            pkg-config for the C API (libstrata_c.so)
+# The Python package installs with pip instead (setup.py, README "Installing").
+include_guard(GLOBAL)
+include(CMakePackageConfigHelpers)
+
+set(STRATA_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/strata)
+
+# Installed binaries keep the directories of libraries found outside the
+# system paths (NCCL from a Python wheel, a CUDA toolkit, a conda prefix).
+set_target_properties(strata strata_capi PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
+
+install(TARGETS strata_runtime strata_cpu_adam strata_kernels strata_offload strata_capi
+  EXPORT strataTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS strata RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+
+# Public headers, as the source tree lays them out ("offload/optimizer.h").
+foreach(_dir runtime cpu_adam kernels offload)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${_dir}/
+    DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/strata/${_dir}
+    FILES_MATCHING PATTERN "*.h"
+    PATTERN "*_internal.h" EXCLUDE
+    PATTERN "*-inl.h" EXCLUDE
+    PATTERN "testing" EXCLUDE)
+endforeach()
+
+install(EXPORT strataTargets NAMESPACE strata:: DESTINATION ${STRATA_INSTALL_CMAKEDIR})
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/strataConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/strataConfig.cmake
+  INSTALL_DESTINATION ${STRATA_INSTALL_CMAKEDIR})
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/strataConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/strataConfig.cmake
+              ${PROJECT_BINARY_DIR}/strataConfigVersion.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake
+  DESTINATION ${STRATA_INSTALL_CMAKEDIR})
+
+# Relocatable: the prefix is found from the .pc file's own place, so
+# `cmake --install --prefix` anywhere gives a working file.
+file(RELATIVE_PATH _strata_pc_up "/p/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/p")
+string(REGEX REPLACE "/$" "" _strata_pc_up "${_strata_pc_up}")
+set(STRATA_PC_PREFIX "\${pcfiledir}/${_strata_pc_up}")
+configure_file(${PROJECT_SOURCE_DIR}/cmake/strata_c.pc.in ${PROJECT_BINARY_DIR}/strata_c.pc @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/strata_c.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

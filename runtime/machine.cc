@@ -1,0 +1,292 @@
+#include "runtime/machine.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "runtime/storage.h"
+#include "runtime/units.h"
+
+#if STRATA_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+#if STRATA_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+namespace strata {
+namespace {
+
+constexpr uint64_t kProbeBytes = 4096;
+
+// "MemTotal:       24576000 kB" -> bytes; 0 when the key is absent.
+uint64_t MeminfoBytes(const std::string& text, std::string_view key) {
+  const size_t at = text.find(std::string(key) + ":");
+  if (at == std::string::npos) return 0;
+  return std::strtoull(text.c_str() + at + key.size() + 1, nullptr, 10) * 1024;
+}
+
+bool HasCapIpcLock() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("CapEff:", 0) == 0) {
+      const uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+      return (caps >> 14) & 1;  // CAP_IPC_LOCK
+    }
+  }
+  return false;
+}
+
+std::string FilesystemName(int64_t magic) {
+  switch (static_cast<uint64_t>(magic)) {
+    case 0xEF53: return "ext4";  // ext2/3/4 share the magic
+    case 0x58465342: return "xfs";
+    case 0x9123683E: return "btrfs";
+    case 0x01021994: return "tmpfs";
+    case 0x794C7630: return "overlay";
+    case 0x6969: return "nfs";
+    case 0x2FC12FC1: return "zfs";
+    case 0xF2F52010: return "f2fs";
+    case 0x65735546: return "fuse";
+    case 0x858458F6: return "ramfs";
+    default: return fmt::format("0x{:x}", static_cast<uint64_t>(magic));
+  }
+}
+
+// A page-aligned 4 KiB buffer with a recognizable pattern.
+struct AlignedPage {
+  std::byte* data = nullptr;
+  AlignedPage() {
+    data = static_cast<std::byte*>(std::aligned_alloc(kProbeBytes, kProbeBytes));
+    for (uint64_t i = 0; i < kProbeBytes; ++i) data[i] = static_cast<std::byte>(i * 7 + 3);
+  }
+  ~AlignedPage() { std::free(data); }
+  AlignedPage(const AlignedPage&) = delete;
+  AlignedPage& operator=(const AlignedPage&) = delete;
+  std::span<std::byte> span() { return {data, kProbeBytes}; }
+};
+
+std::string ScratchName(const std::string& dir, std::string_view what) {
+  return fmt::format("{}/.strata-probe-{}-{}", dir, what, ::getpid());
+}
+
+// Writes and reads back one page with O_DIRECT, by hand: what the kernel and
+// the filesystem allow, with no fallback in the way.
+Status CheckODirect(const std::string& dir) {
+  const std::string path = ScratchName(dir, "odirect");
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return ErrnoError(errno, fmt::format("open {} with O_DIRECT", path));
+  }
+  AlignedPage out, in;
+  std::memset(in.data, 0, kProbeBytes);
+  Status result;
+  if (::pwrite(fd, out.data, kProbeBytes, 0) != static_cast<ssize_t>(kProbeBytes)) {
+    result = ErrnoError(errno, fmt::format("write 4 KiB to {} with O_DIRECT", path));
+  } else if (::pread(fd, in.data, kProbeBytes, 0) != static_cast<ssize_t>(kProbeBytes)) {
+    result = ErrnoError(errno, fmt::format("read 4 KiB from {} with O_DIRECT", path));
+  } else if (std::memcmp(in.data, out.data, kProbeBytes) != 0) {
+    result = DataLossError(fmt::format("read back {} with O_DIRECT: the data differ", path));
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  return result;
+}
+
+Status RoundTrip(File& file, IoRequest request) {
+  std::array<IoRequest, 1> reqs = {request};
+  STRATA_RETURN_IF_ERROR(file.Submit(reqs));
+  std::array<IoRequest*, 1> done{};
+  STRATA_ASSIGN_OR_RETURN(size_t n, file.Reap(done, 1));
+  if (n != 1) return InternalError("io_uring probe: no completion");
+  return done[0]->status;
+}
+
+Status CheckUring(const std::string& dir) {
+  if (!UringAvailable()) {
+    return UnavailableError(
+        "io_uring: not built in, or refused by the kernel (seccomp in a container, "
+        "kernel.io_uring_disabled, or a kernel older than 5.6)");
+  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, CreateUringStorage(SqPoll::kOff));
+  const std::string path = ScratchName(dir, "uring");
+  Status result = [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<File> file,
+                            storage->Open(path, {.create = FileCreate::kCreate}));
+    STRATA_RETURN_IF_ERROR(file->Resize(kProbeBytes));
+    AlignedPage out, in;
+    std::memset(in.data, 0, kProbeBytes);
+    STRATA_RETURN_IF_ERROR(RoundTrip(*file, IoRequest::Write(0, out.span())));
+    STRATA_RETURN_IF_ERROR(RoundTrip(*file, IoRequest::Read(0, in.span())));
+    if (std::memcmp(in.data, out.data, kProbeBytes) != 0) {
+      return DataLossError(fmt::format("read back {} through io_uring: the data differ", path));
+    }
+    return OkStatus();
+  }();
+  ::unlink(path.c_str());
+  return result;
+}
+
+}  // namespace
+
+Result<HostMemory> ProbeHostMemory() {
+  std::ifstream in("/proc/meminfo");
+  if (!in) return UnavailableError("read /proc/meminfo: cannot open it");
+  std::stringstream text;
+  text << in.rdbuf();
+  HostMemory m;
+  m.total_bytes = MeminfoBytes(text.str(), "MemTotal");
+  m.available_bytes = MeminfoBytes(text.str(), "MemAvailable");
+  if (m.total_bytes == 0) return UnavailableError("read /proc/meminfo: no MemTotal line");
+  if (m.available_bytes == 0) m.available_bytes = MeminfoBytes(text.str(), "MemFree");
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_MEMLOCK, &lim) == 0) {
+    m.memlock_limit_bytes = lim.rlim_cur == RLIM_INFINITY ? kUnlimitedBytes : lim.rlim_cur;
+  }
+  m.memlock = m.memlock_limit_bytes == kUnlimitedBytes || HasCapIpcLock()
+                  ? MemlockLimit::kUnlimited
+                  : MemlockLimit::kLimited;
+  return m;
+}
+
+CpuInfo ProbeCpus() {
+  CpuInfo c;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) c.usable = CPU_COUNT(&set);
+  const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+  c.online = online > 0 ? static_cast<uint32_t>(online) : c.usable;
+  if (c.usable == 0) c.usable = c.online;
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) c.model = line.substr(line.find_first_not_of(' ', colon + 1));
+      break;
+    }
+  }
+  return c;
+}
+
+Status ProbePinning(uint64_t bytes) {
+  if (bytes == 0) return OkStatus();
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return ErrnoError(errno, fmt::format("map {}", FormatBytes(bytes)));
+  // The raw system call: sanitizer runtimes replace mlock(3) with a no-op.
+  Status result;
+  if (::syscall(SYS_mlock, p, bytes) != 0) {
+    result = ErrnoError(errno, fmt::format("mlock {}", FormatBytes(bytes)));
+  } else {
+    ::syscall(SYS_munlock, p, bytes);
+  }
+  ::munmap(p, bytes);
+  return result;
+}
+
+DirectoryProbe ProbeDirectory(const std::string& path, DirectoryChecks checks) {
+  namespace fs = std::filesystem;
+  DirectoryProbe d;
+  d.path = path;
+  std::error_code ec;
+  d.exists = fs::is_directory(path, ec);
+  // The nearest existing ancestor answers for space when `path` is yet to be made.
+  fs::path at = fs::absolute(path, ec);
+  while (!at.empty() && !fs::exists(at, ec) && at.has_parent_path() && at != at.parent_path()) {
+    at = at.parent_path();
+  }
+  d.probed_path = at.string();
+  struct statvfs vfs {};
+  struct statfs sfs {};
+  struct stat st {};
+  if (::statvfs(d.probed_path.c_str(), &vfs) != 0) {
+    d.space = ErrnoError(errno, fmt::format("statvfs {}", d.probed_path));
+  } else {
+    d.free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+    d.total_bytes = uint64_t{vfs.f_blocks} * vfs.f_frsize;
+  }
+  if (::statfs(d.probed_path.c_str(), &sfs) == 0) d.filesystem = FilesystemName(sfs.f_type);
+  if (::stat(d.probed_path.c_str(), &st) == 0) d.device_id = st.st_dev;
+
+  if (checks == DirectoryChecks::kSpace) {
+    d.o_direct = UnimplementedError("O_DIRECT: not checked");
+    d.io_uring = UnimplementedError("io_uring: not checked");
+  } else if (!d.exists) {
+    d.o_direct = NotFoundError(fmt::format("{}: not a directory (yet)", path));
+    d.io_uring = d.o_direct;
+  } else {
+    d.o_direct = CheckODirect(path);
+    d.io_uring = CheckUring(path);
+  }
+  return d;
+}
+
+Status CreateDirectories(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return OkStatus();
+  if (fs::exists(path, ec)) {
+    return FailedPreconditionError(
+        fmt::format("create directory {}: it exists and is not a directory", path));
+  }
+  fs::create_directories(path, ec);
+  if (ec) {
+    return ErrnoError(ec.value(), fmt::format("create directory {}", path));
+  }
+  return OkStatus();
+}
+
+uint64_t FileAllocatedBytes(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+  return uint64_t(st.st_blocks) * 512;
+}
+
+BackendVersions ProbeBackendVersions() {
+  BackendVersions v;
+#if STRATA_HAVE_CUDA
+  int x = 0;
+  if (cudaRuntimeGetVersion(&x) == cudaSuccess) v.cuda_runtime = x;
+  x = 0;
+  if (cudaDriverGetVersion(&x) == cudaSuccess) v.cuda_driver = x;
+#endif
+#if STRATA_HAVE_NCCL
+  int n = 0;
+  if (ncclGetVersion(&n) == ncclSuccess) v.nccl = n;
+#endif
+  return v;
+}
+
+std::string FormatCudaVersion(int version) {
+  if (version <= 0) return "";
+  return fmt::format("{}.{}", version / 1000, (version % 1000) / 10);
+}
+
+std::string FormatNcclVersion(int version) {
+  if (version <= 0) return "";
+  // NCCL >= 2.9 codes are major*10000 + minor*100 + patch; older ones *1000 + *100.
+  if (version >= 20900) {
+    return fmt::format("{}.{}.{}", version / 10000, (version % 10000) / 100, version % 100);
+  }
+  return fmt::format("{}.{}.{}", version / 1000, (version % 1000) / 100, version % 100);
+}
+
+}  // namespace strata

@@ -1,0 +1,101 @@
+// What this machine offers: CPUs, memory, the page-lock limit, and per
+// directory free space and whether O_DIRECT and io_uring work there; the
+// versions of the CUDA runtime, driver and NCCL this build talks to. The
+// planner's preflight (offload/placement.h) and `strata info` read these.
+//
+//   STRATA_ASSIGN_OR_RETURN(HostMemory mem, ProbeHostMemory());
+//   if (plan.host_total_bytes() > mem.available_bytes) { ... refuse ... }
+//   DirectoryProbe d = ProbeDirectory("/local_nvme", DirectoryChecks::kIo);
+//   if (!d.o_direct.ok()) LogWarning(d.o_direct.message());
+//
+// Each probe reads the machine as it is now (memory available changes from
+// one call to the next); they are thread-safe and allocate little. Only
+// ProbeDirectory(kIo) and ProbePinning do IO or lock memory, and they undo
+// what they did (a scratch file is removed, locked memory is unlocked and
+// unmapped). Nothing here depends on the build's backends except the
+// versions, which are 0 where a backend is not built or not present.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/status.h"
+
+namespace strata {
+
+inline constexpr uint64_t kUnlimitedBytes = ~uint64_t{0};
+
+// How much page-locked memory this process may hold.
+enum class MemlockLimit : uint8_t {
+  kLimited = 0,    // RLIMIT_MEMLOCK applies: memlock_limit_bytes
+  kUnlimited = 1,  // RLIMIT_MEMLOCK is unlimited, or the process has CAP_IPC_LOCK
+};
+
+struct HostMemory {
+  uint64_t total_bytes = 0;      // MemTotal
+  uint64_t available_bytes = 0;  // MemAvailable: what can be taken without swapping
+  uint64_t memlock_limit_bytes = 0;  // soft RLIMIT_MEMLOCK (kUnlimitedBytes: unlimited)
+  MemlockLimit memlock = MemlockLimit::kLimited;
+};
+
+// /proc/meminfo and getrlimit; Unavailable when /proc/meminfo cannot be read.
+Result<HostMemory> ProbeHostMemory();
+
+// CPUs this process may run on (sched_getaffinity), and the machine's.
+struct CpuInfo {
+  uint32_t usable = 0;
+  uint32_t online = 0;
+  std::string model;  // "model name" of /proc/cpuinfo, "" when absent
+};
+CpuInfo ProbeCpus();
+
+// Locks `bytes` of fresh anonymous memory and releases it: OK when mlock
+// works, the errno otherwise ("mlock 64.00 MiB: EPERM ...").
+Status ProbePinning(uint64_t bytes);
+
+enum class DirectoryChecks : uint8_t {
+  kSpace = 0,  // statvfs only: cheap, no IO
+  kIo = 1,     // also write and read a 4 KiB scratch file with O_DIRECT and with io_uring
+};
+
+struct DirectoryProbe {
+  std::string path;         // as given
+  std::string probed_path;  // the directory statvfs looked at: `path`, or its
+                            // nearest existing ancestor when `path` does not exist yet
+  bool exists = false;      // `path` itself is an existing directory
+  uint64_t free_bytes = 0;  // available to this user (f_bavail)
+  uint64_t total_bytes = 0;
+  uint64_t device_id = 0;   // st_dev: paths with the same id share their free space
+  std::string filesystem;   // "ext4", "xfs", "tmpfs", "overlay", ... ("" when unknown)
+  Status space;             // statvfs's outcome
+  Status o_direct;          // kIo: a 4 KiB O_DIRECT write and read; Unimplemented with kSpace
+  Status io_uring;          // kIo: the same through io_uring; Unimplemented with kSpace
+};
+
+DirectoryProbe ProbeDirectory(const std::string& path, DirectoryChecks checks);
+
+// Creates `path` and its missing parents (mode 0755, like `mkdir -p`). OK when
+// it already is a directory; FailedPrecondition when it exists as something
+// else; the errno naming the path otherwise ("create directory /x: EACCES ...").
+Status CreateDirectories(const std::string& path);
+
+// Bytes a file occupies on disk (st_blocks x 512; 0 when it does not exist).
+uint64_t FileAllocatedBytes(const std::string& path);
+
+// Versions as the libraries report them (CUDA: 1000 x major + 10 x minor,
+// e.g. 13000; NCCL: its NCCL_VERSION_CODE, e.g. 22809); 0 when not built or,
+// for the driver, when none is loaded.
+struct BackendVersions {
+  int cuda_runtime = 0;
+  int cuda_driver = 0;
+  int nccl = 0;
+};
+BackendVersions ProbeBackendVersions();
+
+// "13.0" from 13000; "" for 0.
+std::string FormatCudaVersion(int version);
+// "2.28.9" from 22809; "" for 0.
+std::string FormatNcclVersion(int version);
+
+}  // namespace strata

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# `cmake --install` of the build into a scratch prefix, then what a user does
+# with it: a C++ project with find_package(strata) and strata::offload (one
+# optimizer step), and a C program built with `pkg-config strata_c`.
+#   check_install.sh <strata build dir> <strata source dir> <scratch dir> [generator]
+set -euo pipefail
+build=$1 src=$2 work=$3 gen=${4:-Ninja}
+rm -rf "$work" && mkdir -p "$work"
+prefix=$work/prefix
+fail() { echo "check_install: $*"; exit 1; }
+cmake --install "$build" --prefix "$prefix" > "$work/install.log" || { cat "$work/install.log"; fail "install failed"; }
+for f in lib/cmake/strata/strataConfig.cmake lib/cmake/strata/strataTargets.cmake \
+         include/strata/offload/optimizer.h include/strata/runtime/status.h bin/strata; do
+  [ -e "$prefix/$f" ] || fail "$f not installed"
+done
+ls "$prefix"/lib/libstrata_c.so >/dev/null || fail "libstrata_c.so not installed"
+ls "$prefix"/include/strata/runtime/*_internal.h 2>/dev/null && fail "internal headers installed"
+
+# C++: find_package(strata).
+cmake -S "$src/tests/cmake/consumer" -B "$work/consumer" -G "$gen" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix" > "$work/consumer-configure.log" 2>&1 ||
+  { cat "$work/consumer-configure.log"; fail "find_package(strata) failed"; }
+cmake --build "$work/consumer" > "$work/consumer-build.log" 2>&1 ||
+  { cat "$work/consumer-build.log"; fail "the consumer did not build"; }
+"$work/consumer/consumer" || fail "the consumer's optimizer step failed"
+
+# C: pkg-config strata_c.
+export PKG_CONFIG_PATH=$prefix/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+flags=$(pkg-config --cflags --libs strata_c) || fail "pkg-config strata_c failed"
+echo "pkg-config strata_c: $flags"
+cc -std=c11 -o "$work/consumer_c" "$src/tests/cmake/consumer/consumer_c.c" $flags ||
+  fail "the C consumer did not build"
+LD_LIBRARY_PATH="$(pkg-config --variable=libdir strata_c)" "$work/consumer_c" ||
+  fail "the C consumer failed"
+
+"$prefix/bin/strata" --version
+echo "check_install: ok"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# scripts/gpu-check where there is no GPU.
+#   check_gpu_check.sh no-gpu   <source dir> <scratch dir>
+#     no nvidia-smi: exit 77, says NO GPU, every step "skipped" in report.json.
+#   check_gpu_check.sh fake-gpu <source dir> <scratch dir> <build dir> <python>
+#     an nvidia-smi that lists a GPU the build cannot open: exit 1, and every
+#     step that needs the GPU failed (none passes on the emulated device).
+# Exits 77 (skipped) when a real GPU is present: these are the no-GPU paths.
+set -euo pipefail
+mode=$1 src=$2 work=$3
+fail() { echo "check_gpu_check: $*"; exit 1; }
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  echo "SKIPPED: this machine has a GPU; run scripts/gpu-check itself"; exit 77
+fi
+rm -rf "$work" && mkdir -p "$work/bin"
+report=$work/out/report.json
+jq_py() { python3 -c "import json,sys; r=json.load(open('$report')); $1"; }
+case $mode in
+  no-gpu)
+    # A PATH without any nvidia-smi.
+    path=$(tr ':' '\n' <<<"$PATH" | while read -r d; do [ -x "$d/nvidia-smi" ] || printf '%s:' "$d"; done)
+    set +e; out=$(PATH="${path%:}" "$src/scripts/gpu-check" --out "$work/out" 2>&1); rc=$?; set -e
+    echo "$out"
+    [ $rc = 77 ] || fail "exit code $rc, wanted 77"
+    grep -q "NO GPU on this machine" <<<"$out" || fail "does not say there is no GPU"
+    jq_py "assert r['status'] == 'no_gpu', r['status']; \
+assert [s['name'] for s in r['steps']] == ['build','info','ctest-gpu','import-order','pytest-cuda','bench-pcie','demo']; \
+assert all(s['status'] == 'skipped' and s['summary'] == 'no GPU' for s in r['steps'])" ||
+      fail "report.json does not list every step as skipped"
+    [ -s "$work/out/report.txt" ] || fail "no report.txt"
+    ;;
+  fake-gpu)
+    build=$4 python=$5
+    printf '#!/bin/sh\necho "Fake GPU, 81559 MiB, 580.00"\n' > "$work/bin/nvidia-smi"
+    chmod +x "$work/bin/nvidia-smi"
+    set +e
+    out=$(PATH="$work/bin:$PATH" "$src/scripts/gpu-check" --no-build --build-dir "$build" \
+          --python "$python" --out "$work/out" --demo-steps 2 2>&1)
+    rc=$?
+    set -e
+    echo "$out"
+    [ $rc = 1 ] || fail "exit code $rc, wanted 1"
+    jq_py "st = {s['name']: s['status'] for s in r['steps']}; print(st); \
+assert r['status'] == 'failed'; \
+assert all(st[n] == 'failed' for n in ['info','ctest-gpu','import-order','pytest-cuda','bench-pcie','demo']), st" ||
+      fail "a GPU step passed without a GPU"
+    ;;
+  *) fail "mode $mode?" ;;
+esac
+echo "check_gpu_check: ok"
