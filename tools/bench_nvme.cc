@@ -25,6 +25,7 @@
 #include "runtime/pinned.h"
 #include "runtime/storage.h"
 #include "runtime/units.h"
+#include "tools/baselines.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -468,6 +469,44 @@ Status RunBenchNvme(const NvmeArgs& a) {
 }
 
 }  // namespace
+
+Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t bytes_per_dir,
+                                     uint64_t block_bytes, uint32_t queue_depth) {
+  if (dirs.empty()) return InvalidArgumentError("measure the drive: no directory");
+  if (block_bytes == 0 || block_bytes % 4096 != 0) {
+    return InvalidArgumentError(fmt::format(
+        "measure the drive: block {} is not a positive multiple of 4096 (O_DIRECT)", block_bytes));
+  }
+  const uint64_t per_file = std::max(bytes_per_dir / block_bytes, uint64_t{1}) * block_bytes;
+  STRATA_ASSIGN_OR_RETURN(auto storage, CreateStorage({}));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, CreateHostDevice());
+  TestFiles test_files;
+  std::vector<std::unique_ptr<File>> files;
+  std::vector<std::unique_ptr<AlignedBuffers>> bufs;
+  for (const std::string& d : dirs) {
+    const std::string path = fmt::format("{}/strata-drive-probe.{}.dat", d, ::getpid());
+    test_files.Add(path);
+    STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
+                                                         .direct = DirectIo::kAuto,
+                                                         .queue_depth = queue_depth}));
+    STRATA_ASSIGN_OR_RETURN(auto b, MakeIoBuffers("thp", *host, queue_depth, block_bytes));
+    STRATA_RETURN_IF_ERROR(f->RegisterBuffers(b->spans));
+    b->Fill();
+    bufs.push_back(std::move(b));
+    files.push_back(std::move(f));
+  }
+  auto pass = [&](IoOp op) {
+    return RunPass(files, op, per_file, block_bytes, queue_depth, bufs, Progress::kQuiet);
+  };
+  STRATA_RETURN_IF_ERROR(pass(IoOp::kWrite).status());  // lay the files out
+  for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
+  DriveRates r{.bytes = per_file * files.size(),
+               .direct = files[0]->info().io_mode == IoMode::kDirect};
+  STRATA_ASSIGN_OR_RETURN(r.write_bytes_per_sec, pass(IoOp::kWrite));
+  for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
+  STRATA_ASSIGN_OR_RETURN(r.read_bytes_per_sec, pass(IoOp::kRead));
+  return r;
+}
 
 void AddBenchNvmeCommand(Cli& cli) {
   auto args = std::make_shared<NvmeArgs>();

@@ -18,6 +18,7 @@
 #include "runtime/device.h"
 #include "runtime/dtype.h"
 #include "runtime/units.h"
+#include "tools/baselines.h"
 #include "tools/cli.h"
 
 #if STRATA_HAVE_CUDA
@@ -386,6 +387,21 @@ Status Run(const Options& o) {
 }
 
 }  // namespace
+
+Result<LinkRates> MeasureLinkRates(Device& device, size_t bytes) {
+  STRATA_ASSIGN_OR_RETURN(HostAllocation host, device.AllocateHost(bytes));
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer dev, device.Allocate(bytes));
+  std::memset(host.data(), 1, bytes);
+  STRATA_ASSIGN_OR_RETURN(Stream stream, device.CreateStream());
+  constexpr int kCount = 4, kRepeats = 3;
+  const Copy up{dev.data(), host.data(), CopyKind::kHostToDevice, stream};
+  const Copy down{host.data(), dev.data(), CopyKind::kDeviceToHost, stream};
+  STRATA_ASSIGN_OR_RETURN(double h2d, TimeCopies(device, std::span(&up, 1), bytes, kCount, kRepeats));
+  STRATA_ASSIGN_OR_RETURN(double d2h,
+                          TimeCopies(device, std::span(&down, 1), bytes, kCount, kRepeats));
+  const double moved = static_cast<double>(bytes) * kCount;
+  return LinkRates{.h2d_bytes_per_sec = moved / h2d, .d2h_bytes_per_sec = moved / d2h};
+}
 
 void AddBenchPcieCommand(Cli& cli) {
   auto o = std::make_shared<Options>();

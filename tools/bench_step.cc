@@ -2,15 +2,27 @@
 // device (the embedded default: no GPU needed), with part of the state on
 // NVMe, and how well the pipeline overlaps its stages.
 //
-// Every round runs one step with the overlapped pipeline and one with
-// PipelineMode::kSerial (each stage alone, nothing else running), on the same
-// optimizer, the same sub-groups and extents, in alternating order. The
-// serial steps give each resource's busy time alone: NVMe (reads + writes:
-// one drive), CPU (the optimizer and the gradient statistics), the D2H and
-// H2D links, the communicator. overlap_efficiency = (the largest of these,
-// median over rounds) / (the overlapped step time, median over rounds); 1.0
-// means the step costs exactly its bottleneck. docs/guide.md says how to read
-// the output; docs/perf/step.md has measured results.
+// The judge is the machine, measured in the same run before the optimizer
+// exists: the link each way alone (pinned copies on the device), the CPU's
+// stream rate for the optimizer's own traffic (CpuAdam::TrafficBaseline, as
+// `bench adam`), and the drive's read and write rates alone at the engine's
+// block size and queue depth on the same directories (as `bench nvme`). The
+// step's lower bound bound_sec is the largest of: PCIe bytes each way / the
+// link's rate, the optimizer's DRAM bytes / the stream rate, NVMe read bytes /
+// read rate + write bytes / write rate (one drive serves both);
+// bound_efficiency = bound_sec / the overlapped step time (medians over
+// rounds), and nvme_efficiency = the NVMe part of the bound / the NVMe busy
+// time in the overlapped step.
+//
+// Every round also runs one step with PipelineMode::kSerial (each stage
+// alone, nothing else running), on the same optimizer, in alternating order:
+// overlap_efficiency = (the largest resource busy time of the serial step) /
+// (the overlapped step time) says how well the stages overlap, but not how
+// fast each runs (it is 1.0 for an engine whose stages all run at half the
+// machine's speed): read it beside bound_efficiency. With --trace, each round
+// runs one more overlapped step with the trace recorder on (written to FILE,
+// and its cost reported as trace_overhead). docs/guide.md says how to read the
+// output; docs/perf/step.md has measured results.
 #include <fmt/format.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -18,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -35,11 +48,14 @@
 #include "offload/config.h"
 #include "offload/layout.h"
 #include "offload/optimizer.h"
+#include "cpu_adam/cpu_adam.h"
 #include "offload/placement.h"
 #include "runtime/comm.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
+#include "runtime/trace.h"
 #include "runtime/units.h"
+#include "tools/baselines.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -64,6 +80,9 @@ struct StepArgs {
   std::string block = "1MiB";
   uint32_t queue_depth = 8;
   std::string pcie_rate = "0";
+  std::string device = "host";
+  std::string trace_path;
+  std::string drive_probe = "512MiB";
   bool json = false;
   std::set<std::string> given;  // options given on the command line
 };
@@ -156,6 +175,7 @@ void Fill(void* dst, uint64_t n, DType dtype, float scale, uint64_t salt) {
 struct StepSample {
   StageTimes times;  // max over ranks, stage by stage
   uint64_t read_bytes = 0, write_bytes = 0, d2h_bytes = 0, h2d_bytes = 0;  // sum over ranks
+  uint64_t host_dram_bytes = 0;                                            // sum over ranks
 };
 
 StepSample Combine(const std::vector<StepStats>& ranks) {
@@ -175,6 +195,7 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
     s.write_bytes += r.write_bytes;
     s.d2h_bytes += r.d2h_bytes;
     s.h2d_bytes += r.h2d_bytes;
+    s.host_dram_bytes += r.host_dram_bytes;
   }
   return s;
 }
@@ -197,6 +218,57 @@ struct Resources {
     return b;
   }
 };
+
+// What the machine allows for a step's traffic: each resource's time at the
+// rate measured alone. The drive serves reads and writes in turn.
+struct Rates {
+  LinkRates link;
+  double adam_bytes_per_sec = 0;  // CpuAdam::TrafficBaseline
+  DriveRates drive;               // zero when there is no NVMe state (or --drive-probe 0)
+};
+
+struct Bound {
+  double d2h = 0, h2d = 0, cpu = 0, nvme = 0;
+  static Bound Of(const StepSample& s, const Rates& r) {
+    auto t = [](uint64_t bytes, double rate) { return rate > 0 ? bytes / rate : 0.0; };
+    return {t(s.d2h_bytes, r.link.d2h_bytes_per_sec), t(s.h2d_bytes, r.link.h2d_bytes_per_sec),
+            t(s.host_dram_bytes, r.adam_bytes_per_sec),
+            t(s.read_bytes, r.drive.read_bytes_per_sec) +
+                t(s.write_bytes, r.drive.write_bytes_per_sec)};
+  }
+  std::pair<std::string, double> Max() const {
+    std::pair<std::string, double> b{"cpu", cpu};
+    for (auto [name, v] : {std::pair<const char*, double>{"d2h", d2h}, {"h2d", h2d},
+                           {"nvme", nvme}}) {
+      if (v > b.second) b = {name, v};
+    }
+    return b;
+  }
+};
+
+// The CPU's stream rate for the optimizer's own traffic: TrafficBaseline (the
+// same reads and writes, dtypes, chunks and threads as the Adam step, trivial
+// arithmetic) over `elems` params, best of three.
+Result<double> MeasureAdamRate(const OffloadConfig& config, uint64_t elems) {
+  STRATA_ASSIGN_OR_RETURN(auto adam, CpuAdam::Create({.threads = config.threads}));
+  const size_t n = static_cast<size_t>(elems);
+  const size_t grad_bytes = DTypeSize(config.grad_dtype);
+  const size_t out_bytes = DTypeSize(config.param_dtype);
+  std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f);
+  std::vector<std::byte> g(n * grad_bytes, std::byte{0}), out(n * out_bytes);
+  const AdamState state{p, m, v};
+  const GradView gv{config.grad_dtype, g.data(), n};
+  const OutView ov{config.param_dtype, out.data(), n};
+  double best = 1e300;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    STRATA_RETURN_IF_ERROR(adam->TrafficBaseline(state, gv, ov));
+    const double sec =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::min(best, sec);  // the first one faults the pages in
+  }
+  return static_cast<double>(n * (grad_bytes + 24 + out_bytes)) / best;
+}
 
 nlohmann::json StagesJson(const StageTimes& t) {
   return {{"d2h", t.d2h},
@@ -340,12 +412,35 @@ Status RunStep(const StepArgs& a) {
   // ---- device, communicator, tensors ----
   const uint64_t tensor_bytes =
       params * (DTypeSize(config.param_dtype) + DTypeSize(config.grad_dtype));
+  constexpr uint64_t kLinkProbeBytes = 64 * kMiB;
   const uint64_t device_need =
-      a.ranks * (tensor_bytes + plan0.device_staging_bytes + 64 * kMiB) + 64 * kMiB;
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device,
-                          CreateHostDevice({.memory_budget_bytes = device_need,
-                                            .h2d_bytes_per_sec = static_cast<double>(pcie_rate),
-                                            .d2h_bytes_per_sec = static_cast<double>(pcie_rate)}));
+      a.ranks * (tensor_bytes + plan0.device_staging_bytes + 64 * kMiB) + kLinkProbeBytes +
+      64 * kMiB;
+  std::unique_ptr<Device> device;
+  if (a.device == "host") {
+    STRATA_ASSIGN_OR_RETURN(device,
+                            CreateHostDevice({.memory_budget_bytes = device_need,
+                                              .h2d_bytes_per_sec = static_cast<double>(pcie_rate),
+                                              .d2h_bytes_per_sec = static_cast<double>(pcie_rate)}));
+  } else {
+    int ordinal = -1;
+    if (a.device.rfind("cuda:", 0) == 0 && a.device.size() > 5 &&
+        a.device.find_first_not_of("0123456789", 5) == std::string::npos) {
+      ordinal = std::stoi(a.device.substr(5));
+    }
+    if (ordinal < 0) {
+      return InvalidArgumentError(
+          fmt::format("--device {}: give host or cuda:N (N: the GPU's ordinal)", a.device));
+    }
+    if (pcie_rate != 0) {
+      return InvalidArgumentError("--pcie-rate models a link for --device host; a GPU has its own");
+    }
+    if (a.ranks != 1) {
+      return InvalidArgumentError(
+          "--ranks with --device cuda: one rank per process on a GPU; run one bench per GPU");
+    }
+    STRATA_ASSIGN_OR_RETURN(device, CreateCudaDevice(ordinal));
+  }
   std::vector<std::unique_ptr<Communicator>> comms;
   if (a.ranks > 1) {
     STRATA_ASSIGN_OR_RETURN(comms, CreateLocalGroup(a.ranks, *device));
@@ -355,19 +450,54 @@ Status RunStep(const StepArgs& a) {
                FormatBytes(a.ranks * tensor_bytes).c_str());
   std::vector<RankModel> models(a.ranks);
   std::vector<Stream> streams;
+  // Filled on the host and copied (device memory may not be host-visible).
+  std::vector<std::byte> host_fill;
+  auto fill = [&](DeviceBuffer& buf, uint64_t n, DType dtype, float scale,
+                  uint64_t salt) -> Status {
+    host_fill.resize(n * DTypeSize(dtype));
+    Fill(host_fill.data(), n, dtype, scale, salt);
+    StreamRef s = device->DefaultStream();
+    STRATA_RETURN_IF_ERROR(device->CopyAsync(buf.data(), host_fill.data(), host_fill.size(),
+                                             CopyKind::kHostToDevice, s));
+    return device->StreamSynchronize(s);
+  };
   for (int r = 0; r < a.ranks; ++r) {
     for (uint32_t t = 0; t < a.tensors; ++t) {
       const uint64_t n = tensor_elems[t];
       STRATA_ASSIGN_OR_RETURN(DeviceBuffer d, device->Allocate(n * DTypeSize(config.param_dtype)));
       STRATA_ASSIGN_OR_RETURN(DeviceBuffer g, device->Allocate(n * DTypeSize(config.grad_dtype)));
-      Fill(d.data(), n, config.param_dtype, 1.0f, t);
-      Fill(g.data(), n, config.grad_dtype, 1e-3f, t + 7 * r);
+      STRATA_RETURN_IF_ERROR(fill(d, n, config.param_dtype, 1.0f, t));
+      STRATA_RETURN_IF_ERROR(fill(g, n, config.grad_dtype, 1e-3f, t + 7 * r));
       models[r].data.push_back(std::move(d));
       models[r].grad.push_back(std::move(g));
       models[r].elems.push_back(n);
     }
     STRATA_ASSIGN_OR_RETURN(Stream s, device->CreateStream());
     streams.push_back(std::move(s));
+  }
+
+  host_fill = {};
+
+  // ---- the machine alone: link, CPU stream, drive ----
+  Rates rates;
+  std::fprintf(stderr, "bench step: measuring the link, the CPU stream rate%s ...\n",
+               plan0.nvme_sub_groups > 0 ? " and the drive" : "");
+  STRATA_ASSIGN_OR_RETURN(rates.link, MeasureLinkRates(*device, kLinkProbeBytes));
+  STRATA_ASSIGN_OR_RETURN(
+      rates.adam_bytes_per_sec,
+      MeasureAdamRate(config, std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
+  STRATA_ASSIGN_OR_RETURN(const uint64_t probe_bytes, ParseBytes(a.drive_probe));
+  if (plan0.nvme_sub_groups > 0 && probe_bytes > 0) {
+    STRATA_ASSIGN_OR_RETURN(rates.drive,
+                            MeasureDriveRates(config.nvme_paths,
+                                              probe_bytes / config.nvme_paths.size(),
+                                              config.aio.block_bytes, config.aio.queue_depth));
+  }
+
+  std::unique_ptr<TraceRecorder> trace;
+  if (!a.trace_path.empty()) {
+    STRATA_ASSIGN_OR_RETURN(trace,
+                            TraceRecorder::Create({.steps = static_cast<uint32_t>(a.steps)}));
   }
 
   // ---- optimizers (Create is a collective: one thread per rank) ----
@@ -396,7 +526,8 @@ Status RunStep(const StepArgs& a) {
     STRATA_ASSIGN_OR_RETURN(
         opts[r], OffloadOptimizer::Create({.device = device.get(),
                                            .comm = a.ranks > 1 ? comms[r].get() : nullptr,
-                                           .stream = streams[r]},
+                                           .stream = streams[r],
+                                           .trace = trace.get()},
                                           config, groups));
     return OkStatus();
   }));
@@ -413,27 +544,34 @@ Status RunStep(const StepArgs& a) {
     }));
     return Combine(stats);
   };
-  auto name = [](PipelineMode m) {
-    return m == PipelineMode::kSerial ? "serial    " : "overlapped";
+  // A round: overlapped, serial (alternating which goes first so drift
+  // favours neither), and with --trace an overlapped step recorded.
+  enum class Kind { kOverlapped, kSerial, kTraced };
+  auto name = [](Kind k) {
+    return k == Kind::kSerial ? "serial    " : k == Kind::kTraced ? "traced    " : "overlapped";
   };
-  const int total = 2 * (a.warmup + a.steps);
+  const int steps_per_round = trace ? 3 : 2;
+  const int total = steps_per_round * (a.warmup + a.steps);
   int done = 0;
-  std::vector<StepSample> overlapped, serial;
+  std::vector<StepSample> overlapped, serial, traced;
   for (int round = 0; round < a.warmup + a.steps; ++round) {
     const bool warm = round < a.warmup;
-    // Alternate which goes first so drift favours neither.
-    const PipelineMode order[2] = {
-        round % 2 == 0 ? PipelineMode::kOverlapped : PipelineMode::kSerial,
-        round % 2 == 0 ? PipelineMode::kSerial : PipelineMode::kOverlapped};
-    for (PipelineMode m : order) {
-      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s) ...   ", done + 1, total, name(m),
+    std::vector<Kind> order = {round % 2 == 0 ? Kind::kOverlapped : Kind::kSerial,
+                               round % 2 == 0 ? Kind::kSerial : Kind::kOverlapped};
+    if (trace) order.insert(order.begin() + (round % 2 == 0 ? 1 : 2), Kind::kTraced);
+    for (Kind k : order) {
+      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s) ...   ", done + 1, total, name(k),
                    warm ? ", warm-up" : "");
-      STRATA_ASSIGN_OR_RETURN(StepSample s, run_step(m));
+      if (trace) trace->SetEnabled(k == Kind::kTraced && !warm);
+      STRATA_ASSIGN_OR_RETURN(
+          StepSample s, run_step(k == Kind::kSerial ? PipelineMode::kSerial
+                                                    : PipelineMode::kOverlapped));
+      if (trace) trace->SetEnabled(false);
       ++done;
-      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s): %s\n", done, total, name(m),
+      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s): %s\n", done, total, name(k),
                    warm ? ", warm-up" : "", FormatSeconds(s.times.step).c_str());
       if (warm) continue;
-      (m == PipelineMode::kSerial ? serial : overlapped).push_back(s);
+      (k == Kind::kSerial ? serial : k == Kind::kTraced ? traced : overlapped).push_back(s);
     }
   }
 
@@ -462,6 +600,29 @@ Status RunStep(const StepArgs& a) {
     nvme_sub_groups += p.nvme_sub_groups;
   }
   const double nvme_bytes = static_cast<double>(traffic.read_bytes + traffic.write_bytes);
+  // The machine's bound for this traffic, and how close the step came.
+  const Bound bound = Bound::Of(traffic, rates);
+  const auto [bound_resource, bound_sec] = bound.Max();
+  const double bound_efficiency = bound_sec / over.step;
+  const double nvme_busy = over.read + over.write;
+  const double nvme_efficiency = nvme_busy > 0 ? bound.nvme / nvme_busy : 0.0;
+  const double params_d = static_cast<double>(params);
+  double trace_overhead = 0;
+  if (trace) {
+    const StageTimes with = MedianTimes(traced);
+    trace_overhead = with.step / over.step - 1.0;
+    nlohmann::json other = {{"command", "strata bench step"},
+                            {"params", params},
+                            {"ranks", a.ranks},
+                            {"bound_sec", bound_sec},
+                            {"bound_resource", bound_resource},
+                            {"step_sec", with.step},
+                            {"dropped_events", trace->dropped()}};
+    STRATA_RETURN_IF_ERROR(trace->WriteChromeTrace(a.trace_path, other.dump()));
+    std::fprintf(stderr,
+                 "bench step: trace of %d step(s) in %s (open it in https://ui.perfetto.dev)\n",
+                 a.steps, a.trace_path.c_str());
+  }
 
   if (a.json) {
     nlohmann::json rounds = nlohmann::json::array();
@@ -516,6 +677,24 @@ Status RunStep(const StepArgs& a) {
         {"overlap_efficiency", efficiency},
         {"overlap_efficiency_per_round", per_round},
         {"nvme_bytes_per_sec_alone", res_alone.nvme > 0 ? nvme_bytes / res_alone.nvme : 0.0},
+        {"device", a.device},
+        {"baselines",
+         {{"h2d_bytes_per_sec", rates.link.h2d_bytes_per_sec},
+          {"d2h_bytes_per_sec", rates.link.d2h_bytes_per_sec},
+          {"adam_stream_bytes_per_sec", rates.adam_bytes_per_sec},
+          {"drive_read_bytes_per_sec", rates.drive.read_bytes_per_sec},
+          {"drive_write_bytes_per_sec", rates.drive.write_bytes_per_sec},
+          {"drive_probe_bytes", rates.drive.bytes},
+          {"drive_direct_io", rates.drive.direct}}},
+        {"bound", {{"d2h", bound.d2h}, {"h2d", bound.h2d}, {"cpu", bound.cpu}, {"nvme", bound.nvme}}},
+        {"bound_sec", bound_sec},
+        {"bound_resource", bound_resource},
+        {"bound_efficiency", bound_efficiency},
+        {"nvme_efficiency", nvme_efficiency},
+        {"d2h_bytes_per_param", traffic.d2h_bytes / params_d},
+        {"h2d_bytes_per_param", traffic.h2d_bytes / params_d},
+        {"host_dram_bytes_per_param", traffic.host_dram_bytes / params_d},
+        {"trace_overhead", trace ? nlohmann::json(trace_overhead) : nlohmann::json(nullptr)},
         {"bytes_per_tier",
          {{"host", {{"state", host_state}, {"staging", host_staging}}},
           {"nvme", {{"state", nvme_state}}},
@@ -545,9 +724,25 @@ Status RunStep(const StepArgs& a) {
                                               : "unlimited",
       a.ranks > 1 ? " per rank" : "", FormatBytes(nvme_state).c_str(),
       FormatBytes(a.ranks * tensor_bytes).c_str(), FormatBytes(device_staging).c_str());
-  std::printf("  traffic per step: nvme read %s, write %s, d2h %s, h2d %s\n",
-              FormatBytes(traffic.read_bytes).c_str(), FormatBytes(traffic.write_bytes).c_str(),
-              FormatBytes(traffic.d2h_bytes).c_str(), FormatBytes(traffic.h2d_bytes).c_str());
+  std::printf(
+      "  traffic per step: nvme read %s, write %s, d2h %s (%.2f B/param), h2d %s (%.2f "
+      "B/param), cpu dram %s (%.2f B/param)\n",
+      FormatBytes(traffic.read_bytes).c_str(), FormatBytes(traffic.write_bytes).c_str(),
+      FormatBytes(traffic.d2h_bytes).c_str(), traffic.d2h_bytes / params_d,
+      FormatBytes(traffic.h2d_bytes).c_str(), traffic.h2d_bytes / params_d,
+      FormatBytes(traffic.host_dram_bytes).c_str(), traffic.host_dram_bytes / params_d);
+  std::printf("  the machine alone: link h2d %s, d2h %s; cpu stream %s (adam traffic)",
+              FormatRate(rates.link.h2d_bytes_per_sec).c_str(),
+              FormatRate(rates.link.d2h_bytes_per_sec).c_str(),
+              FormatRate(rates.adam_bytes_per_sec).c_str());
+  if (rates.drive.bytes > 0) {
+    std::printf("; drive read %s, write %s (%s%s)",
+                FormatRate(rates.drive.read_bytes_per_sec).c_str(),
+                FormatRate(rates.drive.write_bytes_per_sec).c_str(),
+                FormatBytes(rates.drive.bytes).c_str(),
+                rates.drive.direct ? ", O_DIRECT" : ", buffered: the page cache, not the drive");
+  }
+  std::printf("\n");
   std::printf("  %-12s %12s %12s\n", "stage", "overlapped", "alone");
   auto row = [](const char* n, double o, double s) {
     std::printf("  %-12s %12s %12s\n", n, FormatSeconds(o).c_str(), FormatSeconds(s).c_str());
@@ -574,6 +769,14 @@ Status RunStep(const StepArgs& a) {
       efficiency, a.steps);
   for (double e : per_round) std::printf(" %.3f", e);
   std::printf(")\n");
+  std::printf(
+      "  bound %s: d2h %s, h2d %s, cpu %s, nvme %s; step %s; bound_efficiency %.3f",
+      bound_resource.c_str(), FormatSeconds(bound.d2h).c_str(), FormatSeconds(bound.h2d).c_str(),
+      FormatSeconds(bound.cpu).c_str(), FormatSeconds(bound.nvme).c_str(),
+      FormatSeconds(over.step).c_str(), bound_efficiency);
+  if (bound.nvme > 0) std::printf(", nvme_efficiency %.3f", nvme_efficiency);
+  if (trace) std::printf(", trace_overhead %+.1f%%", 100 * trace_overhead);
+  std::printf("\n");
   return OkStatus();
 }
 
@@ -582,7 +785,9 @@ Status RunStep(const StepArgs& a) {
 void AddBenchStepCommand(Cli& cli) {
   auto a = std::make_shared<StepArgs>();
   CLI::App* cmd = cli.bench->add_subcommand(
-      "step", "Whole OffloadOptimizer steps on the host device: stage times, overlap efficiency");
+      "step",
+      "Whole OffloadOptimizer steps: stage times against the machine's bound (link, CPU "
+      "stream, drive measured in the same run)");
   cmd->add_option("--config", a->config_path,
                   "DeepSpeed-style JSON config to start from (the options below override it)")
       ->check(CLI::ExistingFile);
@@ -635,6 +840,16 @@ void AddBenchStepCommand(Cli& cli) {
   cmd->add_option("--pcie-rate", a->pcie_rate,
                   "Model a PCIe link: H2D and D2H each capped at this many bytes/s (0: memcpy "
                   "speed)")
+      ->capture_default_str();
+  cmd->add_option("--device", a->device,
+                  "host (the emulated device, the embedded default) or cuda:N")
+      ->capture_default_str();
+  cmd->add_option("--trace", a->trace_path,
+                  "Record the timed steps (one more overlapped step per round) as a Chrome "
+                  "trace (Perfetto, chrome://tracing) in this file");
+  cmd->add_option("--drive-probe", a->drive_probe,
+                  "Bytes the drive baseline reads and writes on the --nvme-dir paths (0: skip "
+                  "it; no NVMe bound then)")
       ->capture_default_str();
   cmd->add_flag("--json", a->json, "Print one JSON object on stdout");
   cmd->callback([&cli, a, cmd] {

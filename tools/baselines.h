@@ -1,0 +1,39 @@
+// Same-run baselines the benchmarks judge the engine against: what the
+// machine's link and drive do alone, measured the way the engine uses them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "runtime/device.h"
+#include "runtime/status.h"
+
+namespace strata::cli {
+
+// The link between host and device, each direction alone: Device::CopyAsync
+// of pinned host memory (AllocateHost) in `bytes` copies, best of a few
+// (bench pcie's pinned figure). On the host device it is the modelled link
+// (or memcpy speed without one).
+struct LinkRates {
+  double h2d_bytes_per_sec = 0;
+  double d2h_bytes_per_sec = 0;
+};
+Result<LinkRates> MeasureLinkRates(Device& device, size_t bytes);
+
+// The drive under `dirs`, reads alone and writes alone: one file of
+// `bytes_per_dir` per directory, sequential, `block_bytes` requests with
+// `queue_depth` in flight per file, one thread per file, O_DIRECT where the
+// filesystem allows (the engine's IO shape; bench nvme's figure). The files
+// are laid out first, then overwritten (the write rate), then read; they are
+// removed afterwards, also on Ctrl-C.
+struct DriveRates {
+  double read_bytes_per_sec = 0;
+  double write_bytes_per_sec = 0;
+  uint64_t bytes = 0;  // per pass, over every directory
+  bool direct = false;  // O_DIRECT (else the page cache is measured too)
+};
+Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t bytes_per_dir,
+                                     uint64_t block_bytes, uint32_t queue_depth);
+
+}  // namespace strata::cli
