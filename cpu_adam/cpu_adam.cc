@@ -266,6 +266,21 @@ Status CpuAdam::TrafficBaseline(const AdamState& state, GradView grad, OutView o
   return OkStatus();
 }
 
+void CpuAdam::ParallelFor(size_t n, size_t grain,
+                          const std::function<void(size_t, size_t)>& body) {
+  grain = std::max<size_t>(grain, 1);
+  if (impl_->threads == 1 || n <= grain) {
+    if (n > 0) body(0, n);
+    return;
+  }
+  impl_->arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, n, grain),
+                      [&](const tbb::blocked_range<size_t>& r) {
+                        body(r.begin(), r.end() - r.begin());
+                      });
+  });
+}
+
 Result<GradStats> CpuAdam::ComputeGradStats(GradView grad, float grad_scale) {
   STRATA_RETURN_IF_ERROR(cai::CheckGrad("grad stats", grad));
   std::vector<cai::StatsPartial> partials(StatsBlocks(grad.elems));

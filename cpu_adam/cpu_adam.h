@@ -76,6 +76,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -219,6 +220,11 @@ class CpuAdam {
   // their own values (x + 0 * g) and `out` gets the truncated params. Same
   // errors as Step.
   Status TrafficBaseline(const AdamState& state, GradView grad, OutView out);
+
+  // Runs body(begin, count) over [0, n) in blocks of at least `grain`
+  // elements on the optimizer's threads (its arena): for work at memory speed
+  // beside the step, such as filling the initial state. Returns when all ran.
+  void ParallelFor(size_t n, size_t grain, const std::function<void(size_t, size_t)>& body);
 
  private:
   struct Impl;

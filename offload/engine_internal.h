@@ -13,7 +13,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <utility>
+#include <vector>
 
 #include "runtime/device.h"
 #include "runtime/pinned.h"
@@ -100,5 +102,8 @@ class HostSlice {
 // One pinned buffer of `bytes` (rounded up to 4 KiB, at least 4 KiB) from a
 // pool of its own: the engine's buffers are few and long-lived.
 Result<PinnedBuffer> AllocatePinned(Device& device, uint64_t bytes);
+// Buffers of these sizes (each rounded up to 4096) from one slab: one
+// page-locking call, which the host device faults in on every core.
+Result<std::vector<PinnedBuffer>> AllocatePinned(Device& device, std::span<const uint64_t> bytes);
 
 }  // namespace strata::internal

@@ -474,21 +474,46 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
 }
 
 // The master weights start as the params (exact: fp16/bf16 -> fp32); the
-// moments and the padding as zero.
+// moments and the padding as zero. A pipeline, so that setup runs at memory
+// speed: the params of sub-group i + 1 come down while i is converted on
+// every optimizer thread, and i's NVMe write runs while i + 1 is filled.
+// A progress line when it takes more than a couple of seconds.
 Status OffloadOptimizer::Impl::InitState() {
-  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
-    STRATA_RETURN_IF_ERROR((publisher->ReadParams(i, 0))
-                               .WithContext(fmt::format("read the initial params of {}",
-                                                        tiers->Name(i))));
-    const std::byte* staging = publisher->Staging(0);
+  const uint32_t n = static_cast<uint32_t>(sub_groups.size());
+  const uint32_t slots = publisher->slots();
+  uint64_t total = 0;
+  for (const ElemRange& g : sub_groups) total += g.elems() * arrays * 4;
+  ProgressReporter progress(fmt::format("rank {}: initial optimizer state", rank), total,
+                            ProgressUnit::kBytes);
+  auto read = [&](uint32_t i) {
+    return publisher->ReadParams(i, i % slots)
+        .WithContext(fmt::format("read the initial params of {}", tiers->Name(i)));
+  };
+  if (n > 0) STRATA_RETURN_IF_ERROR(read(0));
+  for (uint32_t i = 0; i < n; ++i) {
+    // With one slot the next read would overwrite what is being converted.
+    if (slots > 1 && i + 1 < n) STRATA_RETURN_IF_ERROR(read(i + 1));
+    STRATA_RETURN_IF_ERROR(publisher->WaitSlot(i % slots));
+    const std::byte* staging = publisher->Staging(i % slots);
     const uint64_t elems = sub_groups[i].elems();
+    const size_t param_bytes = DTypeSize(config.param_dtype);
     STRATA_RETURN_IF_ERROR(
         (tiers->Fill(i,
                      [&](std::span<float> s) {
-                       ConvertIn(staging, config.param_dtype, s.first(elems));
+                       cpu->ParallelFor(s.size(), 1 << 20, [&](size_t b, size_t count) {
+                         const size_t convert = b < elems ? std::min(count, elems - b) : 0;
+                         ConvertIn(staging + b * param_bytes, config.param_dtype,
+                                   s.subspan(b, convert));
+                         std::fill_n(s.data() + b + convert, count - convert, 0.0f);
+                       });
                      }))
             .WithContext(fmt::format("write the initial state of {}", tiers->Name(i))));
+    if (slots == 1 && i + 1 < n) STRATA_RETURN_IF_ERROR(read(i + 1));
+    progress.Add(elems * arrays * 4);
   }
+  STRATA_RETURN_IF_ERROR(
+      tiers->FinishWrites([](uint32_t, const Status&) {}).WithContext("write the initial state"));
+  progress.Finish();
   publisher->TakeTimes();
   return OkStatus();
 }

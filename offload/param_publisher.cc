@@ -119,8 +119,7 @@ Status ParamPublisher::ReadParams(uint32_t i, uint32_t slot) {
     STRATA_RETURN_IF_ERROR(dev.CopyAsync(dst + p.offset_elems * param_bytes_, src,
                                          p.elems * param_bytes_, CopyKind::kDeviceToHost, stream_));
   }
-  STRATA_RETURN_IF_ERROR(dev.RecordEvent(slot_events_[slot], stream_));
-  return dev.StreamSynchronize(stream_);
+  return dev.RecordEvent(slot_events_[slot], stream_);
 }
 
 PublisherTimes ParamPublisher::TakeTimes() {

@@ -74,8 +74,9 @@ class ParamPublisher {
   Status Publish(uint32_t i, uint32_t slot, PublishMode mode);
   // Waits for every upload; the trainer's stream waits for them too.
   Status Finish();
-  // Copies sub-group i's own pieces of the trainer's params into `slot`
-  // (padding zeroed) and waits: the values the master weights start from.
+  // Queues the copy of sub-group i's own pieces of the trainer's params into
+  // `slot` (padding zeroed): the values the master weights start from.
+  // WaitSlot(slot) waits for it.
   Status ReadParams(uint32_t i, uint32_t slot);
 
   StreamRef stream() const { return stream_; }

@@ -31,15 +31,19 @@ Status StateTiers::Init() {
   for (const ElemRange& r : o_.sub_groups) max_elems = std::max(max_elems, r.elems());
   extent_.assign(n, -1);
   host_.resize(n);
+  std::vector<uint32_t> in_dram;
+  std::vector<uint64_t> dram_bytes;
   for (uint32_t i = 0; i < n; ++i) {
     if (o_.plan->sub_groups[i].tier == Tier::kNvme) {
       extent_[i] = static_cast<int32_t>(nvme_order_.size());
       nvme_order_.push_back(i);
     } else {
-      STRATA_ASSIGN_OR_RETURN(host_[i],
-                              AllocatePinned(dev, o_.sub_groups[i].elems() * o_.arrays * 4));
+      in_dram.push_back(i);
+      dram_bytes.push_back(o_.sub_groups[i].elems() * o_.arrays * 4);
     }
   }
+  STRATA_ASSIGN_OR_RETURN(std::vector<PinnedBuffer> dram, AllocatePinned(dev, dram_bytes));
+  for (size_t k = 0; k < in_dram.size(); ++k) host_[in_dram[k]] = std::move(dram[k]);
   if (nvme_order_.empty()) return OkStatus();
   Storage* storage = o_.storage;
   if (storage == nullptr) {
@@ -146,12 +150,16 @@ Status StateTiers::WaitWrite(uint32_t i) {
 }
 
 Status StateTiers::Fill(uint32_t i, const std::function<void(std::span<float>)>& fill) {
-  std::span<float> s = on_nvme(i) ? NvmeState(i) : HostState(i);
-  std::fill(s.begin(), s.end(), 0.0f);
-  fill(s);
-  if (!on_nvme(i)) return OkStatus();
+  if (!on_nvme(i)) {
+    fill(HostState(i));
+    return OkStatus();
+  }
+  // The extent that used this buffer last: its write must be done.
+  const uint32_t e = static_cast<uint32_t>(extent_[i]);
+  if (e >= buffers_.size()) STRATA_RETURN_IF_ERROR(WaitWrite(nvme_order_[e - buffers_.size()]));
+  fill(NvmeState(i));
   StartWrite(i);
-  return WaitWrite(i);
+  return OkStatus();
 }
 
 Status StateTiers::FinishWrites(const std::function<void(uint32_t, const Status&)>& done) {
@@ -185,7 +193,9 @@ Status StateTiers::Read(uint32_t i, std::span<float> out) {
 }
 
 Status StateTiers::Write(uint32_t i, std::span<const float> state) {
-  return Fill(i, [&](std::span<float> s) { std::copy(state.begin(), state.end(), s.begin()); });
+  STRATA_RETURN_IF_ERROR(
+      Fill(i, [&](std::span<float> s) { std::copy(state.begin(), state.end(), s.begin()); }));
+  return WaitWrite(i);
 }
 
 TierFigures StateTiers::TakeFigures() {

@@ -87,8 +87,9 @@ class StateTiers {
   // Waits for reads queued and never acquired (after an error).
   void DrainReads();
 
-  // Sets i's whole state: `fill` writes it (elems x arrays floats, zeroed
-  // first) in place, then an NVMe one is written. For the initial state.
+  // Sets i's whole state: `fill` writes every one of its elems x arrays
+  // floats in place; an NVMe one is then queued for writing (its buffer's
+  // previous write is waited for first). FinishWrites or WaitWrite(i) waits.
   Status Fill(uint32_t i, const std::function<void(std::span<float>)>& fill);
 
   // Whole-state access between steps (checkpoints, tests).

@@ -504,6 +504,7 @@ Status RunStep(const StepArgs& a) {
   std::fprintf(stderr, "bench step: creating the optimizer%s (writes the initial state) ...\n",
                a.ranks > 1 ? "s" : "");
   std::vector<std::unique_ptr<OffloadOptimizer>> opts(a.ranks);
+  const auto setup_start = std::chrono::steady_clock::now();
   auto on_ranks = [&](const std::function<Status(int)>& body) -> Status {
     std::vector<Status> status(a.ranks);
     std::vector<std::thread> threads;
@@ -531,6 +532,14 @@ Status RunStep(const StepArgs& a) {
                                           config, groups));
     return OkStatus();
   }));
+
+  const double setup_sec =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - setup_start).count();
+  uint64_t state_bytes = 0;
+  for (const auto& opt : opts) state_bytes += opt->plan().host_state_bytes + opt->plan().nvme_state_bytes;
+  std::fprintf(stderr, "bench step: created in %s: %s of state at %s\n",
+               FormatSeconds(setup_sec).c_str(), FormatBytes(state_bytes).c_str(),
+               FormatRate(state_bytes / setup_sec).c_str());
 
   // ---- steps ----
   auto run_step = [&](PipelineMode mode) -> Result<StepSample> {
@@ -678,6 +687,8 @@ Status RunStep(const StepArgs& a) {
         {"overlap_efficiency_per_round", per_round},
         {"nvme_bytes_per_sec_alone", res_alone.nvme > 0 ? nvme_bytes / res_alone.nvme : 0.0},
         {"device", a.device},
+        {"setup_sec", setup_sec},
+        {"setup_state_bytes_per_sec", state_bytes / setup_sec},
         {"baselines",
          {{"h2d_bytes_per_sec", rates.link.h2d_bytes_per_sec},
           {"d2h_bytes_per_sec", rates.link.d2h_bytes_per_sec},
