@@ -83,6 +83,7 @@ struct StepArgs {
   std::string device = "host";
   std::string trace_path;
   std::string drive_probe = "512MiB";
+  bool backward = true;
   bool json = false;
   std::set<std::string> given;  // options given on the command line
 };
@@ -176,6 +177,7 @@ struct StepSample {
   StageTimes times;  // max over ranks, stage by stage
   uint64_t read_bytes = 0, write_bytes = 0, d2h_bytes = 0, h2d_bytes = 0;  // sum over ranks
   uint64_t host_dram_bytes = 0;                                            // sum over ranks
+  double handover_sec = 0;  // the simulated backward's hand-over (slowest rank)
 };
 
 StepSample Combine(const std::vector<StepStats>& ranks) {
@@ -542,16 +544,31 @@ Status RunStep(const StepArgs& a) {
                FormatRate(state_bytes / setup_sec).c_str());
 
   // ---- steps ----
+  // With --backward (the default) each step follows a simulated backward: the
+  // grads are reported with GradReady, last tensor first as backward produces
+  // them, and the device finishes what that queued (the statistics; with
+  // several ranks pack, reduce-scatter and D2H) before Step() is timed, as a
+  // trainer's backward would hide it on a GPU. Its time is reported apart.
+  std::vector<double> handover(a.ranks);
   auto run_step = [&](PipelineMode mode) -> Result<StepSample> {
     std::vector<StepStats> stats(a.ranks);
     STRATA_RETURN_IF_ERROR(on_ranks([&](int r) -> Status {
       opts[r]->SetPipelineMode(mode);
+      if (a.backward) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (uint32_t t = a.tensors; t-- > 0;) STRATA_RETURN_IF_ERROR(opts[r]->GradReady(t));
+        STRATA_RETURN_IF_ERROR(device->Synchronize());
+        handover[r] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
       STRATA_RETURN_IF_ERROR(opts[r]->Step());
       STRATA_RETURN_IF_ERROR(device->StreamSynchronize(streams[r]));
       stats[r] = opts[r]->last_step();
       return OkStatus();
     }));
-    return Combine(stats);
+    StepSample s = Combine(stats);
+    s.handover_sec = *std::max_element(handover.begin(), handover.end());
+    return s;
   };
   // A round: overlapped, serial (alternating which goes first so drift
   // favours neither), and with --trace an overlapped step recorded.
@@ -688,6 +705,12 @@ Status RunStep(const StepArgs& a) {
         {"nvme_bytes_per_sec_alone", res_alone.nvme > 0 ? nvme_bytes / res_alone.nvme : 0.0},
         {"device", a.device},
         {"setup_sec", setup_sec},
+        {"backward", a.backward},
+        {"handover_sec", a.backward ? Median([&] {
+           std::vector<double> v;
+           for (const StepSample& x : overlapped) v.push_back(x.handover_sec);
+           return v;
+         }()) : 0.0},
         {"setup_state_bytes_per_sec", state_bytes / setup_sec},
         {"baselines",
          {{"h2d_bytes_per_sec", rates.link.h2d_bytes_per_sec},
@@ -767,6 +790,12 @@ Status RunStep(const StepArgs& a) {
   row("h2d", over.h2d, alone.h2d);
   row("device", over.device, alone.device);
   row("step", over.step, alone.step);
+  if (a.backward) {
+    std::vector<double> v;
+    for (const StepSample& x : overlapped) v.push_back(x.handover_sec);
+    std::printf("  (before each step, the simulated backward's hand-over: %s)\n",
+                FormatSeconds(Median(v)).c_str());
+  }
   std::printf("  resources alone: nvme %s (%s), cpu %s, d2h %s, h2d %s, comm %s, device %s\n",
               FormatSeconds(res_alone.nvme).c_str(),
               res_alone.nvme > 0 ? FormatRate(nvme_bytes / res_alone.nvme).c_str() : "-",
@@ -861,6 +890,10 @@ void AddBenchStepCommand(Cli& cli) {
   cmd->add_option("--drive-probe", a->drive_probe,
                   "Bytes the drive baseline reads and writes on the --nvme-dir paths (0: skip "
                   "it; no NVMe bound then)")
+      ->capture_default_str();
+  cmd->add_flag("--backward,!--no-backward", a->backward,
+                "Report the grads with GradReady before each step, as a trainer's backward does, "
+                "and time the hand-over apart (default); --no-backward: Step() takes them all")
       ->capture_default_str();
   cmd->add_flag("--json", a->json, "Print one JSON object on stdout");
   cmd->callback([&cli, a, cmd] {
