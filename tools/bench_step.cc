@@ -190,6 +190,7 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
     s.times.adam = std::max(s.times.adam, t.adam);
     s.times.grad_stats = std::max(s.times.grad_stats, t.grad_stats);
     s.times.write = std::max(s.times.write, t.write);
+    s.times.nvme = std::max(s.times.nvme, t.nvme);
     s.times.h2d = std::max(s.times.h2d, t.h2d);
     s.times.device = std::max(s.times.device, t.device);
     s.times.step = std::max(s.times.step, t.step);
@@ -202,11 +203,12 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
   return s;
 }
 
-// Busy time of each resource: NVMe reads and writes share the drive.
+// Busy time of each resource: NVMe = wall time with IO in flight (reads and
+// writes share the drive).
 struct Resources {
   double nvme = 0, cpu = 0, d2h = 0, h2d = 0, comm = 0, device = 0;
   static Resources Of(const StageTimes& t) {
-    return {t.read + t.write, t.adam, t.d2h, t.h2d, t.comm, t.device};
+    return {t.nvme, t.adam, t.d2h, t.h2d, t.comm, t.device};
   }
   std::pair<std::string, double> Bottleneck() const {
     std::pair<std::string, double> b{"nvme", nvme};
@@ -278,6 +280,7 @@ nlohmann::json StagesJson(const StageTimes& t) {
           {"read", t.read},
           {"adam", t.adam},
           {"write", t.write},
+          {"nvme", t.nvme},
           {"h2d", t.h2d},
           {"grad_stats", t.grad_stats},
           {"device", t.device},
@@ -298,6 +301,7 @@ StageTimes MedianTimes(const std::vector<StepSample>& v) {
   t.adam = med(&StageTimes::adam);
   t.grad_stats = med(&StageTimes::grad_stats);
   t.write = med(&StageTimes::write);
+  t.nvme = med(&StageTimes::nvme);
   t.h2d = med(&StageTimes::h2d);
   t.device = med(&StageTimes::device);
   t.step = med(&StageTimes::step);
@@ -630,7 +634,7 @@ Status RunStep(const StepArgs& a) {
   const Bound bound = Bound::Of(traffic, rates);
   const auto [bound_resource, bound_sec] = bound.Max();
   const double bound_efficiency = bound_sec / over.step;
-  const double nvme_busy = over.read + over.write;
+  const double nvme_busy = over.nvme;
   const double nvme_efficiency = nvme_busy > 0 ? bound.nvme / nvme_busy : 0.0;
   const double params_d = static_cast<double>(params);
   double trace_overhead = 0;
@@ -787,6 +791,7 @@ Status RunStep(const StepArgs& a) {
   row("adam", over.adam, alone.adam);
   row(" grad stats", over.grad_stats, alone.grad_stats);
   row("write", over.write, alone.write);
+  row(" nvme busy", over.nvme, alone.nvme);
   row("h2d", over.h2d, alone.h2d);
   row("device", over.device, alone.device);
   row("step", over.step, alone.step);
