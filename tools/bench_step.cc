@@ -82,7 +82,7 @@ struct StepArgs {
   std::string pcie_rate = "0";
   std::string device = "host";
   std::string trace_path;
-  std::string drive_probe = "512MiB";
+  std::string drive_probe = "auto";
   bool backward = true;
   bool json = false;
   std::set<std::string> given;  // options given on the command line
@@ -492,7 +492,12 @@ Status RunStep(const StepArgs& a) {
   STRATA_ASSIGN_OR_RETURN(
       rates.adam_bytes_per_sec,
       MeasureAdamRate(config, std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
-  STRATA_ASSIGN_OR_RETURN(const uint64_t probe_bytes, ParseBytes(a.drive_probe));
+  // auto: as many bytes as one copy of the rank's NVMe state (256 MiB to 4
+  // GiB): a small file may sit in a cache (a VM's host) the state does not.
+  uint64_t probe_bytes = std::clamp<uint64_t>(plan0.nvme_state_bytes, 256 * kMiB, 4 * kGiB);
+  if (a.drive_probe != "auto") {
+    STRATA_ASSIGN_OR_RETURN(probe_bytes, ParseBytes(a.drive_probe));
+  }
   if (plan0.nvme_sub_groups > 0 && probe_bytes > 0) {
     STRATA_ASSIGN_OR_RETURN(rates.drive,
                             MeasureDriveRates(config.nvme_paths,
@@ -893,8 +898,8 @@ void AddBenchStepCommand(Cli& cli) {
                   "Record the timed steps (one more overlapped step per round) as a Chrome "
                   "trace (Perfetto, chrome://tracing) in this file");
   cmd->add_option("--drive-probe", a->drive_probe,
-                  "Bytes the drive baseline reads and writes on the --nvme-dir paths (0: skip "
-                  "it; no NVMe bound then)")
+                  "Bytes the drive baseline reads and writes on the --nvme-dir paths (auto: "
+                  "one copy of the NVMe state, 256 MiB to 4 GiB; 0: skip it, no NVMe bound then)")
       ->capture_default_str();
   cmd->add_flag("--backward,!--no-backward", a->backward,
                 "Report the grads with GradReady before each step, as a trainer's backward does, "
