@@ -491,55 +491,45 @@ Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t
   STRATA_ASSIGN_OR_RETURN(auto storage, CreateStorage({}));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, CreateHostDevice());
   TestFiles test_files;
-  std::vector<std::unique_ptr<File>> files;
-  std::vector<std::unique_ptr<AlignedBuffers>> bufs;
-  for (const std::string& d : dirs) {
-    const std::string path = fmt::format("{}/strata-drive-probe.{}.dat", d, ::getpid());
-    test_files.Add(path);
-    STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
-                                                         .direct = DirectIo::kAuto,
-                                                         .queue_depth = queue_depth}));
-    STRATA_ASSIGN_OR_RETURN(auto b, MakeIoBuffers("thp", *host, probe_buffers, block_bytes));
-    STRATA_RETURN_IF_ERROR(f->RegisterBuffers(b->spans));
-    b->Fill();
-    bufs.push_back(std::move(b));
-    files.push_back(std::move(f));
-  }
-  auto pass = [&](IoOp op) {
-    return RunPass(files, op, per_file, block_bytes, queue_depth, bufs, Progress::kQuiet);
+  // One file per directory, its buffers registered, laid out and synced.
+  struct FileSet {
+    std::vector<std::unique_ptr<File>> files;
+    std::vector<std::unique_ptr<AlignedBuffers>> bufs;
+    Result<double> Pass(IoOp op, uint64_t bytes, uint64_t block, uint32_t qd) {
+      return RunPass(files, op, bytes, block, qd, bufs, Progress::kQuiet);
+    }
   };
-  STRATA_RETURN_IF_ERROR(pass(IoOp::kWrite).status());  // lay the files out
-  for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
-  DriveRates r{.bytes = per_file * files.size(),
-               .direct = files[0]->info().io_mode == IoMode::kDirect};
+  auto open_set = [&](const char* name) -> Result<FileSet> {
+    FileSet set;
+    for (const std::string& d : dirs) {
+      const std::string path = fmt::format("{}/strata-drive-probe.{}.{}", d, ::getpid(), name);
+      test_files.Add(path);
+      STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
+                                                           .direct = DirectIo::kAuto,
+                                                           .queue_depth = queue_depth}));
+      STRATA_ASSIGN_OR_RETURN(auto b, MakeIoBuffers("thp", *host, probe_buffers, block_bytes));
+      STRATA_RETURN_IF_ERROR(f->RegisterBuffers(b->spans));
+      b->Fill();
+      set.bufs.push_back(std::move(b));
+      set.files.push_back(std::move(f));
+    }
+    STRATA_RETURN_IF_ERROR(set.Pass(IoOp::kWrite, per_file, block_bytes, queue_depth).status());
+    for (auto& f : set.files) STRATA_RETURN_IF_ERROR(f->Sync());
+    return set;
+  };
+  STRATA_ASSIGN_OR_RETURN(FileSet first, open_set("dat"));
+  auto pass = [&](IoOp op) { return first.Pass(op, per_file, block_bytes, queue_depth); };
+  DriveRates r{.bytes = per_file * first.files.size(),
+               .direct = first.files[0]->info().io_mode == IoMode::kDirect};
   STRATA_ASSIGN_OR_RETURN(r.write_bytes_per_sec, pass(IoOp::kWrite));
-  for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
+  for (auto& f : first.files) STRATA_RETURN_IF_ERROR(f->Sync());
   STRATA_ASSIGN_OR_RETURN(r.read_bytes_per_sec, pass(IoOp::kRead));
   // Mixed: the files are read while a second file per directory is written.
-  std::vector<std::unique_ptr<File>> second;
-  std::vector<std::unique_ptr<AlignedBuffers>> second_bufs;
-  for (const std::string& d : dirs) {
-    const std::string path = fmt::format("{}/strata-drive-probe.{}.w.dat", d, ::getpid());
-    test_files.Add(path);
-    STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
-                                                         .direct = DirectIo::kAuto,
-                                                         .queue_depth = queue_depth}));
-    STRATA_ASSIGN_OR_RETURN(auto b, MakeIoBuffers("thp", *host, probe_buffers, block_bytes));
-    STRATA_RETURN_IF_ERROR(f->RegisterBuffers(b->spans));
-    b->Fill();
-    second_bufs.push_back(std::move(b));
-    second.push_back(std::move(f));
-  }
-  STRATA_RETURN_IF_ERROR(
-      RunPass(second, IoOp::kWrite, per_file, block_bytes, queue_depth, second_bufs,
-              Progress::kQuiet)
-          .status());  // lay out
-  for (auto& f : second) STRATA_RETURN_IF_ERROR(f->Sync());
+  STRATA_ASSIGN_OR_RETURN(FileSet second, open_set("w.dat"));
   Result<double> reads = 0.0;
   const auto t0 = std::chrono::steady_clock::now();
   std::thread reader([&] { reads = pass(IoOp::kRead); });
-  Result<double> writes = RunPass(second, IoOp::kWrite, per_file, block_bytes, queue_depth,
-                                  second_bufs, Progress::kQuiet);
+  Result<double> writes = second.Pass(IoOp::kWrite, per_file, block_bytes, queue_depth);
   reader.join();
   const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   STRATA_RETURN_IF_ERROR(reads.status());
