@@ -933,7 +933,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """The file this rank's trace goes to: `path` itself with one rank; with
         several, ``.rank<N>`` inserted before the extension (``step.json`` ->
         ``step.rank1.json``), so ranks never write the same file."""
-        path = os.fspath(path)
+        path = os.fsdecode(os.fspath(path))
         if self._engine.world_size <= 1:
             return path
         root, ext = os.path.splitext(path)
