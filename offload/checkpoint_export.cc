@@ -9,6 +9,7 @@
 #include <set>
 
 #include "offload/checkpoint_internal.h"
+#include "runtime/log.h"
 
 namespace strata {
 
@@ -160,6 +161,10 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   std::vector<float> buf(std::max<uint64_t>(options.buffer_bytes / 4, 1024));
   std::vector<std::byte> converted;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  uint64_t total_bytes = 0;
+  for (const CheckpointTensor& t : info.tensors) total_bytes += t.elems * elem_bytes;
+  ProgressReporter progress(fmt::format("export {}", fs::path(shards.front().file).parent_path().string()),
+                            total_bytes, ProgressUnit::kBytes);
   for (const Shard& shard : shards) {
     nlohmann::ordered_json header;
     header["__metadata__"] = {{"format", "pt"},
@@ -194,6 +199,7 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
         STRATA_RETURN_IF_ERROR((reader->ReadTensor(0, i, at, part)).WithContext(op));
         Convert(part, options.dtype, converted);
         STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
+        progress.Add(converted.size());
       }
     }
     STRATA_RETURN_IF_ERROR((writer->Commit()).WithContext(op));

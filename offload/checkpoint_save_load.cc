@@ -248,6 +248,8 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
   uint64_t max_elems = 0;
   for (const ElemRange& r : opt.sub_groups()) max_elems = std::max(max_elems, r.elems());
   std::vector<float> state(max_elems * arrays);
+  ProgressReporter progress(fmt::format("rank {}: save {}", rank, save_dir),
+                            opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
   for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
     const uint64_t elems = opt.sub_groups()[i].elems();
     std::span<float> s(state.data(), elems * arrays);
@@ -255,7 +257,9 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
     for (uint32_t a = 0; a < arrays; ++a) {
       STRATA_RETURN_IF_ERROR(files[a]->Append(s.subspan(a * elems, elems)));
     }
+    progress.Add(s.size_bytes());
   }
+  progress.Finish();
   RankManifest manifest{.rank = rank, .shard = opt.shard(), .files = {}};
   for (uint32_t a = 0; a < arrays; ++a) {
     STRATA_ASSIGN_OR_RETURN(CheckpointFile f, files[a]->Finish(info.arrays[a], names[a]));
@@ -469,6 +473,8 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     uint64_t max_elems = 0;
     for (const ElemRange& r : opt.sub_groups()) max_elems = std::max(max_elems, r.elems());
     std::vector<float> state(max_elems * arrays);
+    ProgressReporter progress(fmt::format("rank {}: load {}", opt.rank(), dir),
+                              opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
     for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
       const ElemRange sg = opt.sub_groups()[i];
       std::span<float> s(state.data(), sg.elems() * arrays);
@@ -481,7 +487,9 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
         }
       }
       STRATA_RETURN_IF_ERROR(opt.WriteState(i, s));
+      progress.Add(s.size_bytes());
     }
+    progress.Finish();
     STRATA_RETURN_IF_ERROR(opt.RestoreCounters(info.step, info.scaler));
     for (uint32_t g = 0; g < info.groups.size(); ++g) {
       STRATA_RETURN_IF_ERROR(opt.SetGroupHyper(g, info.groups[g]));

@@ -810,6 +810,7 @@ void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
   last.times.adam += g.host_stats;
   last.times.read = io.read_sec;
   last.times.write = io.write_sec;
+  last.times.nvme = io.busy_sec;
   last.read_bytes = io.read_bytes;
   last.write_bytes = io.write_bytes;
   last.d2h_bytes = g.d2h_bytes;

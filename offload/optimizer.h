@@ -135,9 +135,10 @@ GroupHyper DefaultGroupHyper(const OffloadConfig& config);
 struct StageTimes {
   double d2h = 0;    // gradient copies device -> pinned host
   double comm = 0;   // reduce-scatter, all-reduce of the statistics, all-gather
-  double read = 0;   // NVMe reads of optimizer state
+  double read = 0;   // NVMe reads of optimizer state (each read's time; reads overlap)
   double adam = 0;   // CPU optimizer (and, after accumulation, the host statistics pass)
-  double write = 0;  // NVMe writes of optimizer state
+  double write = 0;  // NVMe writes of optimizer state (each write's time)
+  double nvme = 0;   // wall time with any NVMe read or write in flight
   double h2d = 0;    // param copies pinned host -> device
   double step = 0;   // wall time of Step(), including the hand-over it waited for
   // Wall time from the start of the step until the decision: waiting for the

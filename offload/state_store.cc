@@ -57,8 +57,10 @@ struct StateStore::Op {
   uint64_t generation;
   uint32_t slot;
   std::span<std::byte> buffer;
+  bool check_payload = true;        // reads: verify the payload here (else VerifyPayload)
   std::vector<IoRequest> requests;  // grouped by file
-  std::vector<uint32_t> pending_per_file;
+  std::vector<uint32_t> pending_per_file;  // not yet reaped (submitted or not)
+  std::vector<size_t> next, end;           // per file: requests[next, end) not submitted yet
   size_t pending = 0;
   Status status;
   bool done = false;
@@ -86,7 +88,9 @@ Result<std::unique_ptr<StateStore>> StateStore::Create(Storage& storage,
 }
 
 StateStore::~StateStore() {
-  // Chunks in flight still point into caller buffers and into ops_.
+  // Chunks in flight still point into caller buffers and into ops_; the ones
+  // not submitted yet are dropped.
+  for (auto& q : feed_) q.clear();
   for (size_t f = 0; f < files_.size(); ++f) {
     while (files_[f]->InFlight() > 0) {
       if (!ReapFile(static_cast<uint32_t>(f), 1).ok()) break;
@@ -140,6 +144,9 @@ Status StateStore::Init(Storage& storage) {
     }
     file_paths_.push_back(std::move(path));
     files_.push_back(std::move(file).value());
+    in_flight_.push_back(0);
+    feed_.emplace_back();
+    last_kind_.push_back(IoOp::kWrite);
   }
   if (options_.open == StoreOpen::kCreate) {
     STRATA_RETURN_IF_ERROR(WriteSuperblocks());
@@ -277,15 +284,23 @@ Status StateStore::RegisterBuffers(std::span<const std::span<std::byte>> buffers
   return OkStatus();
 }
 
-Result<StateStore::Ticket> StateStore::ReadExtent(uint32_t id, std::span<std::byte> buffer) {
-  return Start(IoOp::kRead, id, buffer);
+Result<StateStore::Ticket> StateStore::ReadExtent(uint32_t id, std::span<std::byte> buffer,
+                                                 PayloadCheck check) {
+  return Start(IoOp::kRead, id, buffer, check, std::nullopt);
 }
 
-Result<StateStore::Ticket> StateStore::WriteExtent(uint32_t id, std::span<std::byte> buffer) {
-  return Start(IoOp::kWrite, id, buffer);
+Result<StateStore::Ticket> StateStore::WriteExtent(uint32_t id, std::span<std::byte> buffer,
+                                                  std::optional<uint64_t> payload_hash) {
+  return Start(IoOp::kWrite, id, buffer, PayloadCheck::kStore, payload_hash);
 }
 
-Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<std::byte> buffer) {
+uint64_t StateStore::PayloadHash(std::span<const std::byte> extent_buffer) const {
+  return XXH3_64bits(extent_buffer.data() + kHeaderBytes, options_.extent_bytes);
+}
+
+Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<std::byte> buffer,
+                                             PayloadCheck check,
+                                             std::optional<uint64_t> payload_hash) {
   const char* what = kind == IoOp::kRead ? "read extent " : "write extent ";
   const std::string name = what + std::to_string(id);
   if (id >= options_.num_extents) {
@@ -310,6 +325,7 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
   op->op = kind;
   op->extent = id;
   op->buffer = buffer;
+  op->check_payload = check == PayloadCheck::kStore;
   if (kind == IoOp::kRead) {
     if (committed_[id] == 0) {
       return FailedPreconditionError(name + ": never written; write it before reading it");
@@ -322,7 +338,7 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
                  id,
                  op->generation,
                  options_.extent_bytes,
-                 XXH3_64bits(buffer.data() + kHeaderBytes, options_.extent_bytes),
+                 payload_hash ? *payload_hash : PayloadHash(buffer),
                  0};
     h.header_hash = HeaderHash(h);
     std::memset(buffer.data(), 0, kHeaderBytes);
@@ -346,30 +362,83 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
     ++op->pending_per_file[p.file];
   }
   op->pending = op->requests.size();
+  op->next.assign(files_.size(), 0);
+  op->end.assign(files_.size(), 0);
   size_t begin = 0;
   for (uint32_t f = 0; f < files_.size(); ++f) {
-    const size_t n = op->pending_per_file[f];
-    if (n == 0) continue;
-    Status s = files_[f]->Submit(std::span<IoRequest>(op->requests).subspan(begin, n));
-    if (!s.ok()) {
-      if (begin == 0) return s.WithContext(name);
-      // Earlier files already have chunks: the op must finish before it is dropped.
-      op->status = s.WithContext(name);
-      op->pending -= op->requests.size() - begin;
-      for (uint32_t g = f; g < files_.size(); ++g) op->pending_per_file[g] = 0;
-      break;
-    }
-    begin += n;
+    op->next[f] = begin;
+    begin += op->pending_per_file[f];
+    op->end[f] = begin;
   }
   busy_[id] = 1;
-  Ticket t{op->ticket};
+  const Ticket t{op->ticket};
+  Op& started = *op;
   ops_.emplace(op->ticket, std::move(op));
+  for (uint32_t f = 0; f < files_.size(); ++f) {
+    if (started.next[f] == started.end[f]) continue;
+    feed_[f].push_back(t.id);
+    Feed(f);
+  }
+  if (started.done) {
+    // Refused before any chunk reached a drive: the error is the call's.
+    Status failed = std::move(started.status);
+    busy_[id] = 0;
+    ops_.erase(t.id);
+    return failed;
+  }
   return t;
+}
+
+// Submits chunks to file f up to the queue depth. Reads and writes take
+// turns, chunk by chunk, so a write-behind never waits for a read-ahead's
+// whole extent (nor the other way round); within each kind the oldest op
+// goes first, so the read the optimizer needs next is not slowed by the
+// reads queued behind it. A chunk the file refuses fails its op (with the
+// op's other chunks on f, never submitted); the op finishes once its
+// submitted chunks are reaped.
+void StateStore::Feed(uint32_t f) {
+  std::deque<uint64_t>& q = feed_[f];
+  while (in_flight_[f] < options_.queue_depth && !q.empty()) {
+    // The oldest op of the other kind than the last chunk's, else the oldest.
+    auto pick = q.begin();
+    for (auto it = q.begin(); it != q.end(); ++it) {
+      auto op = ops_.find(*it);
+      if (op != ops_.end() && op->second->op != last_kind_[f]) {
+        pick = it;
+        break;
+      }
+    }
+    auto found = ops_.find(*pick);
+    if (found == ops_.end() || found->second->next[f] == found->second->end[f]) {
+      q.erase(pick);
+      continue;
+    }
+    Op& op = *found->second;
+    IoRequest& r = op.requests[op.next[f]];
+    if (Status s = files_[f]->Submit(std::span<IoRequest>(&r, 1)); !s.ok()) {
+      const size_t dropped = op.end[f] - op.next[f];
+      op.next[f] = op.end[f];
+      op.pending -= dropped;
+      op.pending_per_file[f] -= static_cast<uint32_t>(dropped);
+      if (op.status.ok()) {
+        op.status = std::move(s).WithContext(
+            (op.op == IoOp::kRead ? "read extent " : "write extent ") + std::to_string(op.extent));
+      }
+      q.erase(pick);
+      if (op.pending == 0) Finish(op);
+      continue;
+    }
+    ++op.next[f];
+    ++in_flight_[f];
+    last_kind_[f] = op.op;
+    if (op.next[f] == op.end[f]) q.erase(pick);
+  }
 }
 
 Status StateStore::ReapFile(uint32_t file, size_t min_completions) {
   IoRequest* done[64];
   STRATA_ASSIGN_OR_RETURN(size_t n, files_[file]->Reap(done, min_completions));
+  in_flight_[file] -= n;
   for (size_t i = 0; i < n; ++i) {
     auto it = ops_.find(done[i]->user_data);
     if (it == ops_.end()) continue;
@@ -380,6 +449,7 @@ Status StateStore::ReapFile(uint32_t file, size_t min_completions) {
     --op.pending_per_file[file];
     if (--op.pending == 0) Finish(op);
   }
+  Feed(file);
   return OkStatus();
 }
 
@@ -431,8 +501,22 @@ Status StateStore::VerifyRead(const Op& op) const {
                          "not reach the drive)" +
                          advice);
   }
-  if (XXH3_64bits(op.buffer.data() + kHeaderBytes, options_.extent_bytes) != h.payload_hash) {
+  if (op.check_payload && PayloadHash(op.buffer) != h.payload_hash) {
     return DataLossError(where + ": payload checksum (XXH3-64) mismatch" + advice);
+  }
+  return OkStatus();
+}
+
+Status StateStore::VerifyPayload(uint32_t id, std::span<const std::byte> extent_buffer) const {
+  SlotHeader h;
+  std::memcpy(&h, extent_buffer.data(), sizeof(h));
+  if (h.extent_id != id || PayloadHash(extent_buffer) != h.payload_hash) {
+    const Placement head = SlotChunks(id, static_cast<uint32_t>(h.generation % 2))[0];
+    return DataLossError(
+        "read extent " + std::to_string(id) + " from " +
+        IoObjectName(file_paths_[head.file], head.offset_bytes, slot_bytes_) + " (generation " +
+        std::to_string(h.generation) + "): payload checksum (XXH3-64) mismatch: the copy on disk " +
+        "is torn or corrupt and was not used; restore the state from a checkpoint");
   }
   return OkStatus();
 }
@@ -471,6 +555,13 @@ Status StateStore::Wait(Ticket ticket) {
   Status s = std::move(op.status);
   ops_.erase(it);
   return s;
+}
+
+Status StateStore::WaitSome() {
+  for (uint32_t f = 0; f < files_.size(); ++f) {
+    if (in_flight_[f] > 0) return ReapFile(f, 1);
+  }
+  return OkStatus();
 }
 
 Status StateStore::Sync() {

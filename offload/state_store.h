@@ -23,7 +23,8 @@
 // to 4 KiB, i.e. exactly the caller's buffer. A slot is cut into block_bytes
 // chunks dealt round-robin over the paths, so one extent read uses every
 // drive. Every chunk is one IoRequest; queue_depth of them are in flight per
-// file.
+// file: reads and writes take turns chunk by chunk (a read and a write in
+// flight progress together), the oldest op of each kind first.
 //
 // Generations: the store keeps the committed generation of each extent in
 // memory (scanned from the headers on open). Writing generation g goes to slot
@@ -52,6 +53,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <span>
@@ -79,6 +81,8 @@ struct StateStoreOptions {
   DirectIo direct = DirectIo::kAuto;
   StoreOpen open = StoreOpen::kCreate;
 };
+
+enum class PayloadCheck : uint8_t { kStore, kCaller };
 
 class StateStore {
  public:
@@ -110,10 +114,22 @@ class StateStore {
   Status RegisterBuffers(std::span<const std::span<std::byte>> buffers);
 
   // Starts reading extent `id` into `buffer` (ExtentBufferBytes(), 4096-aligned).
-  Result<Ticket> ReadExtent(uint32_t id, std::span<std::byte> buffer);
+  // The header is always verified when the read completes; the payload's
+  // checksum too with PayloadCheck::kStore. With kCaller the thread that uses
+  // the data calls VerifyPayload first (it hashes what it is about to read
+  // anyway, and the thread driving the store stays free for IO).
+  Result<Ticket> ReadExtent(uint32_t id, std::span<std::byte> buffer,
+                            PayloadCheck check = PayloadCheck::kStore);
   // Starts writing Payload(buffer) as the next generation of extent `id`; the
-  // store fills the header part of `buffer`.
-  Result<Ticket> WriteExtent(uint32_t id, std::span<std::byte> buffer);
+  // store fills the header part of `buffer`. `payload_hash`, when given, is
+  // PayloadHash(buffer) computed by the caller (the store hashes otherwise).
+  Result<Ticket> WriteExtent(uint32_t id, std::span<std::byte> buffer,
+                             std::optional<uint64_t> payload_hash = std::nullopt);
+  // XXH3-64 of Payload(buffer). Thread-safe.
+  uint64_t PayloadHash(std::span<const std::byte> extent_buffer) const;
+  // After a kCaller read of `id` completed: DataLoss unless the payload
+  // matches the checksum in its (verified) header. Thread-safe.
+  Status VerifyPayload(uint32_t id, std::span<const std::byte> extent_buffer) const;
 
   // Whether the ticket is complete, without blocking: nullopt while in flight,
   // else its final status (and the ticket is consumed). NotFound for a ticket
@@ -122,6 +138,10 @@ class StateStore {
   // Waits for this ticket only (other tickets progress meanwhile), returns its
   // status and consumes it.
   Status Wait(Ticket ticket);
+  // Blocks until at least one chunk of any op in flight completes (and
+  // feeds the files again); returns at once when nothing is in flight. For a
+  // thread that drives several ops: Poll each ticket after it.
+  Status WaitSome();
   // Makes every completed write durable (fdatasync on every file).
   Status Sync();
 
@@ -146,8 +166,10 @@ class StateStore {
   // Synchronous IO of one chunk, for setup.
   Status RunSync(uint32_t file, IoRequest request);
   std::vector<Placement> SlotChunks(uint32_t id, uint32_t slot) const;
-  Result<Ticket> Start(IoOp op, uint32_t id, std::span<std::byte> buffer);
+  Result<Ticket> Start(IoOp op, uint32_t id, std::span<std::byte> buffer, PayloadCheck check,
+                       std::optional<uint64_t> payload_hash);
   Status ReapFile(uint32_t file, size_t min_completions);
+  void Feed(uint32_t file);
   void Finish(Op& op);
   Status VerifyRead(const Op& op) const;
 
@@ -162,6 +184,11 @@ class StateStore {
   std::vector<uint64_t> committed_;
   std::vector<uint8_t> busy_;  // extent has an op in flight
   std::unordered_map<uint64_t, std::unique_ptr<Op>> ops_;
+  // Per file: chunks submitted and not reaped, and the ops with chunks not
+  // yet submitted there, in turn (Feed).
+  std::vector<uint32_t> in_flight_;
+  std::vector<std::deque<uint64_t>> feed_;
+  std::vector<IoOp> last_kind_;  // of the last chunk submitted, per file
   uint64_t next_ticket_ = 1;
 };
 

@@ -72,7 +72,7 @@ Status StateTiers::Init() {
     buffers_.push_back(std::move(pb));
   }
   STRATA_RETURN_IF_ERROR((store_->RegisterBuffers(spans)).WithContext(kOp));
-  io_ = std::make_unique<IoQueue>();
+  io_ = std::make_unique<IoPump>(*store_);
   reads_.resize(nvme_count());
   writes_.resize(nvme_count());
   return OkStatus();
@@ -97,32 +97,39 @@ std::span<float> StateTiers::NvmeState(uint32_t i) const {
   return {reinterpret_cast<float*>(payload.data()), o_.sub_groups[i].elems() * o_.arrays};
 }
 
-std::future<Status> StateTiers::Job(IoOp op, uint32_t i) {
-  const uint32_t id = static_cast<uint32_t>(extent_[i]);
+std::future<Status> StateTiers::Job(IoOp op, uint32_t i, uint64_t payload_hash) {
+  const uint32_t extent = static_cast<uint32_t>(extent_[i]);
   std::span<std::byte> buf = Buffer(i);
   TraceContext* trace = o_.trace;
-  return io_->Submit([this, op, id, buf, i, trace]() -> Status {
-    const double t0 = NowSec();
-    const uint64_t begin_ns = trace->on() ? TraceRecorder::Now() : 0;
-    const bool read = op == IoOp::kRead;
-    Status s = [&]() -> Status {
-      STRATA_ASSIGN_OR_RETURN(StateStore::Ticket t,
-                              read ? store_->ReadExtent(id, buf) : store_->WriteExtent(id, buf));
-      return store_->Wait(t);
-    }();
-    if (begin_ns != 0) {
-      trace->recorder->Slice(read ? TraceTrack::kNvmeRead : TraceTrack::kNvmeWrite,
-                             read ? "read" : "write", trace->rank, trace->step,
-                             static_cast<int32_t>(i), begin_ns, buf.size(), "nvme");
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      (read ? figures_.read_sec : figures_.write_sec) += NowSec() - t0;
-      if (s.ok()) (read ? figures_.read_bytes : figures_.write_bytes) += buf.size();
-    }
-    return std::move(s).WithContext(
-        fmt::format("{} the state of {}", read ? "read" : "write", Name(i)));
-  });
+  const int64_t step = trace->step;
+  return io_->Submit(
+      {.op = op,
+       .extent = extent,
+       .buffer = buf,
+       .payload_hash = payload_hash,
+       .slot = extent % static_cast<uint32_t>(buffers_.size()),
+       .on_done = [this, op, i, buf, trace, step](uint64_t begin_ns, uint64_t end_ns,
+                                                  Status s) -> Status {
+         const bool read = op == IoOp::kRead;
+         if (trace->on()) {
+           trace->recorder->Record({.name = read ? "read" : "write",
+                                    .tier = "nvme",
+                                    .begin_ns = begin_ns,
+                                    .end_ns = end_ns,
+                                    .bytes = buf.size(),
+                                    .step = step,
+                                    .rank = trace->rank,
+                                    .sub_group = static_cast<int32_t>(i),
+                                    .track = read ? TraceTrack::kNvmeRead : TraceTrack::kNvmeWrite});
+         }
+         {
+           std::lock_guard<std::mutex> lock(mu_);
+           (read ? figures_.read_sec : figures_.write_sec) += (end_ns - begin_ns) * 1e-9;
+           if (s.ok()) (read ? figures_.read_bytes : figures_.write_bytes) += buf.size();
+         }
+         return std::move(s).WithContext(
+             fmt::format("{} the state of {}", read ? "read" : "write", Name(i)));
+       }});
 }
 
 void StateTiers::StartRead(uint32_t i) {
@@ -134,6 +141,10 @@ Result<std::span<float>> StateTiers::Acquire(uint32_t i) {
   if (!on_nvme(i)) return HostState(i);
   StartRead(i);
   STRATA_RETURN_IF_ERROR(reads_[extent_[i]].get());
+  // The payload's checksum, here rather than on the IO thread: this thread
+  // is about to read the extent anyway, and the IO thread keeps the drive busy.
+  STRATA_RETURN_IF_ERROR(store_->VerifyPayload(static_cast<uint32_t>(extent_[i]), Buffer(i))
+                             .WithContext(fmt::format("read the state of {}", Name(i))));
   return NvmeState(i);
 }
 
@@ -141,7 +152,7 @@ void StateTiers::StartWrite(uint32_t i) {
   if (!on_nvme(i)) return;
   auto& w = writes_[extent_[i]];
   if (w.valid()) w.get().IgnoreError();  // a retry's second write; the first was reported
-  w = Job(IoOp::kWrite, i);
+  w = Job(IoOp::kWrite, i, store_->PayloadHash(Buffer(i)));  // hashed while the data is hot
 }
 
 Status StateTiers::WaitWrite(uint32_t i) {
@@ -180,14 +191,7 @@ void StateTiers::DrainReads() {
 }
 
 Status StateTiers::Read(uint32_t i, std::span<float> out) {
-  std::span<const float> s;
-  if (on_nvme(i)) {
-    StartRead(i);
-    STRATA_RETURN_IF_ERROR(reads_[extent_[i]].get());
-    s = NvmeState(i);
-  } else {
-    s = HostState(i);
-  }
+  STRATA_ASSIGN_OR_RETURN(std::span<float> s, Acquire(i));
   std::copy(s.begin(), s.end(), out.begin());
   return OkStatus();
 }
@@ -202,6 +206,7 @@ TierFigures StateTiers::TakeFigures() {
   std::lock_guard<std::mutex> lock(mu_);
   TierFigures f = figures_;
   figures_ = TierFigures{};
+  if (io_) f.busy_sec = io_->TakeBusySec();
   return f;
 }
 

@@ -52,7 +52,8 @@ struct StateTiersOptions {
 };
 
 struct TierFigures {
-  double read_sec = 0, write_sec = 0;  // IO thread busy time
+  double read_sec = 0, write_sec = 0;  // the requests' times (they overlap)
+  double busy_sec = 0;                 // wall time with a request in flight
   uint64_t read_bytes = 0, write_bytes = 0;
 };
 
@@ -103,7 +104,9 @@ class StateTiers {
   Status Init();
   std::span<std::byte> Buffer(uint32_t i) const;
   std::span<float> NvmeState(uint32_t i) const;
-  std::future<Status> Job(IoOp op, uint32_t i);
+  // Writes carry the payload's hash (computed by the caller); reads are
+  // verified by Acquire.
+  std::future<Status> Job(IoOp op, uint32_t i, uint64_t payload_hash = 0);
 
   StateTiersOptions o_;
   std::vector<int32_t> extent_;      // per sub-group: NVMe extent or -1
@@ -112,7 +115,7 @@ class StateTiers {
   std::vector<PinnedBuffer> buffers_;
   std::unique_ptr<Storage> owned_storage_;
   std::unique_ptr<StateStore> store_;
-  std::unique_ptr<IoQueue> io_;
+  std::unique_ptr<IoPump> io_;
   std::vector<std::future<Status>> reads_;   // per extent
   std::vector<std::future<Status>> writes_;  // per extent
   std::mutex mu_;                            // figures (the IO thread adds)

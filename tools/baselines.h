@@ -32,6 +32,9 @@ struct DriveRates {
   double write_bytes_per_sec = 0;
   uint64_t bytes = 0;  // per pass, over every directory
   bool direct = false;  // O_DIRECT (else the page cache is measured too)
+  // Reads of one file and writes of another at once (`bytes` each), as a
+  // step's read-ahead and write-behind run: bytes moved both ways / time.
+  double mixed_bytes_per_sec = 0;
 };
 Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t bytes_per_dir,
                                      uint64_t block_bytes, uint32_t queue_depth);
