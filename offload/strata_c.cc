@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -20,6 +22,7 @@
 #include "runtime/comm.h"
 #include "runtime/device.h"
 #include "runtime/status.h"
+#include "runtime/trace.h"
 
 struct strata_device {
   std::unique_ptr<strata::Device> device;
@@ -31,6 +34,8 @@ struct strata_comm {
 
 struct strata_optimizer {
   strata::Stream stream;  // the wrapped native stream, if one was given
+  // Outlives opt, which records into it; a 1-step ring until trace_enable.
+  std::unique_ptr<strata::TraceRecorder> trace;
   std::unique_ptr<strata::OffloadOptimizer> opt;
   strata::TensorShapes shapes;  // empty until strata_optimizer_set_param_shape
 };
@@ -212,6 +217,8 @@ int strata_optimizer_create(strata_device* device, strata_comm* comm, void* stre
       STRATA_ASSIGN_OR_RETURN(handle->stream, device->device->WrapNativeStream(stream));
       context.stream = handle->stream.ref();
     }
+    STRATA_ASSIGN_OR_RETURN(handle->trace, strata::TraceRecorder::Create({.steps = 1}));
+    context.trace = handle->trace.get();
     STRATA_ASSIGN_OR_RETURN(handle->opt, strata::OffloadOptimizer::Create(context, config, groups));
     *out = handle.release();
     return strata::OkStatus();
@@ -377,6 +384,59 @@ int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, cons
     }
     opt->shapes[index] = std::move(shape);
     return strata::OkStatus();
+  });
+}
+
+int strata_optimizer_trace_enable(strata_optimizer* opt, int steps) {
+  constexpr const char* kFn = "strata_optimizer_trace_enable";
+  if (opt == nullptr) return ReportNull(kFn, "opt");
+  return Guard(kFn, [&]() -> Status {
+    if (steps < 0) {
+      return strata::InvalidArgumentError(fmt::format(
+          "{}: steps is {}; give the number of steps to keep (> 0) or 0 to stop", kFn, steps));
+    }
+    strata::TraceRecorder& trace = *opt->trace;
+    trace.SetEnabled(false);
+    // No engine thread may record while the ring is resized.
+    STRATA_RETURN_IF_ERROR(opt->opt->device().Synchronize());
+    if (steps == 0) return strata::OkStatus();
+    STRATA_RETURN_IF_ERROR(trace.SetSteps(static_cast<uint32_t>(steps)));
+    trace.SetEnabled(true);
+    return strata::OkStatus();
+  });
+}
+
+int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,
+                                 const char* other_data_json) {
+  constexpr const char* kFn = "strata_optimizer_trace_write";
+  if (opt == nullptr) return ReportNull(kFn, "opt");
+  if (path == nullptr) return ReportNull(kFn, "path");
+  return Guard(kFn, [&]() -> Status {
+    nlohmann::json other = nlohmann::json::object();
+    if (other_data_json != nullptr) {
+      other = nlohmann::json::parse(other_data_json, nullptr, /*allow_exceptions=*/false);
+      if (!other.is_object()) {
+        return strata::InvalidArgumentError(fmt::format(
+            "{}: other_data_json is not a JSON object ('{}'); give an object or NULL", kFn,
+            other_data_json));
+      }
+    }
+    const strata::OffloadOptimizer& o = *opt->opt;
+    const nlohmann::json base = {{"source", "strata C API"},
+                                 {"rank", o.rank()},
+                                 {"world_size", o.world_size()},
+                                 {"params", o.layout().tensor_elems},
+                                 {"step_count", o.step_count()}};
+    for (const auto& [key, value] : base.items()) {
+      if (!other.contains(key)) other[key] = value;
+    }
+    strata::TraceRecorder& trace = *opt->trace;
+    const bool was = trace.enabled();
+    trace.SetEnabled(false);
+    Status s = opt->opt->device().Synchronize();
+    if (s.ok()) s = trace.WriteChromeTrace(path, other.dump());
+    trace.SetEnabled(was);
+    return s;
   });
 }
 

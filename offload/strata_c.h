@@ -201,6 +201,24 @@ int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* d
 int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, const uint64_t* dims,
                                      uint32_t ndim);
 
+/* The step trace (docs/c_api.md): when each stage of each sub-group ran, as
+ * Chrome trace JSON for https://ui.perfetto.dev or scripts/plot_trace.py.
+ * steps > 0 starts recording into an empty ring that keeps (at least) the
+ * newest `steps` steps; 0 stops recording (what was recorded stays until the
+ * next start). Off, the engine pays one relaxed load per event.
+ * STRATA_INVALID_ARGUMENT for steps < 0. Call between steps. */
+int strata_optimizer_trace_enable(strata_optimizer* opt, int steps);
+/* Writes what the ring holds to `path` (through a temporary file and a
+ * rename); recording goes on if it was on. otherData holds "rank",
+ * "world_size", "params" (elements of all tensors), "step_count" and the
+ * members of `other_data_json`, a JSON object (may be NULL); its keys win.
+ * Each rank writes its own file: give each a different path.
+ * STRATA_INVALID_ARGUMENT for other_data_json that is not a JSON object;
+ * when the file cannot be written, the IO error's status (STRATA_NOT_FOUND
+ * for a missing directory) with a message that names the path. */
+int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,
+                                 const char* other_data_json);
+
 /* Checkpoints (docs/checkpoint.md): a collective; every rank passes the same
  * directory. A load returns once the params are written (host device) or
  * ordered on the stream (CUDA). */

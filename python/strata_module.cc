@@ -28,6 +28,7 @@
 #include "runtime/device.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
+#include "runtime/trace.h"
 
 namespace py = pybind11;
 
@@ -278,8 +279,11 @@ class Engine {
         Raise(InvalidArgumentError(fmt::format("unknown communicator kind '{}'", kind)));
       }
     }
+    // Every engine has a recorder: off, it costs the engine one relaxed load
+    // per event, and its ring holds one step until trace_start grows it.
+    STRATA_ASSIGN_OR_RAISE(trace_, TraceRecorder::Create({.steps = 1}));
     EngineContext context{.device = device_.get(), .comm = comm_.get(), .storage = nullptr,
-                          .stream = {}};
+                          .stream = {}, .trace = trace_.get()};
     if (!stream.is_none()) {
       STRATA_ASSIGN_OR_RAISE(
           stream_, device_->WrapNativeStream(reinterpret_cast<void*>(stream.cast<uintptr_t>())));
@@ -295,6 +299,7 @@ class Engine {
     // The engine's streams may still hold tasks that take the GIL.
     py::gil_scoped_release release;
     opt_.reset();
+    trace_.reset();
     stream_ = Stream();
     comm_.reset();
     device_.reset();
@@ -339,6 +344,47 @@ class Engine {
     return out;
   }
   void Synchronize() { Call([&] { return opt_->device().Synchronize(); }); }
+
+  // The step trace (runtime/trace.h). Each call first waits for the device,
+  // so no engine thread records while the ring is resized or read.
+  // Starts recording into an empty ring that keeps the newest `steps` steps.
+  void TraceStart(uint32_t steps) {
+    Call([&]() -> Status {
+      trace_->SetEnabled(false);
+      STRATA_RETURN_IF_ERROR(opt_->device().Synchronize());
+      STRATA_RETURN_IF_ERROR(trace_->SetSteps(steps));
+      trace_->SetEnabled(true);
+      return OkStatus();
+    });
+  }
+  // Stops recording; release_ring: shrink the ring back to one step (drops the events).
+  void TraceStop(bool release_ring) {
+    Call([&]() -> Status {
+      trace_->SetEnabled(false);
+      STRATA_RETURN_IF_ERROR(opt_->device().Synchronize());
+      return release_ring ? trace_->SetSteps(1) : OkStatus();
+    });
+  }
+  // Writes what the ring holds as Chrome trace JSON; recording goes on if it was on.
+  void TraceWrite(const std::string& path, const std::string& other_data_json) {
+    Call([&]() -> Status {
+      const bool was = trace_->enabled();
+      trace_->SetEnabled(false);
+      Status s = opt_->device().Synchronize();
+      if (s.ok()) s = trace_->WriteChromeTrace(path, other_data_json);
+      trace_->SetEnabled(was);
+      return s;
+    });
+  }
+  py::dict TraceInfo() const {
+    py::dict d;
+    d["enabled"] = trace_->enabled();
+    d["steps"] = trace_->steps();
+    d["capacity"] = trace_->capacity();
+    d["recorded"] = trace_->recorded();
+    d["dropped"] = trace_->dropped();
+    return d;
+  }
 
   double loss_scale() const { return opt_->loss_scale(); }
   int64_t step_count() const { return opt_->step_count(); }
@@ -466,6 +512,7 @@ class Engine {
   std::unique_ptr<Device> device_;
   std::unique_ptr<Communicator> comm_;
   Stream stream_;
+  std::unique_ptr<TraceRecorder> trace_;  // outlives opt_, which records into it
   std::unique_ptr<OffloadOptimizer> opt_;
 };
 
@@ -609,7 +656,11 @@ PYBIND11_MODULE(_strata, m) {
       .def("retry_step", &Engine::RetryStep)
       .def_property_readonly("step_failed", &Engine::step_failed)
       .def_property_readonly("step_failure", &Engine::step_failure)
-      .def("rebind_param", &Engine::RebindParam);
+      .def("rebind_param", &Engine::RebindParam)
+      .def("trace_start", &Engine::TraceStart, py::arg("steps"))
+      .def("trace_stop", &Engine::TraceStop, py::arg("release_ring") = true)
+      .def("trace_write", &Engine::TraceWrite, py::arg("path"), py::arg("other_data_json") = "{}")
+      .def("trace_info", &Engine::TraceInfo);
 
   py::class_<strata::PyCheckpoint>(m, "Checkpoint")
       .def(py::init<const std::string&>(), py::arg("dir"))

@@ -57,6 +57,17 @@ void TraceRecorder::ReserveSteps(uint64_t events) {
   Clear();
 }
 
+Status TraceRecorder::SetSteps(uint32_t steps) {
+  if (steps == 0) {
+    return InvalidArgumentError("resize trace recorder: steps is 0; keep at least one step");
+  }
+  options_.steps = steps;
+  capacity_ = per_step_events_ * steps;
+  ring_ = capacity_ > 0 ? std::make_unique<TraceEvent[]>(capacity_) : nullptr;
+  Clear();
+  return OkStatus();
+}
+
 std::vector<TraceEvent> TraceRecorder::Events() const {
   const uint64_t n = recorded();
   std::vector<TraceEvent> out;

@@ -101,6 +101,12 @@ class TraceRecorder {
   // what was recorded. Not while recording.
   void ReserveSteps(uint64_t events);
   uint64_t capacity() const { return capacity_; }
+  // Resizes the ring to keep `steps` steps of the engines attached (the
+  // events they announced) and drops what was recorded: a front end that
+  // keeps a 1-step ring while off grows it when recording starts.
+  // InvalidArgument for 0. Not while recording.
+  Status SetSteps(uint32_t steps);
+  uint32_t steps() const { return options_.steps; }
 
   // Stores the event (no-op while disabled or before any ReserveSteps).
   void Record(const TraceEvent& event) {

@@ -17,7 +17,9 @@
 See OffloadAdam's docstring and docs/pytorch.md.
 """
 
+import contextlib
 import copy
+import errno
 import json
 import math
 import os
@@ -41,6 +43,19 @@ _BUFFER_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 _STATE_DICT_VERSION = 1
+
+
+def _trace_steps(where, value, none_ok=False):
+    """The number of steps a trace keeps: an int >= 1 (True: 8; None/False: 0 where
+    allowed); ValueError otherwise."""
+    if none_ok and (value is None or value is False):
+        return 0
+    if value is True:
+        return 8
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**31:
+        return value
+    raise ValueError(f"{where}={value!r}; give the number of steps to keep (an int >= 1)"
+                     + (", True (8) or None" if none_ok else ""))
 
 
 def _merge(base, override):
@@ -249,6 +264,10 @@ class OffloadAdam(torch.optim.Optimizer):
             sub-group) and returns a small dict that names it;
             ``load_state_dict()`` of that dict loads it. For states larger
             than DRAM (the point of the NVMe tier).
+        trace: None (default), or N >= 1 (True: 8): record the step timeline
+            from construction on, keeping the newest N steps;
+            ``write_trace(path)`` writes them. For one stretch of steps use
+            the ``trace(path)`` context manager instead (docs/pytorch.md).
 
     Registration: the engine holds each param's memory. Before every
     ``step()`` the params are compared (pointers, shapes, dtypes, devices,
@@ -309,7 +328,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  adamw=True, max_grad_norm=None, offload="cpu", nvme_path=None, host_budget=None,
                  config=None, sub_group_size=None, threads=None, process_group=None,
-                 state_dict_dir=None):
+                 state_dict_dir=None, trace=None):
         if isinstance(lr, (int, float)) and math.isfinite(lr) and lr < 0.0:
             raise ValueError(f"OffloadAdam: invalid learning rate {lr}; lr must be >= 0")
         _check_hyper("", lr, betas, eps, weight_decay)
@@ -318,6 +337,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if offload == "nvme" and not nvme_path:
             raise ValueError("OffloadAdam: offload='nvme' needs nvme_path (a directory on the "
                              "NVMe drive, or a list of them)")
+        trace_steps = _trace_steps("OffloadAdam: trace", trace, none_ok=True)
         if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"OffloadAdam: max_grad_norm={max_grad_norm}; use a positive, finite "
                              "value or None")
@@ -469,6 +489,12 @@ class OffloadAdam(torch.optim.Optimizer):
         self._engine = _strata.Engine(device, json.dumps(self._config, allow_nan=False), groups,
                                       comm, stream)
         self._hypers = [self._hyper_of(g) for g in self.param_groups]
+        # The step trace: steps kept by trace= (recording since construction), and
+        # whether a trace() block records now.
+        self._trace_steps = trace_steps
+        self._trace_block = False
+        if trace_steps:
+            self._engine.trace_start(trace_steps)
 
     # --- torch.optim.Optimizer interface ---
 
@@ -900,6 +926,106 @@ class OffloadAdam(torch.optim.Optimizer):
     @property
     def step_count(self):
         return self._engine.step_count
+
+    # --- the step trace (docs/pytorch.md) ---
+
+    def trace_path(self, path):
+        """The file this rank's trace goes to: `path` itself with one rank; with
+        several, ``.rank<N>`` inserted before the extension (``step.json`` ->
+        ``step.rank1.json``), so ranks never write the same file."""
+        path = os.fsdecode(os.fspath(path))
+        if self._engine.world_size <= 1:
+            return path
+        root, ext = os.path.splitext(path)
+        return f"{root}.rank{self._engine.rank}{ext}"
+
+    def _trace_target(self, op, path):
+        """This rank's trace file; OSError naming it unless its directory exists and
+        is writable (checked before any step is recorded)."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"OffloadAdam.{op}: path is a {type(path).__name__}; give a file "
+                            "path (str or os.PathLike)")
+        path = self.trace_path(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(errno.ENOENT, f"OffloadAdam.{op}: directory {folder!r} of the "
+                                    "trace file does not exist; create it or choose another path",
+                                    path)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"OffloadAdam.{op}: directory {folder!r} of the "
+                                  "trace file is not writable; choose another path", path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, f"OffloadAdam.{op}: the trace file is a "
+                                    "directory; give a file name", path)
+        return path
+
+    def _trace_other_data(self, first_step):
+        info = self._engine.trace_info()
+        return json.dumps({
+            "source": "strata.torch.OffloadAdam",
+            "params": sum(r.param.numel() for r in self._reg),
+            "tensors": len(self._reg),
+            "dtype": str(self._dtype).replace("torch.", ""),
+            "world_size": self._engine.world_size,
+            "rank": self._engine.rank,
+            "device": self._engine.device,
+            "sub_groups": len(self._engine.sub_groups()),
+            "first_step": first_step,
+            "last_step": self._engine.step_count,
+            "steps_kept": info["steps"],
+            "dropped_events": info["dropped"],
+        })
+
+    @contextlib.contextmanager
+    def trace(self, path, steps=8):
+        """Records the steps taken inside the ``with`` block and writes them to `path`
+        as Chrome trace JSON (open it in https://ui.perfetto.dev or plot it with
+        scripts/plot_trace.py) when the block ends, also when it raises (what was
+        recorded is written, then the exception goes on). The ring keeps the newest
+        `steps` steps. With several ranks each writes its own file (see trace_path);
+        the block yields the path written. OSError before the block when the file's
+        directory is missing or not writable."""
+        if self._trace_steps:
+            raise RuntimeError(f"OffloadAdam.trace: this optimizer records every step "
+                               f"(trace={self._trace_steps}); call write_trace(path) instead")
+        if self._trace_block:
+            raise RuntimeError("OffloadAdam.trace: a trace() block is already recording; "
+                               "nest no trace() blocks")
+        steps = _trace_steps("OffloadAdam.trace: steps", steps)
+        path = self._trace_target("trace", path)
+        first = self._engine.step_count + 1
+        self._engine.trace_start(steps)
+        self._trace_block = True
+        try:
+            yield path
+        except BaseException as e:
+            try:
+                self._finish_trace(path, first)
+            except Exception as w:  # the block's own exception goes on
+                if hasattr(e, "add_note"):
+                    e.add_note(f"OffloadAdam.trace: the trace was not written: {w}")
+            raise
+        self._finish_trace(path, first)
+
+    def _finish_trace(self, path, first):
+        self._trace_block = False
+        try:
+            self._engine.trace_write(path, self._trace_other_data(first))
+        finally:
+            self._engine.trace_stop()
+
+    def write_trace(self, path):
+        """Writes the newest steps recorded since construction (``trace=N``) to `path`
+        (per rank, see trace_path) as Chrome trace JSON; recording goes on. Returns
+        the path written."""
+        if not self._trace_steps:
+            raise RuntimeError("OffloadAdam.write_trace: this optimizer records no trace; "
+                               "build it with trace=N (N steps kept), or wrap steps in "
+                               "`with optimizer.trace(path):`")
+        path = self._trace_target("write_trace", path)
+        self._engine.trace_write(path, self._trace_other_data(
+            max(1, self._engine.step_count - self._trace_steps + 1)))
+        return path
 
 
 _EXPORT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",

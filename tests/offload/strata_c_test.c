@@ -1,7 +1,7 @@
 /* The C API, compiled as C: AdamW steps on the host device (DRAM and NVMe)
  * against a scalar reference in double precision, per-group hyperparameters
  * and set_lr, stats and plan text, checkpoint save/load, the failed-step state,
- * rebinding a param's memory, shapes and the export, and the error paths
+ * rebinding a param's memory, shapes and the export, the step trace, and the error paths
  * (status codes and strata_last_error). Exit status 0 on success; each failure prints a line. */
 #include <math.h>
 #include <stdio.h>
@@ -292,6 +292,85 @@ static void Safety(strata_device* dev, const char* dir) {
   free(ga);
 }
 
+static char* ReadAll(const char* path) {
+  FILE* f = fopen(path, "rb");
+  if (f == NULL) return NULL;
+  fseek(f, 0, SEEK_END);
+  const long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char* text = malloc((size_t)n + 1);
+  if (text != NULL) {
+    text[fread(text, 1, (size_t)n, f)] = '\0';
+  }
+  fclose(f);
+  return text;
+}
+
+/* A slice of step `step` ("step":N followed by , or } in its args). */
+static int HasStep(const char* text, int step) {
+  char a[32], b[32];
+  snprintf(a, sizeof a, "\"step\":%d,", step);
+  snprintf(b, sizeof b, "\"step\":%d}", step);
+  return strstr(text, a) != NULL || strstr(text, b) != NULL;
+}
+
+/* Records steps 3-5 of 7 and writes them; errors for bad arguments and paths. */
+static void Trace(strata_device* dev, const char* dir) {
+  enum { kN = 1000 };
+  static float w[kN], g[kN];
+  unsigned seed = 5;
+  for (int i = 0; i < kN; ++i) w[i] = Rand(&seed);
+  strata_param p = {"w", w, g, kN, 0};
+  strata_optimizer* opt = NULL;
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{\"zero_optimization\": {\"sub_group_size\": 256}}",
+                                   &p, 1, NULL, 1, &opt));
+  for (int step = 1; step <= 7; ++step) {
+    if (step == 3) CHECK_OK(strata_optimizer_trace_enable(opt, 8));
+    if (step == 6) CHECK_OK(strata_optimizer_trace_enable(opt, 0));
+    for (int i = 0; i < kN; ++i) g[i] = Rand(&seed);
+    CHECK_OK(strata_optimizer_step(opt));
+  }
+  char path[700];
+  snprintf(path, sizeof path, "%s/trace.json", dir);
+  CHECK_OK(strata_optimizer_trace_write(opt, path, "{\"run\": \"c test\", \"rank\": 0}"));
+  char* text = ReadAll(path);
+  EXPECT(text != NULL);
+  if (text != NULL) {
+    EXPECT(strstr(text, "\"traceEvents\"") != NULL);
+    EXPECT(strstr(text, "\"cat\":\"pcie d2h\"") != NULL);
+    EXPECT(strstr(text, "\"cat\":\"cpu adam\"") != NULL);
+    EXPECT(strstr(text, "\"cat\":\"pcie h2d\"") != NULL);
+    EXPECT(strstr(text, "\"name\":\"adam 3\"") != NULL); /* sub-group 3 of 4 */
+    EXPECT(HasStep(text, 3) && HasStep(text, 4) && HasStep(text, 5));
+    EXPECT(!HasStep(text, 1) && !HasStep(text, 2) && !HasStep(text, 6) && !HasStep(text, 7));
+    EXPECT(strstr(text, "\"run\":\"c test\"") != NULL);
+    EXPECT(strstr(text, "\"params\":1000") != NULL);
+    EXPECT(strstr(text, "\"world_size\":1") != NULL);
+    EXPECT(strstr(text, "\"step_count\":7") != NULL);
+    free(text);
+  }
+
+  EXPECT(strata_optimizer_trace_enable(opt, -1) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "steps is -1") != NULL);
+  EXPECT(strata_optimizer_trace_enable(NULL, 1) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strata_optimizer_trace_write(opt, NULL, NULL) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strata_optimizer_trace_write(opt, path, "[1]") == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "other_data_json") != NULL);
+  char missing[720];
+  snprintf(missing, sizeof missing, "%s/no/such/trace.json", dir);
+  EXPECT(strata_optimizer_trace_write(opt, missing, NULL) != STRATA_OK);
+  EXPECT(strstr(strata_last_error(), missing) != NULL);
+  /* Recording on, then a write: it keeps recording. */
+  CHECK_OK(strata_optimizer_trace_enable(opt, 1));
+  CHECK_OK(strata_optimizer_trace_write(opt, path, NULL));
+  CHECK_OK(strata_optimizer_step(opt));
+  CHECK_OK(strata_optimizer_trace_write(opt, path, NULL));
+  text = ReadAll(path);
+  EXPECT(text != NULL && HasStep(text, 8) && !HasStep(text, 5));
+  free(text);
+  strata_optimizer_free(opt);
+}
+
 static void Errors(strata_device* dev) {
   float w[4] = {0}, g[4] = {0};
   strata_param p = {"w", w, g, 4, 0};
@@ -374,6 +453,7 @@ int main(void) {
   snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
   SaveLoad(dev, ckpt);
   Safety(dev, dir);
+  Trace(dev, dir);
   char cmd[700];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);

@@ -45,6 +45,29 @@ TEST(Trace, RecordsOnlyWhileEnabledAndAfterReserve) {
   EXPECT_EQ(t->Events()[0].sub_group, 7);
 }
 
+TEST(Trace, SetStepsResizesTheRingAndDropsWhatWasRecorded) {
+  auto t = *TraceRecorder::Create({.steps = 1});
+  EXPECT_FALSE(t->SetSteps(0).ok());
+  EXPECT_EQ(t->steps(), 1u);
+  t->ReserveSteps(4);
+  EXPECT_EQ(t->capacity(), 4u);
+  t->SetEnabled(true);
+  for (int i = 0; i < 3; ++i) t->Record(SliceAt(i, i + 1, i));
+  ASSERT_TRUE(t->SetSteps(5).ok());
+  EXPECT_EQ(t->steps(), 5u);
+  EXPECT_EQ(t->capacity(), 20u);
+  EXPECT_EQ(t->Events().size(), 0u);
+  for (int i = 0; i < 23; ++i) t->Record(SliceAt(i, i + 1, i));
+  const std::vector<TraceEvent> e = t->Events();
+  ASSERT_EQ(e.size(), 20u);
+  EXPECT_EQ(e.front().sub_group, 3);
+  EXPECT_EQ(e.back().sub_group, 22);
+  EXPECT_EQ(t->dropped(), 3u);
+  // A later engine's announcement keeps the new step count.
+  t->ReserveSteps(2);
+  EXPECT_EQ(t->capacity(), 30u);
+}
+
 TEST(Trace, TheRingKeepsTheNewestEventsInOrder) {
   auto t = *TraceRecorder::Create({.steps = 3});
   t->ReserveSteps(4);  // 12 events
