@@ -65,7 +65,12 @@ Status TimedOnStream(Device& device, StreamRef stream, StageClock* clock, const 
     clock->start = NowSec();
     if (recorder != nullptr) clock->begin_ns = TraceRecorder::Now();
   }));
-  STRATA_RETURN_IF_ERROR(std::forward<F>(enqueue)());
+  {
+    // Nsight Systems projects this range onto the copies and kernels the
+    // enqueue launches, so they show under the stage's name.
+    NvtxRange nvtx(spot.name, spot.sub_group);
+    STRATA_RETURN_IF_ERROR(std::forward<F>(enqueue)());
+  }
   return device.LaunchHostFunc(stream, [clock, recorder, rank = trace.rank, step = trace.step,
                                         spot] {
     clock->busy += NowSec() - clock->start;
