@@ -30,17 +30,21 @@
 // same order with the same sizes. The fp32 master weights start as the
 // registered params (read once, in Create).
 //
-// Gradients and accumulation. Step() consumes the gradients that were handed
-// over since the last Step(): ReduceGradients() hands over the grads of one
-// micro-step (pack, reduce-scatter with the average over ranks, D2H, and
-// add into the pinned fp32 gradient of the shard); the trainer may then reuse
-// the grad tensors for the next micro-step. When ReduceGradients() was not
-// called since the last Step(), Step() calls it once. GradReady(i) lets the
-// engine start reducing a bucket as soon as all its tensors' grads are
-// written, so the reduction overlaps the rest of backward; it is optional,
-// and ReduceGradients() reduces whatever is not reduced yet. With several
-// ranks every rank must call GradReady for the same tensors in the same order
-// (the reductions are collectives, matched by order).
+// Gradients and accumulation. Step() consumes the gradients of the last
+// backward: with one rank it reads them from the grad tensors (statistics on
+// the device, then each sub-group's gradient copied down in the grad dtype
+// just before its update), so the trainer must not change them until Step()
+// returns; with several ranks they are reduce-scattered into a host buffer.
+// GradReady(i) says param i's grad is final for this step, so its
+// sub-groups' statistics (several ranks: pack, reduce-scatter, D2H) start
+// while backward goes on; it is optional. ReduceGradients() ends a
+// micro-step of gradient accumulation: the grads are added, exactly, into an
+// fp32 host buffer, and the trainer may then reuse the grad tensors. With
+// accumulation call it after every micro-step, the last one included; Step()
+// then takes the sum (a Step() after micro-steps handed over this way does
+// not read the grad tensors again). With several ranks every rank must call GradReady for the
+// same tensors in the same order (the reductions are collectives, matched by
+// order). docs/offload.md ("One step") has the whole story.
 //
 // Streams: work that reads the trainer's tensors is ordered after the work
 // enqueued on `context.stream` before the call (an event, no host sync);
