@@ -250,10 +250,11 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   plan.host_staging_bytes = staging;
   if (in.host_budget_bytes != 0 && staging > in.host_budget_bytes) {
     return ResourceExhaustedError(fmt::format(
-        "{}: with all state on NVMe the pinned staging alone needs {} (grad {}, param {} x "
+        "{}: with all state on NVMe the pinned staging alone needs {} ({} {}, param {} x "
         "{}, nvme {} x {}) but strata.host_budget is {}; raise strata.host_budget to {}, or "
         "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count{}",
-        kOp, FormatBytes(staging), FormatBytes(plan.buffers[0].total_bytes()), in.buffer_count,
+        kOp, FormatBytes(staging), plan.buffers[0].name, FormatBytes(plan.buffers[0].total_bytes()),
+        in.buffer_count,
         FormatBytes(plan.buffers[1].bytes_each), in.buffer_count,
         FormatBytes(plan.nvme_buffer_bytes), FormatBytes(in.host_budget_bytes),
         FormatBytes(staging),

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -19,6 +20,7 @@
 #include "offload/layout.h"
 #include "offload/placement.h"
 #include "runtime/units.h"
+#include "tools/baselines.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -31,7 +33,18 @@ struct PlanArgs {
   uint32_t rank = 0;
   uint32_t ranks_per_node = 0;  // 0: RanksPerNode() (LOCAL_WORLD_SIZE, else 1)
   bool no_preflight = false;
+  std::string probe_drive;  // bytes to read and write on the nvme_paths; empty: no probe
   bool json = false;
+};
+
+// The drive's time for one step's NVMe traffic of every rank on this node
+// (the state on NVMe is read once and written once per step; the ranks share
+// the drives), at rates measured alone and with reads and writes at once.
+struct NvmeEstimate {
+  DriveRates rates;
+  uint64_t bytes_each_way = 0;  // all ranks of the node
+  double sec = 0;               // read bytes / read rate + write bytes / write rate
+  double sec_mixed = 0;         // both ways at the rate of reads and writes at once
 };
 
 Status RunPlan(const PlanArgs& args) {
@@ -66,6 +79,24 @@ Status RunPlan(const PlanArgs& args) {
         args.rank, args.ranks_per_node > 0 ? args.ranks_per_node : RanksPerNode("", 1));
   }
   STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(inputs));
+  std::optional<NvmeEstimate> nvme;
+  if (!args.probe_drive.empty() && plan.nvme_sub_groups > 0) {
+    STRATA_ASSIGN_OR_RETURN(const uint64_t probe_bytes, ParseBytes(args.probe_drive));
+    std::fprintf(stderr, "plan: measuring the drive under %s (%s) ...\n",
+                 fmt::format("{}", fmt::join(config.nvme_paths, ", ")).c_str(),
+                 FormatBytes(probe_bytes).c_str());
+    NvmeEstimate e;
+    STRATA_ASSIGN_OR_RETURN(e.rates,
+                            MeasureDriveRates(config.nvme_paths,
+                                              probe_bytes / config.nvme_paths.size(),
+                                              config.aio.block_bytes, config.aio.queue_depth));
+    const uint32_t ranks = args.ranks_per_node > 0 ? args.ranks_per_node : RanksPerNode("", 1);
+    e.bytes_each_way = plan.nvme_state_bytes * ranks;
+    e.sec = e.bytes_each_way / e.rates.read_bytes_per_sec +
+            e.bytes_each_way / e.rates.write_bytes_per_sec;
+    e.sec_mixed = 2.0 * e.bytes_each_way / e.rates.mixed_bytes_per_sec;
+    nvme = e;
+  }
   if (args.json) {
     nlohmann::json tiers = nlohmann::json::array();
     for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));
@@ -93,6 +124,14 @@ Status RunPlan(const PlanArgs& args) {
                             {"host_available_bytes", inputs.machine.host_available_bytes},
                             {"ranks_per_node", inputs.machine.ranks_per_node},
                             {"warnings", plan.warnings}}}};
+    if (nvme) {
+      out["nvme_per_step"] = {{"bytes_each_way", nvme->bytes_each_way},
+                              {"read_bytes_per_sec", nvme->rates.read_bytes_per_sec},
+                              {"write_bytes_per_sec", nvme->rates.write_bytes_per_sec},
+                              {"mixed_bytes_per_sec", nvme->rates.mixed_bytes_per_sec},
+                              {"sec", nvme->sec},
+                              {"sec_mixed", nvme->sec_mixed}};
+    }
     std::printf("%s\n", out.dump(2).c_str());
     return OkStatus();
   }
@@ -100,6 +139,20 @@ Status RunPlan(const PlanArgs& args) {
   std::printf("rank %u of %u: %s elements in %zu sub-groups\n", args.rank, args.world_size,
               FormatCount(shard.elems()).c_str(), groups.size());
   std::fputs(FormatPlan(plan).c_str(), stdout);
+  if (nvme) {
+    std::printf(
+        "nvme per step: %s read and %s written (every rank on this node); this drive reads %s "
+        "and writes %s alone, %s with both at once: %s to %s of NVMe time per step, which CPU "
+        "Adam hides when it takes longer\n",
+        FormatBytes(nvme->bytes_each_way).c_str(), FormatBytes(nvme->bytes_each_way).c_str(),
+        FormatRate(nvme->rates.read_bytes_per_sec).c_str(),
+        FormatRate(nvme->rates.write_bytes_per_sec).c_str(),
+        FormatRate(nvme->rates.mixed_bytes_per_sec).c_str(),
+        FormatSeconds(std::min(nvme->sec, nvme->sec_mixed)).c_str(),
+        FormatSeconds(std::max(nvme->sec, nvme->sec_mixed)).c_str());
+  } else if (!args.probe_drive.empty()) {
+    std::printf("nvme per step: nothing on NVMe in this plan\n");
+  }
   if (args.no_preflight) {
     std::printf("preflight: not checked (--no-preflight)\n");
   } else {
@@ -129,6 +182,10 @@ void AddPlanCommand(Cli& cli) {
       ->check(CLI::Range(1u, 65536u));
   cmd->add_flag("--no-preflight", args->no_preflight,
                 "do not check the plan against this machine (plan for another one)");
+  cmd->add_option("--probe-drive", args->probe_drive,
+                  "measure the drive under the config's nvme_path with this many bytes (e.g. "
+                  "2GiB: at least a few GiB where a cache may hold a small file) and print the "
+                  "expected NVMe time per step");
   cmd->add_flag("--json", args->json, "print one JSON object");
   cmd->callback([&cli, args] { RunAction(cli, "plan", [args] { return RunPlan(*args); }); });
 }
