@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cerrno>
 #include <cstdio>
@@ -559,14 +560,23 @@ Status RunStep(const StepArgs& a) {
   // several ranks pack, reduce-scatter and D2H) before Step() is timed, as a
   // trainer's backward would hide it on a GPU. Its time is reported apart.
   std::vector<double> handover(a.ranks);
+  std::barrier handed_over(a.ranks);
   auto run_step = [&](PipelineMode mode) -> Result<StepSample> {
     std::vector<StepStats> stats(a.ranks);
     STRATA_RETURN_IF_ERROR(on_ranks([&](int r) -> Status {
       opts[r]->SetPipelineMode(mode);
       if (a.backward) {
         const auto t0 = std::chrono::steady_clock::now();
-        for (uint32_t t = a.tensors; t-- > 0;) STRATA_RETURN_IF_ERROR(opts[r]->GradReady(t));
-        STRATA_RETURN_IF_ERROR(device->Synchronize());
+        Status ready;
+        for (uint32_t t = a.tensors; t-- > 0 && ready.ok();) ready = opts[r]->GradReady(t);
+        // The ranks share the device: one waits for all of it, once every
+        // rank has queued its collectives (a rank waiting alone would wait
+        // for another rank's collective that cannot finish without it).
+        handed_over.arrive_and_wait();
+        Status synced = r == 0 ? device->Synchronize() : OkStatus();
+        handed_over.arrive_and_wait();
+        STRATA_RETURN_IF_ERROR(ready);
+        STRATA_RETURN_IF_ERROR(synced);
         handover[r] =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
