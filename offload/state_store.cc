@@ -144,7 +144,6 @@ Status StateStore::Init(Storage& storage) {
     }
     file_paths_.push_back(std::move(path));
     files_.push_back(std::move(file).value());
-    in_flight_.push_back(0);
     feed_.emplace_back();
     last_kind_.push_back(IoOp::kWrite);
   }
@@ -398,7 +397,7 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
 // submitted chunks are reaped.
 void StateStore::Feed(uint32_t f) {
   std::deque<uint64_t>& q = feed_[f];
-  while (in_flight_[f] < options_.queue_depth && !q.empty()) {
+  while (files_[f]->InFlight() < options_.queue_depth && !q.empty()) {
     // The oldest op of the other kind than the last chunk's, else the oldest.
     auto pick = q.begin();
     for (auto it = q.begin(); it != q.end(); ++it) {
@@ -429,7 +428,6 @@ void StateStore::Feed(uint32_t f) {
       continue;
     }
     ++op.next[f];
-    ++in_flight_[f];
     last_kind_[f] = op.op;
     if (op.next[f] == op.end[f]) q.erase(pick);
   }
@@ -438,7 +436,6 @@ void StateStore::Feed(uint32_t f) {
 Status StateStore::ReapFile(uint32_t file, size_t min_completions) {
   IoRequest* done[64];
   STRATA_ASSIGN_OR_RETURN(size_t n, files_[file]->Reap(done, min_completions));
-  in_flight_[file] -= n;
   for (size_t i = 0; i < n; ++i) {
     auto it = ops_.find(done[i]->user_data);
     if (it == ops_.end()) continue;
@@ -559,7 +556,7 @@ Status StateStore::Wait(Ticket ticket) {
 
 Status StateStore::WaitSome() {
   for (uint32_t f = 0; f < files_.size(); ++f) {
-    if (in_flight_[f] > 0) return ReapFile(f, 1);
+    if (files_[f]->InFlight() > 0) return ReapFile(f, 1);
   }
   return OkStatus();
 }

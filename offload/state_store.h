@@ -184,9 +184,8 @@ class StateStore {
   std::vector<uint64_t> committed_;
   std::vector<uint8_t> busy_;  // extent has an op in flight
   std::unordered_map<uint64_t, std::unique_ptr<Op>> ops_;
-  // Per file: chunks submitted and not reaped, and the ops with chunks not
-  // yet submitted there, in turn (Feed).
-  std::vector<uint32_t> in_flight_;
+  // Per file: the ops with chunks not yet submitted there, in start order
+  // (Feed keeps File::InFlight() at most queue_depth).
   std::vector<std::deque<uint64_t>> feed_;
   std::vector<IoOp> last_kind_;  // of the last chunk submitted, per file
   uint64_t next_ticket_ = 1;
