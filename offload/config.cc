@@ -319,8 +319,10 @@ Status ParseOffloadOptimizer(const Json& o, OffloadConfig& c) {
   STRATA_CONFIG_SET(c.pin_memory, GetSwitch(o, p, "pin_memory"));
   STRATA_CONFIG_SET(c.buffer_count, GetUint(o, p, "buffer_count", 1, 64));
   STRATA_CONFIG_SET(c.fast_init, GetSwitch(o, p, "fast_init"));
-  STRATA_CONFIG_SET(c.offload_ratio,
-                    GetDouble(o, p, "ratio", 0, Bound::kClosed, 1, Bound::kClosed));
+  // The share offloaded: the rest stays on the device (strata.gpu_fraction).
+  STRATA_ASSIGN_OR_RETURN(auto ratio,
+                          GetDouble(o, p, "ratio", 0, Bound::kClosed, 1, Bound::kClosed));
+  if (ratio) c.gpu_fraction = 1.0 - *ratio;
   return OkStatus();
 }
 
@@ -498,10 +500,33 @@ Status ParseStrata(const Json& s, OffloadConfig& c) {
   const std::string p = "strata";
   STRATA_RETURN_IF_ERROR(CheckKeys(s, p,
                                    {"host_budget", "device_budget", "threads", "align_elems",
-                                    "grad_dtype", "min_scale_overflow"}));
+                                    "grad_dtype", "min_scale_overflow", "gpu_fraction"}));
   STRATA_CONFIG_SET(c.host_budget_bytes, GetBytes(s, p, "host_budget", 0, kMaxBytes));
   STRATA_CONFIG_SET(c.device_budget_bytes, GetBytes(s, p, "device_budget", 0, kMaxBytes));
   STRATA_CONFIG_SET(c.threads, GetUint(s, p, "threads", 0, 4096));
+  if (const Json* v = Find(s, "gpu_fraction"); v != nullptr && !v->is_null()) {
+    double f = 0;
+    if (v->is_string() && Lower(v->get<std::string>()) == "auto") {
+      f = kGpuFractionAuto;
+    } else if (v->is_number()) {
+      f = v->get<double>();
+      if (!(f >= 0 && f <= 1)) {
+        return InvalidArgumentError(
+            fmt::format("strata.gpu_fraction = {}: must be in [0, 1] or \"auto\"", f));
+      }
+    } else {
+      return TypeError(p + ".gpu_fraction", *v, "a number in [0, 1] or \"auto\"");
+    }
+    // offload_optimizer.ratio says the same thing the other way round.
+    if (c.gpu_fraction != 0 && std::abs(c.gpu_fraction - f) > 1e-9) {
+      return InvalidArgumentError(fmt::format(
+          "strata.gpu_fraction = {} contradicts zero_optimization.offload_optimizer.ratio = {} "
+          "(which means gpu_fraction {}); give one of them",
+          f == kGpuFractionAuto ? std::string("\"auto\"") : fmt::format("{}", f),
+          1 - c.gpu_fraction, c.gpu_fraction));
+    }
+    c.gpu_fraction = f;
+  }
   STRATA_CONFIG_SET(c.align_elems, GetUint(s, p, "align_elems", 1, 1u << 20));
   STRATA_ASSIGN_OR_RETURN(auto grad, GetString(s, p, "grad_dtype"));
   if (grad) {
@@ -581,7 +606,8 @@ PlacementInputs PlacementInputsFor(const OffloadConfig& c,
           .buffer_count = std::max<uint32_t>(
               1, static_cast<uint32_t>(std::min<uint64_t>(c.buffer_count, sub_group_elems.size()))),
           .block_bytes = c.aio.block_bytes,
-          .world_size = world_size};
+          .world_size = world_size,
+          .gpu_fraction = c.gpu_fraction};
 }
 
 std::span<const std::string_view> IgnoredConfigKeys() { return kIgnoredKeys; }
@@ -670,9 +696,24 @@ Status ValidateConfig(const OffloadConfig& c) {
       }
     }
   }
-  if (c.offload_ratio != 1.0) {
+  if (c.gpu_fraction != kGpuFractionAuto && !(c.gpu_fraction >= 0 && c.gpu_fraction <= 1)) {
     return InvalidArgumentError(fmt::format(
-        "{}.ratio = {}: partial offload is not supported; use 1.0", off, c.offload_ratio));
+        "strata.gpu_fraction = {}: must be in [0, 1] or \"auto\"", c.gpu_fraction));
+  }
+  if (c.gpu_fraction != 0 && c.optimizer != OptimizerType::kAdam &&
+      c.optimizer != OptimizerType::kAdamW) {
+    return InvalidArgumentError(fmt::format(
+        "strata.gpu_fraction = {} needs optimizer Adam or AdamW (the device has no {} kernel); "
+        "set gpu_fraction to 0 (offload_optimizer.ratio 1.0)",
+        c.gpu_fraction == kGpuFractionAuto ? std::string("\"auto\"")
+                                           : fmt::format("{}", c.gpu_fraction),
+        OptimizerTypeName(c.optimizer)));
+  }
+  if (c.gpu_fraction == kGpuFractionAuto && c.device_budget_bytes == 0) {
+    return InvalidArgumentError(
+        "strata.gpu_fraction = \"auto\" needs strata.device_budget: the device memory the "
+        "optimizer may use (its staging and the state it keeps there); set it, or give "
+        "gpu_fraction a number");
   }
   if (c.buffer_count < 1) return InvalidArgumentError(off + ".buffer_count = 0: must be >= 1");
   if (c.sub_group_elems < 1) {
@@ -718,8 +759,7 @@ std::string ConfigToJson(const OffloadConfig& c) {
   Json off = {{"device", OffloadDeviceName(c.device)},
               {"pin_memory", on(c.pin_memory)},
               {"buffer_count", c.buffer_count},
-              {"fast_init", on(c.fast_init)},
-              {"ratio", c.offload_ratio}};
+              {"fast_init", on(c.fast_init)}};
   if (c.nvme_paths.size() == 1) off["nvme_path"] = c.nvme_paths[0];
   if (c.nvme_paths.size() > 1) off["nvme_path"] = c.nvme_paths;
   Json params;
@@ -772,6 +812,8 @@ std::string ConfigToJson(const OffloadConfig& c) {
               {"strata",
                {{"host_budget", c.host_budget_bytes},
                 {"device_budget", c.device_budget_bytes},
+                {"gpu_fraction", c.gpu_fraction == kGpuFractionAuto ? Json("auto")
+                                                                    : Json(c.gpu_fraction)},
                 {"threads", c.threads},
                 {"align_elems", c.align_elems},
                 {"grad_dtype", DTypeName(c.grad_dtype)},

@@ -79,7 +79,6 @@ struct OffloadConfig {
   Switch pin_memory = Switch::kOn;      // DeepSpeed's default is off; see docs/config.md
   uint32_t buffer_count = 4;            // pipeline depth: NVMe/param buffers in flight
   Switch fast_init = Switch::kOff;
-  double offload_ratio = 1.0;  // ratio: only 1.0 (everything offloaded) is supported
   AioConfig aio;
   // optimizer: the type selects which hyperparameter struct is used.
   // AdamHyper::step and ::grad_scale (and the others') are per-step values
@@ -102,7 +101,12 @@ struct OffloadConfig {
   // the interconnect and over PCIe, summing in that precision.
   DType comm_dtype = DType::kF32;
   uint64_t host_budget_bytes = 0;    // pinned DRAM; 0: unlimited (cpu) or staging only (nvme)
-  uint64_t device_budget_bytes = 0;  // device staging; 0: not limited
+  uint64_t device_budget_bytes = 0;  // device staging and device state; 0: not limited
+  // Partial offload: the share of each rank's state kept in device memory
+  // and updated there (Adam/AdamW), in [0, 1], or kGpuFractionAuto (the
+  // largest share that fits device_budget). DeepSpeed's
+  // offload_optimizer.ratio r sets it to 1 - r.
+  double gpu_fraction = 0.0;
   int threads = 0;                   // CPU optimizer threads; 0: every hardware thread
   uint64_t align_elems = 64;         // alignment of each tensor in the flat buffer
 };

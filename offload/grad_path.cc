@@ -59,12 +59,6 @@ void AddInto(float* dst, const std::byte* src, DType dtype, uint64_t elems, bool
 
 }  // namespace
 
-uint64_t GradPath::PinnedBytes(int world, uint64_t shard_elems, uint64_t max_sub_group_elems,
-                               uint32_t slots, DType wire) {
-  return world == 1 ? uint64_t{slots} * max_sub_group_elems * DTypeSize(wire)
-                    : shard_elems * DTypeSize(wire);
-}
-
 Result<std::unique_ptr<GradPath>> GradPath::Create(const GradPathOptions& options) {
   std::unique_ptr<GradPath> g(new GradPath(options));
   STRATA_RETURN_IF_ERROR(g->Init());
@@ -80,9 +74,18 @@ Status GradPath::Init() {
   wire_ = o_.world == 1 ? o_.grad_dtype : o_.wire_dtype;
   wire_bytes_ = DTypeSize(wire_);
   const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
-  for (const ElemRange& r : o_.sub_groups) max_elems_ = std::max(max_elems_, r.elems());
+  uint64_t host_max_elems = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint64_t e = o_.sub_groups[i].elems();
+    max_elems_ = std::max(max_elems_, e);
+    if (on_device(i)) {
+      device_elems_ += e;
+    } else {
+      host_max_elems = std::max(host_max_elems, e);
+    }
+  }
   if (o_.world == 1) {
-    const uint64_t slot_bytes = (max_elems_ * wire_bytes_ + 4095) / 4096 * 4096;
+    const uint64_t slot_bytes = (host_max_elems * wire_bytes_ + 4095) / 4096 * 4096;
     for (uint32_t s = 0; s < o_.slots; ++s) {
       STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, AllocatePinned(dev, slot_bytes));
       ring_.push_back(std::move(b));
@@ -90,12 +93,17 @@ Status GradPath::Init() {
       ring_events_.push_back(std::move(e));
     }
   } else {
-    STRATA_ASSIGN_OR_RETURN(shard_buf_, AllocatePinned(dev, o_.shard.elems() * wire_bytes_));
+    STRATA_ASSIGN_OR_RETURN(
+        shard_buf_, AllocatePinned(dev, (o_.shard.elems() - device_elems_) * wire_bytes_));
     STRATA_ASSIGN_OR_RETURN(bucket_,
                             dev.Allocate(uint64_t(o_.world) * max_elems_ * wire_bytes_));
+    if (device_elems_ > 0) {
+      STRATA_ASSIGN_OR_RETURN(dev_grad_, dev.Allocate(device_elems_ * wire_bytes_));
+    }
   }
   uint64_t stats_bytes = 0;
   for (uint32_t i = 0; i < n; ++i) {
+    if (i == o_.device_sub_groups) device_stats_bytes_ = stats_bytes;
     piece_base_.push_back(stats_offset_.size());
     for (const TensorMap::Piece& p : o_.map->own(i)) {
       stats_offset_.push_back(stats_bytes);
@@ -103,6 +111,7 @@ Status GradPath::Init() {
     }
   }
   piece_base_.push_back(stats_offset_.size());
+  if (o_.device_sub_groups >= n) device_stats_bytes_ = stats_bytes;
   if (stats_bytes > 0) {
     STRATA_ASSIGN_OR_RETURN(stats_dev_, dev.Allocate(stats_bytes));
     STRATA_ASSIGN_OR_RETURN(stats_host_, AllocatePinned(dev, stats_bytes));
@@ -177,7 +186,20 @@ Status GradPath::Reduce(uint32_t i) {
           return o_.comm->ReduceScatter(bucket, mine, elems, wire_, ReduceOp::kSum, o_.stream);
         }));
     STRATA_RETURN_IF_ERROR(StatsOfPieces(i, mine, wire_));
-    std::byte* dst = shard_buf_.data() + Rel(i) * wire_bytes_;
+    if (on_device(i)) {
+      // It stays on the device, where it is updated.
+      std::byte* dst = dev_grad_.as<std::byte>() + Rel(i) * wire_bytes_;
+      STRATA_RETURN_IF_ERROR(TimedOnStream(
+          dev, o_.stream, &device_clock_, *o_.trace,
+          {TraceTrack::kDevice, "d2d", sg, elems * wire_bytes_, nullptr}, [&] {
+            return dev.CopyAsync(dst, mine, elems * wire_bytes_, CopyKind::kDeviceToDevice,
+                                 o_.stream);
+          }));
+      reduced_[i] = 1;
+      ++reduced_count_;
+      return OkStatus();
+    }
+    std::byte* dst = shard_buf_.data() + HostRel(i) * wire_bytes_;
     STRATA_RETURN_IF_ERROR(TimedOnStream(
         dev, o_.stream, &d2h_clock_, *o_.trace,
         {TraceTrack::kD2H, "d2h", sg, elems * wire_bytes_, nullptr}, [&] {
@@ -218,18 +240,55 @@ Status GradPath::CopyDown(uint32_t i, std::byte* dst, const char* what) {
                        });
 }
 
+Status GradPath::EnsureDeviceBuffer(DeviceBuffer& buf, uint64_t bytes) {
+  if (buf.data() != nullptr || bytes == 0) return OkStatus();
+  const uint64_t floats = (bytes + 3) / 4;
+  STRATA_ASSIGN_OR_RETURN(buf, o_.device->Allocate(floats * 4));
+  // Padding is never written: zero, as the host buffers are.
+  return kernels::PackGrads(*o_.device, o_.stream, {}, {buf.data(), floats, DType::kF32});
+}
+
 Status GradPath::Accumulate() {
   Device& dev = *o_.device;
   const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
-  if (accum_.empty()) accum_.assign(o_.shard.elems(), 0.0f);
+  if (accum_.empty()) accum_.assign(o_.shard.elems() - device_elems_, 0.0f);
   if (o_.world == 1) {
     STRATA_RETURN_IF_ERROR(OrderAfterUser());
-    for (uint32_t i = 0; i < n; ++i) {
+  } else {
+    STRATA_RETURN_IF_ERROR(ReduceRest());
+  }
+  STRATA_RETURN_IF_ERROR(EnsureDeviceBuffer(dev_accum_, device_elems_ * 4));
+  for (uint32_t i = 0; i < n; ++i) {
+    const bool first = !accum_has_[i];
+    accum_has_[i] = 1;
+    if (on_device(i)) {
+      // On the device, piece by piece: the first micro-step converts, later
+      // ones add in fp32 (kernels::Cast and Accumulate are AddInto's
+      // operations bit for bit).
+      float* dst = dev_accum_.as<float>() + Rel(i);
+      auto add = [&](const void* src, uint64_t at, uint64_t elems) {
+        const kernels::ConstDeviceTensor from{src, elems, wire_};
+        const kernels::DeviceTensor to{dst + at, elems, DType::kF32};
+        return first ? kernels::Cast(dev, o_.stream, from, to)
+                     : kernels::Accumulate(dev, o_.stream, from, to);
+      };
+      if (o_.world == 1) {
+        for (const TensorMap::Piece& p : o_.map->own(i)) {
+          const auto* src = static_cast<const std::byte*>((*o_.params)[p.tensor].grad) +
+                            p.tensor_offset_elems * wire_bytes_;
+          STRATA_RETURN_IF_ERROR(add(src, p.offset_elems, p.elems));
+        }
+      } else {
+        STRATA_RETURN_IF_ERROR(add(dev_grad_.as<std::byte>() + Rel(i) * wire_bytes_, 0,
+                                   o_.sub_groups[i].elems()));
+      }
+      continue;
+    }
+    float* dst = accum_.data() + HostRel(i);
+    if (o_.world == 1) {
       std::byte* slot = ring_[i % ring_.size()].data();
       STRATA_RETURN_IF_ERROR(CopyDown(i, slot, "d2h"));
       std::vector<TensorMap::Piece> pieces(o_.map->own(i).begin(), o_.map->own(i).end());
-      float* dst = accum_.data() + Rel(i);
-      const bool first = !accum_has_[i];
       const DType wire = wire_;
       const size_t wb = wire_bytes_;
       STRATA_RETURN_IF_ERROR(dev.LaunchHostFunc(o_.stream, [pieces, dst, slot, first, wire, wb] {
@@ -237,19 +296,12 @@ Status GradPath::Accumulate() {
           AddInto(dst + p.offset_elems, slot + p.offset_elems * wb, wire, p.elems, first);
         }
       }));
-      accum_has_[i] = 1;
-    }
-  } else {
-    STRATA_RETURN_IF_ERROR(ReduceRest());
-    for (uint32_t i = 0; i < n; ++i) {
-      float* dst = accum_.data() + Rel(i);
-      const std::byte* src = shard_buf_.data() + Rel(i) * wire_bytes_;
-      const bool first = !accum_has_[i];
+    } else {
+      const std::byte* src = shard_buf_.data() + HostRel(i) * wire_bytes_;
       const uint64_t elems = o_.sub_groups[i].elems();
       const DType wire = wire_;
       STRATA_RETURN_IF_ERROR(dev.LaunchHostFunc(
           o_.stream, [dst, src, wire, elems, first] { AddInto(dst, src, wire, elems, first); }));
-      accum_has_[i] = 1;
     }
   }
   // The trainer may reuse its grad tensors once this returns: its stream
@@ -266,16 +318,33 @@ Result<GradStats> GradPath::LocalStats() {
   GradStats total;
   const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
   if (micro_steps_ > 0) {
+    // The device sub-groups' sums on the device, the others' on the host:
+    // the same numbers (kernels::GradStats and its host twin agree bit for
+    // bit), added in the same order.
+    for (uint32_t i = 0; i < o_.device_sub_groups; ++i) {
+      STRATA_RETURN_IF_ERROR(StatsOfPieces(
+          i, reinterpret_cast<const std::byte*>(dev_accum_.as<float>() + Rel(i)), DType::kF32));
+    }
+    if (device_stats_bytes_ > 0) {
+      STRATA_RETURN_IF_ERROR(dev.CopyAsync(stats_host_.data(), stats_dev_.data(),
+                                           device_stats_bytes_, CopyKind::kDeviceToHost,
+                                           o_.stream));
+    }
     STRATA_RETURN_IF_ERROR(dev.StreamSynchronize(o_.stream));
     const double t0 = NowSec();
     HostSlice slice(*o_.trace, {TraceTrack::kStep, "grad stats (host)"});
     for (uint32_t i = 0; i < n; ++i) {
-      for (const TensorMap::Piece& p : o_.map->own(i)) {
-        STRATA_ASSIGN_OR_RETURN(
-            kernels::DeviceGradStats s,
-            kernels::GradStatsOnHost({accum_.data() + Rel(i) + p.offset_elems, p.elems,
-                                      DType::kF32},
-                                     1.0f));
+      const auto pieces = o_.map->own(i);
+      for (size_t k = 0; k < pieces.size(); ++k) {
+        const TensorMap::Piece& p = pieces[k];
+        kernels::DeviceGradStats s;
+        if (on_device(i)) {
+          std::memcpy(&s, stats_host_.data() + stats_offset_[piece_base_[i] + k], sizeof(s));
+        } else {
+          STRATA_ASSIGN_OR_RETURN(
+              s, kernels::GradStatsOnHost(
+                     {accum_.data() + HostRel(i) + p.offset_elems, p.elems, DType::kF32}, 1.0f));
+        }
         total.sum_sq += s.sum_sq;
         total.nonfinite_elems += s.nonfinite_elems;
       }
@@ -315,19 +384,45 @@ Result<GradView> GradPath::Wait(uint32_t i, uint32_t slot) {
       STRATA_RETURN_IF_ERROR(o_.device->EventSynchronize(ring_events_[slot]));
       return GradView{wire_, ring_[slot].data(), elems};
     case Source::kShard:
-      return GradView{wire_, shard_buf_.data() + Rel(i) * wire_bytes_, elems};
+      return GradView{wire_, shard_buf_.data() + HostRel(i) * wire_bytes_, elems};
     case Source::kAccum:
-      return GradView{DType::kF32, accum_.data() + Rel(i), elems};
+      return GradView{DType::kF32, accum_.data() + HostRel(i), elems};
     case Source::kKept:
-      return GradView{wire_, kept_.data() + Rel(i) * wire_bytes_, elems};
+      return GradView{wire_, kept_.data() + HostRel(i) * wire_bytes_, elems};
   }
   return InternalError("gradient path: unknown source");
 }
 
+DeviceGradView GradPath::DeviceGrad(uint32_t i) const {
+  const auto at = [&](const DeviceBuffer& b, size_t bytes) {
+    return b.as<std::byte>() + Rel(i) * bytes;
+  };
+  if (kept_has_[i]) return {at(dev_grad_, wire_bytes_), wire_};
+  if (micro_steps_ > 0) return {at(dev_accum_, 4), DType::kF32};
+  if (o_.world == 1) return {nullptr, wire_};
+  return {at(dev_grad_, wire_bytes_), wire_};
+}
+
 Status GradPath::Keep(uint32_t i) {
   if (SourceOf(i) != Source::kRing) return OkStatus();  // the buffer keeps it
-  if (kept_.empty()) kept_.assign(o_.shard.elems() * wire_bytes_, std::byte{0});
-  STRATA_RETURN_IF_ERROR(CopyDown(i, kept_.data() + Rel(i) * wire_bytes_, "keep grads"));
+  if (on_device(i)) {
+    // The trainer's tensors, copied on the device.
+    Device& dev = *o_.device;
+    STRATA_RETURN_IF_ERROR(EnsureDeviceBuffer(dev_grad_, device_elems_ * wire_bytes_));
+    std::byte* dst = dev_grad_.as<std::byte>() + Rel(i) * wire_bytes_;
+    for (const TensorMap::Piece& p : o_.map->own(i)) {
+      const auto* src = static_cast<const std::byte*>((*o_.params)[p.tensor].grad) +
+                        p.tensor_offset_elems * wire_bytes_;
+      STRATA_RETURN_IF_ERROR(dev.CopyAsync(dst + p.offset_elems * wire_bytes_, src,
+                                           p.elems * wire_bytes_, CopyKind::kDeviceToDevice,
+                                           o_.stream));
+    }
+    STRATA_RETURN_IF_ERROR(dev.StreamSynchronize(o_.stream));
+    kept_has_[i] = 1;
+    return OkStatus();
+  }
+  if (kept_.empty()) kept_.assign((o_.shard.elems() - device_elems_) * wire_bytes_, std::byte{0});
+  STRATA_RETURN_IF_ERROR(CopyDown(i, kept_.data() + HostRel(i) * wire_bytes_, "keep grads"));
   STRATA_RETURN_IF_ERROR(o_.device->StreamSynchronize(o_.stream));
   kept_has_[i] = 1;
   return OkStatus();

@@ -22,6 +22,14 @@
 // Sources of Wait(i): the ring slot (one rank, streamed), the host shard
 // buffer (several ranks), the fp32 accumulation buffer, the kept buffer.
 //
+// Device sub-groups (partial offload: the first `device_sub_groups`) never
+// come down: DeviceGrad(i) is where the device Adam reads them. One rank:
+// the trainer's tensors; several: a device buffer the reduced block is
+// copied to (D2D instead of D2H); accumulated: an fp32 device buffer
+// (kernels::Cast / Accumulate, the same fp32 sums as the host's); kept for a
+// retry: a device copy. The host buffers (ring, shard, accumulation, kept)
+// cover the other sub-groups only.
+//
 // The statistics are defined piece by piece, so every backend and path gives
 // the same numbers bit for bit: for each sub-group in order, for each of its
 // tensor pieces in order, kernels::GradStats (its documented block order)
@@ -58,6 +66,7 @@ struct GradPathOptions {
   int world = 1;
   StreamRef stream;       // the engine's grad stream
   StreamRef user_stream;  // the trainer's
+  uint32_t device_sub_groups = 0;  // the first ones: updated on the device
   const TensorMap* map = nullptr;
   const std::vector<Param>* params = nullptr;  // read at every use (RebindParam)
   std::span<const ElemRange> sub_groups;
@@ -70,6 +79,13 @@ struct GradPathOptions {
 };
 
 // Busy time per stage, summed since the last TakeTimes().
+// A device sub-group's gradient in device memory: `base` (sub-group
+// relative, `dtype`), or with base == nullptr the trainer's grad tensors.
+struct DeviceGradView {
+  const std::byte* base = nullptr;
+  DType dtype = DType::kF32;
+};
+
 struct GradPathTimes {
   double d2h = 0, comm = 0, device = 0, host_stats = 0;
   uint64_t d2h_bytes = 0;
@@ -84,9 +100,6 @@ class GradPath {
 
   // The dtype the optimizer reads from a ring slot or the shard buffer.
   DType wire_dtype() const { return wire_; }
-  // Host bytes of the ring (one rank) or the shard buffer (several ranks).
-  static uint64_t PinnedBytes(int world, uint64_t shard_elems, uint64_t max_sub_group_elems,
-                              uint32_t slots, DType wire);
 
   // ---- hand-over ----
   // Work enqueued next waits for what the trainer enqueued so far.
@@ -110,6 +123,8 @@ class GradPath {
   Status Fetch(uint32_t i, uint32_t slot);
   // Sub-group i's gradient on the host, as the optimizer reads it.
   Result<GradView> Wait(uint32_t i, uint32_t slot);
+  // A device sub-group's gradient for the device Adam (after LocalStats).
+  DeviceGradView DeviceGrad(uint32_t i) const;
   // Copies sub-group i's gradient (not applied by a failed step) to the kept
   // buffer; the next step of the same decision reads it from there.
   Status Keep(uint32_t i);
@@ -126,7 +141,12 @@ class GradPath {
   explicit GradPath(const GradPathOptions& options) : o_(options) {}
   Status Init();
   Source SourceOf(uint32_t i) const;
+  bool on_device(uint32_t i) const { return i < o_.device_sub_groups; }
+  // Offset in the shard, and in the host buffers (which start after the
+  // device sub-groups).
   uint64_t Rel(uint32_t i) const { return o_.sub_groups[i].begin - o_.shard.begin; }
+  uint64_t HostRel(uint32_t i) const { return Rel(i) - device_elems_; }
+  Status EnsureDeviceBuffer(DeviceBuffer& buf, uint64_t bytes);
   // Enqueues the D2H of sub-group i's own pieces (one rank) into `dst`
   // (wire dtype, padding zeroed here).
   Status CopyDown(uint32_t i, std::byte* dst, const char* what);
@@ -136,6 +156,7 @@ class GradPath {
   DType wire_ = DType::kF32;
   size_t wire_bytes_ = 4;
   uint64_t max_elems_ = 0;
+  uint64_t device_elems_ = 0;  // elements of the device sub-groups
   std::vector<PinnedBuffer> ring_;  // one rank
   std::vector<Event> ring_events_;
   Event user_event_;  // the trainer's stream, recorded at each hand-over
@@ -148,6 +169,9 @@ class GradPath {
   PinnedBuffer stats_host_;
   std::vector<uint64_t> stats_offset_;  // per piece (flat over sub-groups), bytes
   std::vector<uint64_t> piece_base_;    // per sub-group: index of its first piece
+  uint64_t device_stats_bytes_ = 0;     // the device sub-groups' regions (the first)
+  DeviceBuffer dev_grad_;   // device sub-groups: reduced (several ranks) or kept (one)
+  DeviceBuffer dev_accum_;  // device sub-groups: fp32 accumulation, on first use
   std::vector<float> accum_;            // fp32 accumulation (pageable)
   std::vector<uint8_t> accum_has_;      // per sub-group: holds a micro-step already
   std::vector<std::byte> kept_;         // wire dtype, shard-sized, on demand

@@ -13,11 +13,20 @@
 //              gradient and writing 16-bit params into a staging slot, NVMe
 //              write-behind, publish the params (H2D, all-gather, unpack).
 //
+// Partial offload (gpu_fraction): the first sub-groups keep their state on
+// the device. Right after the decision their updates are queued on the
+// device stream (fused Adam reading the gradient where it lies on the
+// device, one rank writing the params too), and the CPU pipeline runs the
+// rest meanwhile; with several ranks the publish stream casts their master
+// weights into the bucket after each update and all-gathers them first. The
+// step ends when both sides did.
+//
 // Streams and threads of one optimizer:
 //   calling thread   drives the step; CPU Adam over its TBB arena
 //   grad stream      GradPath: statistics, pack, reduce-scatter, D2H; the
 //                    small all-reduces of the decision
 //   publish stream   ParamPublisher: H2D, all-gather, unpack
+//   device stream    partial offload: the device state's updates and copies
 //   IO thread        StateTiers: every state store call
 //
 // Note on overlap: the D2H of gradient slots runs ahead of the update by the
@@ -159,6 +168,7 @@ std::string FormatStepStats(const StepStats& s) {
       s.step, FormatSeconds(t.step), s.skipped ? " skipped" : "", FormatSeconds(t.d2h),
       FormatSeconds(t.comm), FormatSeconds(t.read), FormatSeconds(t.adam), FormatSeconds(t.write),
       FormatSeconds(t.h2d), FormatSeconds(t.device), s.loss_scale, s.grad_norm);
+  if (t.device_adam > 0) out += fmt::format(", device adam {}", FormatSeconds(t.device_adam));
   if (s.clip_coef < 1.0f) out += fmt::format(", clip {:.4g}", s.clip_coef);
   if (s.read_bytes + s.write_bytes > 0) {
     out += fmt::format(", nvme read {} write {}", FormatBytes(s.read_bytes),
@@ -191,6 +201,11 @@ struct OffloadOptimizer::Impl {
   internal::TraceContext trace;
 
   Stream grad_stream;  // GradPath's, and the decision's all-reduces
+  Stream device_stream;  // partial offload: updates and copies of the device state
+  Event device_event;    // on device_stream, after an update (several ranks: per sub-group)
+  Event device_user_event;  // on the trainer's stream, for device_stream to wait on
+  internal::StageClock device_adam_clock;
+  uint32_t device_count = 0;  // sub-groups on the device: the first ones
   std::optional<PinnedPool> small_pool;
   PinnedBuffer small;  // 4 KiB: all-reduced values to and from the device
   DeviceBuffer dev_small;
@@ -222,6 +237,11 @@ struct OffloadOptimizer::Impl {
   Status AllReduceDoubles(std::span<double> values, ReduceOp op);
   Status Update(uint32_t i, std::span<float> state, GradView grad, void* out,
                 const StepDecision& d);
+  Status UpdateOnDevice(uint32_t i, const StepDecision& d);
+  // The device side of a step: queued, then waited for (FinishDeviceSide).
+  Status StartDeviceSide(const StepDecision& d, std::vector<uint8_t>& updated);
+  Status FinishDeviceSide(const std::vector<uint8_t>& updated);
+  Status InitDeviceState();
   Status Step();
   Status HandOverAndDecide();
   Status RunPipeline(const StepDecision& d);
@@ -419,6 +439,12 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
   if (!grad_stream) {
     STRATA_ASSIGN_OR_RETURN(grad_stream, device->CreateStream());
   }
+  device_count = plan.device_sub_groups;
+  if (device_count > 0) {
+    STRATA_ASSIGN_OR_RETURN(device_stream, device->CreateStream());
+    STRATA_ASSIGN_OR_RETURN(device_event, device->CreateEvent());
+    STRATA_ASSIGN_OR_RETURN(device_user_event, device->CreateEvent());
+  }
   if (!small.data()) {
     STRATA_ASSIGN_OR_RETURN(small, internal::AllocatePinned(*device, 4096));
     STRATA_ASSIGN_OR_RETURN(dev_small, device->Allocate(4096));
@@ -429,6 +455,7 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
                                                    .world = world,
                                                    .stream = grad_stream,
                                                    .user_stream = user_stream,
+                                                   .device_sub_groups = device_count,
                                                    .map = &map,
                                                    .params = &params,
                                                    .sub_groups = sub_groups,
@@ -445,6 +472,7 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
                                                              .map = &map,
                                                              .params = &params,
                                                              .sub_groups = sub_groups,
+                                                             .device_sub_groups = device_count,
                                                              .param_dtype = config.param_dtype,
                                                              .slots = slots,
                                                              .trace = &trace}));
@@ -456,7 +484,8 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
                                                      .plan = &plan,
                                                      .arrays = arrays,
                                                      .nvme_buffers = plan.nvme_buffers,
-                                                     .trace = &trace}));
+                                                     .trace = &trace,
+                                                     .device_stream = device_stream}));
   STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
   STRATA_ASSIGN_OR_RETURN(LossScaler s, LossScaler::Create(config.loss_scaler));
   scaler.emplace(std::move(s));
@@ -482,19 +511,21 @@ Status OffloadOptimizer::Impl::InitState() {
   const uint32_t n = static_cast<uint32_t>(sub_groups.size());
   const uint32_t slots = publisher->slots();
   uint64_t total = 0;
-  for (const ElemRange& g : sub_groups) total += g.elems() * arrays * 4;
+  for (uint32_t i = device_count; i < n; ++i) total += sub_groups[i].elems() * arrays * 4;
+  STRATA_RETURN_IF_ERROR(InitDeviceState());  // queued: runs beside the host's
   ProgressReporter progress(fmt::format("rank {}: initial optimizer state", rank), total,
                             ProgressUnit::kBytes);
+  auto slot_of = [&](uint32_t i) { return (i - device_count) % slots; };
   auto read = [&](uint32_t i) {
-    return publisher->ReadParams(i, i % slots)
+    return publisher->ReadParams(i, slot_of(i))
         .WithContext(fmt::format("read the initial params of {}", tiers->Name(i)));
   };
-  if (n > 0) STRATA_RETURN_IF_ERROR(read(0));
-  for (uint32_t i = 0; i < n; ++i) {
+  if (device_count < n) STRATA_RETURN_IF_ERROR(read(device_count));
+  for (uint32_t i = device_count; i < n; ++i) {
     // With one slot the next read would overwrite what is being converted.
     if (slots > 1 && i + 1 < n) STRATA_RETURN_IF_ERROR(read(i + 1));
-    STRATA_RETURN_IF_ERROR(publisher->WaitSlot(i % slots));
-    const std::byte* staging = publisher->Staging(i % slots);
+    STRATA_RETURN_IF_ERROR(publisher->WaitSlot(slot_of(i)));
+    const std::byte* staging = publisher->Staging(slot_of(i));
     const uint64_t elems = sub_groups[i].elems();
     const size_t param_bytes = DTypeSize(config.param_dtype);
     STRATA_RETURN_IF_ERROR(
@@ -513,8 +544,33 @@ Status OffloadOptimizer::Impl::InitState() {
   }
   STRATA_RETURN_IF_ERROR(
       tiers->FinishWrites([](uint32_t, const Status&) {}).WithContext("write the initial state"));
+  if (device_count > 0) {
+    STRATA_RETURN_IF_ERROR(
+        device->StreamSynchronize(device_stream).WithContext("set up the device state"));
+  }
   progress.Finish();
   publisher->TakeTimes();
+  return OkStatus();
+}
+
+// The device sub-groups' state, on the device: zero, then the master weights
+// cast from the params (fp16/bf16 -> fp32 is exact: what the host does).
+Status OffloadOptimizer::Impl::InitDeviceState() {
+  if (device_count == 0) return OkStatus();
+  STRATA_RETURN_IF_ERROR(device->RecordEvent(device_user_event, user_stream));
+  STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(device_stream, device_user_event));
+  for (uint32_t i = 0; i < device_count; ++i) {
+    float* state = tiers->DeviceState(i);
+    STRATA_RETURN_IF_ERROR(kernels::PackGrads(
+        *device, device_stream, {}, {state, sub_groups[i].elems() * arrays, DType::kF32}));
+    for (const internal::TensorMap::Piece& p : map.own(i)) {
+      const auto* src = static_cast<const std::byte*>(params[p.tensor].data) +
+                        p.tensor_offset_elems * param_bytes;
+      STRATA_RETURN_IF_ERROR(kernels::Cast(*device, device_stream,
+                                           {src, p.elems, config.param_dtype},
+                                           {state + p.offset_elems, p.elems, DType::kF32}));
+    }
+  }
   return OkStatus();
 }
 
@@ -597,6 +653,97 @@ Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, GradVi
   return OkStatus();
 }
 
+// Sub-group i's update by the device Adam, piece by piece (padding is not
+// touched: its state and gradient are zero and would stay zero), on the
+// device stream. One rank writes the params in the same kernel.
+Status OffloadOptimizer::Impl::UpdateOnDevice(uint32_t i, const StepDecision& d) {
+  const internal::DeviceGradView grad = grads->DeviceGrad(i);
+  const size_t grad_bytes = DTypeSize(grad.dtype);
+  const uint64_t elems = sub_groups[i].elems();
+  float* state = tiers->DeviceState(i);
+  const auto pieces = map.own(i);
+  return internal::TimedOnStream(
+      *device, device_stream, &device_adam_clock, trace,
+      {TraceTrack::kDevice, "device adam", static_cast<int32_t>(i),
+       elems * (2 * 4 * arrays + grad_bytes + (world == 1 ? param_bytes : 0)), "device"},
+      [&]() -> Status {
+        for (const internal::TensorMap::Piece& p : pieces) {
+          const GroupHyper& h = hypers[param_group[p.tensor]];
+          const AdamHyper ah{.lr = h.lr,
+                             .beta1 = h.beta1,
+                             .beta2 = h.beta2,
+                             .eps = h.eps,
+                             .weight_decay = h.weight_decay,
+                             .weight_decay_mode = config.optimizer == OptimizerType::kAdam
+                                                      ? WeightDecayMode::kL2
+                                                      : WeightDecayMode::kDecoupled,
+                             .bias_correction = config.adam.bias_correction,
+                             .step = d.step,
+                             .grad_scale = d.grad_scale};
+          const std::byte* g =
+              grad.base != nullptr
+                  ? grad.base + p.offset_elems * grad_bytes
+                  : static_cast<const std::byte*>(params[p.tensor].grad) +
+                        p.tensor_offset_elems * grad_bytes;
+          kernels::DeviceTensor out{};
+          if (world == 1) {
+            out = {static_cast<std::byte*>(params[p.tensor].data) +
+                       p.tensor_offset_elems * param_bytes,
+                   p.elems, config.param_dtype};
+          }
+          const uint64_t at = p.offset_elems;
+          STRATA_RETURN_IF_ERROR(kernels::AdamStep(
+              *device, device_stream, ah,
+              {state + at, state + elems + at, state + 2 * elems + at, p.elems},
+              {g, p.elems, grad.dtype}, out));
+        }
+        return OkStatus();
+      });
+}
+
+// Queues the device sub-groups' updates (those not done) after the trainer's
+// stream, and with several ranks their publication (every rank, every
+// sub-group: the all-gathers must match). `updated[i]`: queued here.
+Status OffloadOptimizer::Impl::StartDeviceSide(const StepDecision& d,
+                                               std::vector<uint8_t>& updated) {
+  updated.assign(device_count, 0);
+  if (device_count == 0) return OkStatus();
+  STRATA_RETURN_IF_ERROR(device->RecordEvent(device_user_event, user_stream));
+  STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(device_stream, device_user_event));
+  for (uint32_t i = 0; i < device_count; ++i) {
+    if (!done[i]) {
+      STRATA_RETURN_IF_ERROR(
+          UpdateOnDevice(i, d).WithContext(fmt::format("update {}", tiers->Name(i))));
+      updated[i] = 1;
+    }
+    if (world > 1 || done[i]) {
+      // One rank publishes in the update; a done one (a retry) again, as
+      // the host's are.
+      const Event* after = nullptr;
+      if (updated[i]) {
+        STRATA_RETURN_IF_ERROR(device->RecordEvent(device_event, device_stream));
+        after = &device_event;
+      }
+      STRATA_RETURN_IF_ERROR(publisher->PublishDevice(i, tiers->DeviceState(i), after));
+    }
+  }
+  return OkStatus();
+}
+
+// Waits for the device side; the trainer's stream waits for it too (the
+// params it wrote). Updated sub-groups are done once it succeeded.
+Status OffloadOptimizer::Impl::FinishDeviceSide(const std::vector<uint8_t>& updated) {
+  if (device_count == 0) return OkStatus();
+  STRATA_RETURN_IF_ERROR(device->RecordEvent(device_event, device_stream));
+  STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(user_stream, device_event));
+  STRATA_RETURN_IF_ERROR(
+      device->StreamSynchronize(device_stream).WithContext("update the device sub-groups"));
+  for (uint32_t i = 0; i < device_count; ++i) {
+    if (updated[i]) done[i] = 1;
+  }
+  return OkStatus();
+}
+
 // Stages 1 and 2: the gradients handed over, their statistics over every
 // rank, the decision. A skipped step ends here.
 Status OffloadOptimizer::Impl::HandOverAndDecide() {
@@ -633,8 +780,11 @@ Status OffloadOptimizer::Impl::HandOverAndDecide() {
 Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   const uint32_t n = static_cast<uint32_t>(sub_groups.size());
   const bool serial = mode == PipelineMode::kSerial;
-  std::vector<int32_t> extents(n);
-  for (uint32_t i = 0; i < n; ++i) extents[i] = tiers->extent(i);
+  // The CPU side: the sub-groups after the device ones (schedule positions
+  // and sub-groups are relative to the first of them, k).
+  const uint32_t k = device_count;
+  std::vector<int32_t> extents(n - k);
+  for (uint32_t i = k; i < n; ++i) extents[i - k] = tiers->extent(i);
   const internal::PipelineSchedule schedule =
       internal::MakeSchedule(extents, slots, tiers->nvme_buffers(), mode);
   Status first_error;
@@ -642,12 +792,14 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
     if (first_error.ok()) first_error = std::move(s);
   };
   STRATA_RETURN_IF_ERROR(publisher->OrderAfterUser());
-  for (uint32_t r : schedule.initial_reads) tiers->StartRead(r);
+  std::vector<uint8_t> device_updated;
+  STRATA_RETURN_IF_ERROR(StartDeviceSide(d, device_updated));
+  for (uint32_t r : schedule.initial_reads) tiers->StartRead(k + r);
   double adam_sec = 0;
   for (const internal::ScheduledUpdate& u : schedule.updates) {
-    const uint32_t i = u.sub_group;
+    const uint32_t i = k + u.sub_group;
     for (uint32_t q : u.fetch) {
-      const uint32_t f = schedule.updates[q].sub_group;
+      const uint32_t f = k + schedule.updates[q].sub_group;
       if (done[f]) continue;
       if (Status s = grads->Fetch(f, schedule.updates[q].slot); !s.ok()) {
         fail(std::move(s).WithContext(fmt::format("fetch the gradient of {}", tiers->Name(f))));
@@ -704,7 +856,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
         }
       }
     }
-    for (uint32_t r : u.read_after) tiers->StartRead(r);
+    for (uint32_t r : u.read_after) tiers->StartRead(k + r);
     // Params up. A sub-group that failed here still joins the all-gather
     // (collectives must match) but is not uploaded on this rank.
     STRATA_RETURN_IF_ERROR(publisher->Publish(i, u.slot, ok ? PublishMode::kUpload
@@ -722,6 +874,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
     fail(std::move(s));
   }
   tiers->DrainReads();  // reads queued and never consumed (only after an error above)
+  if (Status s = FinishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
   if (Status s = publisher->Finish(); !s.ok()) fail(std::move(s));
   last.times.adam += adam_sec;
   if (!first_error.ok()) {
@@ -807,6 +960,8 @@ void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
   last.times.h2d = p.h2d;
   last.times.comm = g.comm + p.comm + control_clock.busy;
   last.times.device = g.device + p.device;
+  last.times.device_adam = device_adam_clock.busy;
+  device_adam_clock.busy = 0;
   last.times.adam += g.host_stats;
   last.times.read = io.read_sec;
   last.times.write = io.write_sec;
@@ -819,10 +974,11 @@ void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
   // The CPU's own pass over host DRAM: the optimizer reads the gradient and
   // the state and writes the state and the params (the copy engines' DMA is
   // in d2h/h2d_bytes); accumulation reads its fp32 buffer for the statistics.
+  const uint64_t host_elems = shard.elems() - plan.device_elems;
   if (!last.skipped) {
-    last.host_dram_bytes = shard.elems() * (grad_read_bytes + 2 * 4 * arrays + param_bytes);
+    last.host_dram_bytes = host_elems * (grad_read_bytes + 2 * 4 * arrays + param_bytes);
   }
-  if (host_stats) last.host_dram_bytes += shard.elems() * 4;
+  if (host_stats) last.host_dram_bytes += host_elems * 4;
   last.times.step = NowSec() - t0;
 }
 
@@ -842,6 +998,9 @@ OffloadOptimizer::~OffloadOptimizer() {
   if (!impl_) return;
   // Work in flight uses the buffers: let it finish (errors are the steps' business).
   if (impl_->grad_stream) impl_->device->StreamSynchronize(impl_->grad_stream).IgnoreError();
+  if (impl_->device_stream) {
+    impl_->device->StreamSynchronize(impl_->device_stream).IgnoreError();
+  }
   impl_->tiers.reset();
   impl_->publisher.reset();
   impl_->grads.reset();
@@ -935,6 +1094,9 @@ Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
   // Queued work may still read or write the old tensors.
   STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.grad_stream)).WithContext(kOp));
   STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.publisher->stream())).WithContext(kOp));
+  if (m.device_stream) {
+    STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.device_stream)).WithContext(kOp));
+  }
   p.data = data;
   p.grad = grad;
   m.map.Rebind(m.params);
@@ -946,7 +1108,8 @@ Status OffloadOptimizer::ZeroGrad() {
   Device& dev = *m.device;
   // The engine's streams may still read the grad tensors (hand-over) or
   // write the params: the zeroing on the trainer's stream comes after both.
-  for (StreamRef s : {StreamRef(m.grad_stream), m.publisher->stream()}) {
+  for (StreamRef s : {StreamRef(m.grad_stream), m.publisher->stream(), StreamRef(m.device_stream)}) {
+    if (!s) continue;
     STRATA_ASSIGN_OR_RETURN(Event e, dev.CreateEvent());
     STRATA_RETURN_IF_ERROR(dev.RecordEvent(e, s));
     STRATA_RETURN_IF_ERROR(dev.StreamWaitEvent(m.user_stream, e));
@@ -1068,8 +1231,11 @@ Status OffloadOptimizer::UploadParams() {
   STRATA_RETURN_IF_ERROR(m.publisher->OrderAfterUser());
   Status first_error;
   const uint32_t n = static_cast<uint32_t>(m.sub_groups.size());
-  for (uint32_t i = 0; i < n; ++i) {
-    const uint32_t slot = i % m.slots;
+  for (uint32_t i = 0; i < m.device_count; ++i) {
+    STRATA_RETURN_IF_ERROR(m.publisher->PublishDevice(i, m.tiers->DeviceState(i), nullptr));
+  }
+  for (uint32_t i = m.device_count; i < n; ++i) {
+    const uint32_t slot = (i - m.device_count) % m.slots;
     bool ok = true;
     if (Status s = m.publisher->WaitSlot(slot); !s.ok()) {
       if (first_error.ok()) first_error = std::move(s);

@@ -150,6 +150,9 @@ struct StageTimes {
   // trainer reports GradReady), the all-reduce over ranks, the loss scaler.
   double grad_stats = 0;
   double device = 0;  // device kernels: statistics, packs and unpacks (several ranks)
+  // Partial offload: the device Adam of the sub-groups kept on the device,
+  // on its own stream, concurrent with the CPU side (adam).
+  double device_adam = 0;
 };
 
 // How Step() schedules its stages. kOverlapped (the default) is the

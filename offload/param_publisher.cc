@@ -21,11 +21,14 @@ ParamPublisher::~ParamPublisher() {
 Status ParamPublisher::Init() {
   Device& dev = *o_.device;
   param_bytes_ = DTypeSize(o_.param_dtype);
-  uint64_t max_elems = 0;
-  for (const ElemRange& r : o_.sub_groups) max_elems = std::max(max_elems, r.elems());
+  uint64_t max_elems = 0, host_max_elems = 0;
+  for (uint32_t i = 0; i < o_.sub_groups.size(); ++i) {
+    max_elems = std::max(max_elems, o_.sub_groups[i].elems());
+    if (i >= o_.device_sub_groups) host_max_elems = std::max(host_max_elems, o_.sub_groups[i].elems());
+  }
   STRATA_ASSIGN_OR_RETURN(stream_, dev.CreateStream());
   for (uint32_t s = 0; s < o_.slots; ++s) {
-    STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, AllocatePinned(dev, max_elems * param_bytes_));
+    STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, AllocatePinned(dev, host_max_elems * param_bytes_));
     staging_.push_back(std::move(b));
     STRATA_ASSIGN_OR_RETURN(Event e, dev.CreateEvent());
     slot_events_.push_back(std::move(e));
@@ -73,8 +76,7 @@ Status ParamPublisher::Publish(uint32_t i, uint32_t slot, PublishMode mode) {
     }
     return dev.RecordEvent(slot_events_[slot], stream_);
   }
-  std::byte* bucket = bucket_.as<std::byte>();
-  std::byte* mine = bucket + o_.rank * elems * param_bytes_;
+  std::byte* mine = bucket_.as<std::byte>() + o_.rank * elems * param_bytes_;
   if (mode == PublishMode::kUpload) {
     h2d_bytes_ += elems * param_bytes_;
     STRATA_RETURN_IF_ERROR(TimedOnStream(
@@ -84,20 +86,59 @@ Status ParamPublisher::Publish(uint32_t i, uint32_t slot, PublishMode mode) {
                                stream_);
         }));
   }
+  STRATA_RETURN_IF_ERROR(GatherAndUnpack(i, mode));
+  return dev.RecordEvent(slot_events_[slot], stream_);
+}
+
+Status ParamPublisher::GatherAndUnpack(uint32_t i, PublishMode mode) {
+  Device& dev = *o_.device;
+  const uint64_t elems = o_.sub_groups[i].elems();
+  const int32_t sg = static_cast<int32_t>(i);
+  std::byte* bucket = bucket_.as<std::byte>();
+  std::byte* mine = bucket + o_.rank * elems * param_bytes_;
   STRATA_RETURN_IF_ERROR(TimedOnStream(
       dev, stream_, &comm_clock_, *o_.trace,
       {TraceTrack::kComm, "all-gather", sg, o_.world * elems * param_bytes_, nullptr}, [&] {
         return o_.comm->AllGather(mine, bucket, elems, o_.param_dtype, stream_);
       }));
-  if (mode == PublishMode::kUpload) {
-    STRATA_RETURN_IF_ERROR(TimedOnStream(
+  if (mode == PublishMode::kJoin) return OkStatus();
+  return TimedOnStream(
+      dev, stream_, &device_clock_, *o_.trace,
+      {TraceTrack::kDevice, "unpack", sg, o_.world * elems * param_bytes_, nullptr}, [&] {
+        return kernels::UnpackParams(dev, stream_, {bucket, o_.world * elems, o_.param_dtype},
+                                     o_.map->unpack(i));
+      });
+}
+
+Status ParamPublisher::PublishDevice(uint32_t i, const float* master, const Event* after) {
+  Device& dev = *o_.device;
+  const uint64_t elems = o_.sub_groups[i].elems();
+  const int32_t sg = static_cast<int32_t>(i);
+  if (after != nullptr) STRATA_RETURN_IF_ERROR(dev.StreamWaitEvent(stream_, *after));
+  if (o_.world == 1) {
+    const auto pieces = o_.map->own(i);
+    return TimedOnStream(
         dev, stream_, &device_clock_, *o_.trace,
-        {TraceTrack::kDevice, "unpack", sg, o_.world * elems * param_bytes_, nullptr}, [&] {
-          return kernels::UnpackParams(dev, stream_, {bucket, o_.world * elems, o_.param_dtype},
-                                       o_.map->unpack(i));
-        }));
+        {TraceTrack::kDevice, "cast params", sg, elems * (4 + param_bytes_), "device"},
+        [&]() -> Status {
+          for (const TensorMap::Piece& p : pieces) {
+            auto* dst = static_cast<std::byte*>((*o_.params)[p.tensor].data) +
+                        p.tensor_offset_elems * param_bytes_;
+            STRATA_RETURN_IF_ERROR(kernels::Cast(dev, stream_,
+                                                 {master + p.offset_elems, p.elems, DType::kF32},
+                                                 {dst, p.elems, o_.param_dtype}));
+          }
+          return OkStatus();
+        });
   }
-  return dev.RecordEvent(slot_events_[slot], stream_);
+  std::byte* mine = bucket_.as<std::byte>() + o_.rank * elems * param_bytes_;
+  STRATA_RETURN_IF_ERROR(TimedOnStream(
+      dev, stream_, &device_clock_, *o_.trace,
+      {TraceTrack::kDevice, "cast params", sg, elems * (4 + param_bytes_), "device"}, [&] {
+        return kernels::Cast(dev, stream_, {master, elems, DType::kF32},
+                             {mine, elems, o_.param_dtype});
+      }));
+  return GatherAndUnpack(i, PublishMode::kUpload);
 }
 
 Status ParamPublisher::Finish() {

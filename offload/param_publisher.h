@@ -16,6 +16,11 @@
 // Reading the params back (Create: the master weights start as the params)
 // uses the same pieces in the other direction: ReadParams.
 //
+// Device sub-groups (partial offload, the first `device_sub_groups`) have no
+// staging: PublishDevice casts their fp32 master weights, in device memory,
+// into the params (one rank: each piece; several: the rank's block of the
+// bucket, then all-gather and unpack like the others).
+//
 // Streams: its own stream; OrderAfterUser makes it wait for the trainer's
 // stream (backward reads the params the uploads overwrite), Finish makes the
 // trainer's stream wait for the uploads. Not thread-safe.
@@ -48,6 +53,7 @@ struct ParamPublisherOptions {
   const TensorMap* map = nullptr;
   const std::vector<Param>* params = nullptr;  // read at every use (RebindParam)
   std::span<const ElemRange> sub_groups;
+  uint32_t device_sub_groups = 0;  // the first ones: no staging (PublishDevice)
   DType param_dtype = DType::kF32;
   uint32_t slots = 2;
   TraceContext* trace = nullptr;
@@ -66,12 +72,15 @@ class ParamPublisher {
   ParamPublisher& operator=(const ParamPublisher&) = delete;
 
   uint32_t slots() const { return static_cast<uint32_t>(staging_.size()); }
-  // Room for the largest sub-group in the param dtype, 4096-aligned.
+  // Room for the largest host sub-group in the param dtype, 4096-aligned.
   std::byte* Staging(uint32_t slot) const { return staging_[slot].data(); }
 
   Status OrderAfterUser();
   Status WaitSlot(uint32_t slot);
   Status Publish(uint32_t i, uint32_t slot, PublishMode mode);
+  // Device sub-group i's params from `master` (device memory, its fp32
+  // master weights), after `after` (the update's event; null: none).
+  Status PublishDevice(uint32_t i, const float* master, const Event* after);
   // Waits for every upload; the trainer's stream waits for them too.
   Status Finish();
   // Queues the copy of sub-group i's own pieces of the trainer's params into
@@ -85,6 +94,9 @@ class ParamPublisher {
  private:
   explicit ParamPublisher(const ParamPublisherOptions& options) : o_(options) {}
   Status Init();
+  // Several ranks: the all-gather of sub-group i's bucket, then (kUpload)
+  // the unpack into the tensors.
+  Status GatherAndUnpack(uint32_t i, PublishMode mode);
 
   ParamPublisherOptions o_;
   size_t param_bytes_ = 2;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 
@@ -130,6 +131,12 @@ std::string_view TierName(Tier tier) {
   return "?";
 }
 
+double PlacementPlan::gpu_fraction() const {
+  uint64_t all = 0;
+  for (const SubGroupPlacement& g : sub_groups) all += g.elems;
+  return all == 0 ? 0.0 : static_cast<double>(device_elems) / static_cast<double>(all);
+}
+
 uint64_t NvmeBufferBytes(uint64_t state_bytes) {
   return RoundUpPage(state_bytes) + kExtentHeaderBytes;
 }
@@ -189,18 +196,11 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   }
 
   const bool one_rank = in.world_size == 1;
+  // Device staging that does not depend on the split.
+  std::vector<StagingBuffer> device_buffers;
   if (one_rank) {
-    plan.buffers.push_back(
-        {"grad ring", Tier::kHost, in.buffer_count, max_elems * in.grad_bytes_per_elem});
-  } else {
-    plan.buffers.push_back({"grad shard", Tier::kHost, 1, shard_elems * in.grad_bytes_per_elem});
-  }
-  plan.buffers.push_back(
-      {"param", Tier::kHost, in.buffer_count, max_elems * in.param_bytes_per_elem});
-  const size_t first_device = plan.buffers.size();
-  if (one_rank) {
-    plan.buffers.push_back({"grad stats", Tier::kDevice, 1,
-                            16 * ((shard_elems + 4095) / 4096 + in.sub_group_elems.size())});
+    device_buffers.push_back({"grad stats", Tier::kDevice, 1,
+                              16 * ((shard_elems + 4095) / 4096 + in.sub_group_elems.size())});
   } else {
     // A bucket holds every rank's block: world_size x the largest sub-group,
     // bounded like the shard so that the products below stay in 64 bits.
@@ -211,25 +211,96 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
           kOp, in.world_size, max_elems));
     }
     const uint64_t block = uint64_t{in.world_size} * max_elems;
-    plan.buffers.push_back({"grad bucket", Tier::kDevice, 1, block * in.grad_bytes_per_elem});
-    plan.buffers.push_back({"param bucket", Tier::kDevice, 1, block * in.param_bytes_per_elem});
+    device_buffers.push_back({"grad bucket", Tier::kDevice, 1, block * in.grad_bytes_per_elem});
+    device_buffers.push_back({"param bucket", Tier::kDevice, 1, block * in.param_bytes_per_elem});
   }
-  for (size_t b = first_device; b < plan.buffers.size(); ++b) {
-    plan.device_staging_bytes += plan.buffers[b].total_bytes();
-  }
-  if (in.device_budget_bytes != 0 && plan.device_staging_bytes > in.device_budget_bytes) {
+  uint64_t fixed_device = 0;
+  for (const StagingBuffer& b : device_buffers) fixed_device += b.total_bytes();
+  if (in.device_budget_bytes != 0 && fixed_device > in.device_budget_bytes) {
     return ResourceExhaustedError(fmt::format(
         "{}: device staging needs {} but strata.device_budget is {}; raise "
         "strata.device_budget to {} or lower zero_optimization.sub_group_size",
-        kOp, FormatBytes(plan.device_staging_bytes), FormatBytes(in.device_budget_bytes),
-        FormatBytes(plan.device_staging_bytes)));
+        kOp, FormatBytes(fixed_device), FormatBytes(in.device_budget_bytes),
+        FormatBytes(fixed_device)));
   }
+
+  // Step 0: the first k sub-groups on the device. Device bytes of the first
+  // k: their state, and with several ranks their reduced gradients.
+  const bool auto_fraction = in.gpu_fraction == kGpuFractionAuto;
+  if (!auto_fraction && !(in.gpu_fraction >= 0 && in.gpu_fraction <= 1)) {
+    return InvalidArgumentError(
+        fmt::format("{}: gpu_fraction is {}; it must be in [0, 1] or \"auto\"", kOp,
+                    in.gpu_fraction));
+  }
+  if (auto_fraction && in.device_budget_bytes == 0) {
+    return InvalidArgumentError(fmt::format(
+        "{}: gpu_fraction \"auto\" needs strata.device_budget (the device memory the optimizer "
+        "may use for its state); set it, or give gpu_fraction a number",
+        kOp));
+  }
+  const size_t n = plan.sub_groups.size();
+  const uint64_t device_grad_bytes = one_rank ? 0 : in.grad_bytes_per_elem;
+  std::vector<uint64_t> cum_elems(n + 1, 0), cum_device(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    cum_elems[i + 1] = cum_elems[i] + plan.sub_groups[i].elems;
+    cum_device[i + 1] =
+        cum_device[i] + plan.sub_groups[i].state_bytes + plan.sub_groups[i].elems * device_grad_bytes;
+  }
+  size_t k = 0;
+  if (auto_fraction) {
+    while (k < n && fixed_device + cum_device[k + 1] <= in.device_budget_bytes) ++k;
+  } else if (in.gpu_fraction > 0) {
+    // The count whose elements come closest to the fraction (ties: fewer).
+    const double target = in.gpu_fraction * static_cast<double>(shard_elems);
+    auto miss = [&](size_t c) { return std::abs(static_cast<double>(cum_elems[c]) - target); };
+    for (size_t c = 1; c <= n; ++c) {
+      if (miss(c) < miss(k)) k = c;
+    }
+    if (in.device_budget_bytes != 0 && fixed_device + cum_device[k] > in.device_budget_bytes) {
+      size_t fits = 0;
+      while (fits < n && fixed_device + cum_device[fits + 1] <= in.device_budget_bytes) ++fits;
+      return ResourceExhaustedError(fmt::format(
+          "{}: gpu_fraction {} keeps {} sub-groups on the device, {} with the staging, but "
+          "strata.device_budget is {}; raise strata.device_budget to {}, or lower gpu_fraction "
+          "to {:.3g} ({} sub-groups) or use \"auto\"",
+          kOp, in.gpu_fraction, k, FormatBytes(fixed_device + cum_device[k]),
+          FormatBytes(in.device_budget_bytes), FormatBytes(fixed_device + cum_device[k]),
+          static_cast<double>(cum_elems[fits]) / static_cast<double>(shard_elems), fits));
+    }
+  }
+  for (size_t i = 0; i < k; ++i) plan.sub_groups[i].tier = Tier::kDevice;
+  plan.device_sub_groups = static_cast<uint32_t>(k);
+  plan.device_elems = cum_elems[k];
+  for (size_t i = 0; i < k; ++i) plan.device_state_bytes += plan.sub_groups[i].state_bytes;
+  if (k > 0 && !one_rank) {
+    device_buffers.push_back(
+        {"device grads", Tier::kDevice, 1, cum_elems[k] * in.grad_bytes_per_elem});
+  }
+
+  // Host staging serves the other sub-groups only.
+  uint64_t host_max_elems = 0;
+  for (size_t i = k; i < n; ++i) host_max_elems = std::max(host_max_elems, plan.sub_groups[i].elems);
+  const uint64_t host_shard_elems = shard_elems - cum_elems[k];
+  if (one_rank) {
+    plan.buffers.push_back(
+        {"grad ring", Tier::kHost, in.buffer_count, host_max_elems * in.grad_bytes_per_elem});
+  } else {
+    plan.buffers.push_back(
+        {"grad shard", Tier::kHost, 1, host_shard_elems * in.grad_bytes_per_elem});
+  }
+  plan.buffers.push_back(
+      {"param", Tier::kHost, in.buffer_count, host_max_elems * in.param_bytes_per_elem});
+  for (StagingBuffer& b : device_buffers) {
+    plan.device_staging_bytes += b.total_bytes();
+    plan.buffers.push_back(std::move(b));
+  }
+  for (size_t i = 0; i < k; ++i) all_state -= plan.sub_groups[i].state_bytes;
   const uint64_t fixed_host = plan.buffers[0].total_bytes() + plan.buffers[1].total_bytes();
   const bool nvme = in.nvme == NvmeTier::kAvailable;
   const bool unlimited_host = in.host_budget_bytes == 0 && !nvme;
 
   if (unlimited_host || fixed_host + all_state <= in.host_budget_bytes) {
-    plan.host_sub_groups = static_cast<uint32_t>(plan.sub_groups.size());
+    plan.host_sub_groups = static_cast<uint32_t>(n - k);
     plan.host_state_bytes = all_state;
     plan.host_staging_bytes = fixed_host;
     return plan;
@@ -239,11 +310,11 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
         fmt::format("{}: {} sub-groups need {} of pinned host memory ({} state + {} staging) but "
                     "strata.host_budget is {}; raise strata.host_budget to {}, or set "
                     "zero_optimization.offload_optimizer.device to \"nvme\" with an nvme_path",
-                    kOp, plan.sub_groups.size(), FormatBytes(fixed_host + all_state),
+                    kOp, n - k, FormatBytes(fixed_host + all_state),
                     FormatBytes(all_state), FormatBytes(fixed_host),
                     FormatBytes(in.host_budget_bytes), FormatBytes(fixed_host + all_state)));
   }
-  plan.nvme_buffer_bytes = NvmeBufferBytes(max_elems * in.state_bytes_per_elem);
+  plan.nvme_buffer_bytes = NvmeBufferBytes(host_max_elems * in.state_bytes_per_elem);
   plan.nvme_buffers = in.buffer_count;
   plan.buffers.push_back({"nvme", Tier::kHost, in.buffer_count, plan.nvme_buffer_bytes});
   const uint64_t staging = fixed_host + plan.buffers.back().total_bytes();
@@ -264,12 +335,12 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   // Host budget 0 with NVMe: staging only, every sub-group on NVMe.
   uint64_t room = in.host_budget_bytes == 0 ? 0 : in.host_budget_bytes - staging;
   // The last sub-groups stay in DRAM (see the header for why).
-  size_t first_host = plan.sub_groups.size();
-  while (first_host > 0 && plan.sub_groups[first_host - 1].state_bytes <= room) {
+  size_t first_host = n;
+  while (first_host > k && plan.sub_groups[first_host - 1].state_bytes <= room) {
     room -= plan.sub_groups[first_host - 1].state_bytes;
     --first_host;
   }
-  for (size_t i = 0; i < plan.sub_groups.size(); ++i) {
+  for (size_t i = k; i < n; ++i) {
     SubGroupPlacement& g = plan.sub_groups[i];
     g.tier = i < first_host ? Tier::kNvme : Tier::kHost;
     if (g.tier == Tier::kHost) {
@@ -340,13 +411,17 @@ std::string FormatPlan(const PlacementPlan& plan) {
                                                                                    : "unlimited"));
   out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "nvme", plan.nvme_sub_groups,
                      FormatBytes(plan.nvme_state_bytes), "-", "-");
-  out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "device", "-", "-",
-                     FormatBytes(plan.device_staging_bytes),
+  out += fmt::format("  {:<8} {:>10} {:>14} {:>14} {:>14}\n", "device", plan.device_sub_groups,
+                     FormatBytes(plan.device_state_bytes), FormatBytes(plan.device_staging_bytes),
                      budget(plan.device_budget_bytes, "unlimited"));
   out += "  buffers:\n";
   for (const StagingBuffer& b : plan.buffers) {
     out += fmt::format("    {:<14} {:<6} {:>3} x {:>12} = {:>12}\n", b.name, TierName(b.tier),
                        b.count, FormatBytes(b.bytes_each), FormatBytes(b.total_bytes()));
+  }
+  if (plan.device_sub_groups > 0) {
+    out += fmt::format("  gpu_fraction: {:.3g} of the shard's elements updated on the device\n",
+                       plan.gpu_fraction());
   }
   out += "  sub-groups:";
   // Runs of consecutive sub-groups on one tier: "0-11 nvme, 12-15 host".

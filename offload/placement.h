@@ -38,6 +38,16 @@
 //      gradients are ready (state reads do not depend on them), and the write-
 //      behind of the last NVMe sub-groups overlaps the updates of the
 //      host-resident ones at the end instead of trailing the step.
+//   0. With gpu_fraction > 0 (partial offload) the *first* k sub-groups keep
+//      their state in device memory and are updated there by the device Adam,
+//      on a stream of their own, while the CPU pipeline updates the rest:
+//      k is the count whose elements come closest to gpu_fraction of the
+//      shard, or with kGpuFractionAuto the largest k whose state (and with
+//      several ranks their reduced gradients, 'device grads') fits
+//      device_budget next to the device staging. The first ones, because
+//      the device side starts right after the decision: with several ranks
+//      their all-gathers then lead the publish stream instead of trailing
+//      the CPU's last sub-group. Steps 1-3 place the other n - k.
 //   4. Impossible plans are ResourceExhausted with what is needed, what is
 //      available and which knob to turn (strata.host_budget,
 //      zero_optimization.offload_optimizer.nvme_path, sub_group_size,
@@ -56,7 +66,8 @@
 // thread-safe; ProbeMachineLimits reads the machine. InvalidArgument for
 // malformed inputs (no sub-groups, more than kMaxSubGroups, a 0-elem
 // sub-group, 0 bytes per element, buffer_count 0, a block size that is not a
-// multiple of 4096).
+// multiple of 4096, a gpu_fraction outside [0, 1], kGpuFractionAuto with no
+// device budget).
 #pragma once
 
 #include <cstdint>
@@ -71,6 +82,10 @@
 namespace strata {
 
 enum class NvmeTier : uint8_t { kUnavailable = 0, kAvailable = 1 };
+
+// PlacementInputs::gpu_fraction (and OffloadConfig::gpu_fraction): the
+// largest share of the state that fits device_budget.
+inline constexpr double kGpuFractionAuto = -1.0;
 
 // At most this many sub-groups per rank (2^20, CutSubGroups' limit): the
 // engine keeps a few hundred bytes of bookkeeping per sub-group, so a tiny
@@ -109,6 +124,9 @@ struct PlacementInputs {
   uint32_t buffer_count = 4;       // pipeline depth (DeepSpeed offload_optimizer.buffer_count)
   uint64_t block_bytes = 1 << 20;  // NVMe IO size (aio.block_size); a multiple of 4096
   uint32_t world_size = 1;         // ranks: a device bucket holds every rank's block (>= 1)
+  // Share of the shard's state kept and updated on the device, in [0, 1],
+  // or kGpuFractionAuto (needs device_budget_bytes). Step 0.
+  double gpu_fraction = 0.0;
   MachineLimits machine{};         // the preflight's view of the machine (step 5)
 };
 
@@ -129,12 +147,15 @@ struct StagingBuffer {
 struct PlacementPlan {
   std::vector<SubGroupPlacement> sub_groups;  // one per input sub-group, same order
   std::vector<StagingBuffer> buffers;
+  uint32_t device_sub_groups = 0;  // the first ones (step 0)
   uint32_t host_sub_groups = 0;
   uint32_t nvme_sub_groups = 0;
+  uint64_t device_state_bytes = 0;
+  uint64_t device_elems = 0;  // elements of the device sub-groups
   uint64_t host_state_bytes = 0;
   uint64_t nvme_state_bytes = 0;  // payload; extents add 4 KiB rounding + header
   uint64_t host_staging_bytes = 0;
-  uint64_t device_staging_bytes = 0;
+  uint64_t device_staging_bytes = 0;  // buckets, statistics, device grads
   uint64_t host_budget_bytes = 0;  // as given (0: see PlacementInputs)
   uint64_t device_budget_bytes = 0;
   uint64_t nvme_buffer_bytes = 0;  // bytes of one NVMe buffer (0 when no NVMe)
@@ -142,6 +163,9 @@ struct PlacementPlan {
   uint64_t nvme_file_bytes = 0;    // bytes of each rank's state file per nvme_path (checked inputs)
   std::vector<std::string> warnings;  // the preflight's: fine to run, worth knowing
   uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }
+  uint64_t device_total_bytes() const { return device_state_bytes + device_staging_bytes; }
+  // The share of the shard's elements updated on the device.
+  double gpu_fraction() const;
 };
 
 Result<PlacementPlan> PlanPlacement(const PlacementInputs& inputs);

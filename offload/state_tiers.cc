@@ -27,20 +27,33 @@ Status StateTiers::Init() {
   constexpr std::string_view kOp = "create offload optimizer";
   Device& dev = *o_.device;
   const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
-  uint64_t max_elems = 0;
-  for (const ElemRange& r : o_.sub_groups) max_elems = std::max(max_elems, r.elems());
+  uint64_t max_elems = 0;  // of the sub-groups not on the device
+  for (uint32_t i = 0; i < n; ++i) {
+    if (o_.plan->sub_groups[i].tier != Tier::kDevice) {
+      max_elems = std::max(max_elems, o_.sub_groups[i].elems());
+    }
+  }
   extent_.assign(n, -1);
   host_.resize(n);
   std::vector<uint32_t> in_dram;
   std::vector<uint64_t> dram_bytes;
+  uint64_t device_elems = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    if (o_.plan->sub_groups[i].tier == Tier::kNvme) {
+    if (o_.plan->sub_groups[i].tier == Tier::kDevice) {
+      if (i != device_count_) return InternalError("state tiers: device sub-groups must come first");
+      device_offset_.push_back(device_elems);
+      device_elems += o_.sub_groups[i].elems();
+      ++device_count_;
+    } else if (o_.plan->sub_groups[i].tier == Tier::kNvme) {
       extent_[i] = static_cast<int32_t>(nvme_order_.size());
       nvme_order_.push_back(i);
     } else {
       in_dram.push_back(i);
       dram_bytes.push_back(o_.sub_groups[i].elems() * o_.arrays * 4);
     }
+  }
+  if (device_elems > 0) {
+    STRATA_ASSIGN_OR_RETURN(device_state_, dev.Allocate(device_elems * o_.arrays * 4));
   }
   STRATA_ASSIGN_OR_RETURN(std::vector<PinnedBuffer> dram, AllocatePinned(dev, dram_bytes));
   for (size_t k = 0; k < in_dram.size(); ++k) host_[in_dram[k]] = std::move(dram[k]);
@@ -79,6 +92,7 @@ Status StateTiers::Init() {
 }
 
 std::string StateTiers::Name(uint32_t i) const {
+  if (on_device(i)) return fmt::format("sub-group {} (device)", i);
   return on_nvme(i) ? fmt::format("sub-group {} (nvme extent {})", i, extent_[i])
                     : fmt::format("sub-group {} (host)", i);
 }
@@ -138,6 +152,9 @@ void StateTiers::StartRead(uint32_t i) {
 }
 
 Result<std::span<float>> StateTiers::Acquire(uint32_t i) {
+  if (on_device(i)) {
+    return InternalError(fmt::format("state tiers: {} has no host state to acquire", Name(i)));
+  }
   if (!on_nvme(i)) return HostState(i);
   StartRead(i);
   STRATA_RETURN_IF_ERROR(reads_[extent_[i]].get());
@@ -161,6 +178,14 @@ Status StateTiers::WaitWrite(uint32_t i) {
 }
 
 Status StateTiers::Fill(uint32_t i, const std::function<void(std::span<float>)>& fill) {
+  if (on_device(i)) {
+    std::vector<float> state(o_.sub_groups[i].elems() * o_.arrays);
+    fill(state);
+    Device& dev = *o_.device;
+    STRATA_RETURN_IF_ERROR(dev.CopyAsync(DeviceState(i), state.data(), state.size() * 4,
+                                         CopyKind::kHostToDevice, o_.device_stream));
+    return dev.StreamSynchronize(o_.device_stream);
+  }
   if (!on_nvme(i)) {
     fill(HostState(i));
     return OkStatus();
@@ -191,12 +216,25 @@ void StateTiers::DrainReads() {
 }
 
 Status StateTiers::Read(uint32_t i, std::span<float> out) {
+  if (on_device(i)) {
+    Device& dev = *o_.device;
+    STRATA_RETURN_IF_ERROR(dev.CopyAsync(out.data(), DeviceState(i),
+                                         o_.sub_groups[i].elems() * o_.arrays * 4,
+                                         CopyKind::kDeviceToHost, o_.device_stream));
+    return dev.StreamSynchronize(o_.device_stream);
+  }
   STRATA_ASSIGN_OR_RETURN(std::span<float> s, Acquire(i));
   std::copy(s.begin(), s.end(), out.begin());
   return OkStatus();
 }
 
 Status StateTiers::Write(uint32_t i, std::span<const float> state) {
+  if (on_device(i)) {
+    Device& dev = *o_.device;
+    STRATA_RETURN_IF_ERROR(dev.CopyAsync(DeviceState(i), state.data(), state.size_bytes(),
+                                         CopyKind::kHostToDevice, o_.device_stream));
+    return dev.StreamSynchronize(o_.device_stream);
+  }
   STRATA_RETURN_IF_ERROR(
       Fill(i, [&](std::span<float> s) { std::copy(state.begin(), state.end(), s.begin()); }));
   return WaitWrite(i);

@@ -1,8 +1,10 @@
 // StateTiers: where each sub-group's fp32 state (master weights and moments,
-// one array after the other) lives, behind one interface: pinned DRAM, or an
-// NVMe extent that is read into one of `nvme_buffers` pinned extent buffers,
-// updated there in place (O_DIRECT reads and writes straight from the buffer
-// the optimizer updates: no copy) and written back. Internal to offload/.
+// one array after the other) lives, behind one interface: device memory
+// (partial offload: updated there by the device Adam, DeviceState), pinned
+// DRAM, or an NVMe extent that is read into one of `nvme_buffers` pinned
+// extent buffers, updated there in place (O_DIRECT reads and writes straight
+// from the buffer the optimizer updates: no copy) and written back. Internal
+// to offload/.
 //
 //   tiers.StartRead(i);                        // NVMe read-ahead (any time)
 //   STRATA_ASSIGN_OR_RETURN(std::span<float> s, tiers.Acquire(i));  // waits for it
@@ -49,6 +51,7 @@ struct StateTiersOptions {
   uint32_t arrays = 3;
   uint32_t nvme_buffers = 2;
   TraceContext* trace = nullptr;
+  StreamRef device_stream;  // device state: its copies (and the engine's updates of it)
 };
 
 struct TierFigures {
@@ -65,11 +68,17 @@ class StateTiers {
   StateTiers& operator=(const StateTiers&) = delete;
 
   bool on_nvme(uint32_t i) const { return extent_[i] >= 0; }
+  bool on_device(uint32_t i) const { return i < device_count_; }
+  uint32_t device_count() const { return device_count_; }
+  // A device sub-group's state in device memory (elems x arrays floats).
+  float* DeviceState(uint32_t i) const {
+    return device_state_.as<float>() + device_offset_[i] * o_.arrays;
+  }
   int32_t extent(uint32_t i) const { return extent_[i]; }
   uint32_t nvme_count() const { return static_cast<uint32_t>(nvme_order_.size()); }
   uint32_t nvme_buffers() const { return static_cast<uint32_t>(buffers_.size()); }
   std::span<const uint32_t> nvme_order() const { return nvme_order_; }
-  // "sub-group 3 (host)", "sub-group 5 (nvme extent 2)".
+  // "sub-group 3 (host)", "sub-group 5 (nvme extent 2)", "sub-group 0 (device)".
   std::string Name(uint32_t i) const;
 
   // A host sub-group's state (its elems x arrays floats).
@@ -77,7 +86,7 @@ class StateTiers {
   // NVMe: queues the read of i into its buffer, unless one is queued.
   void StartRead(uint32_t i);
   // The state to update: the host arrays, or the NVMe buffer once its read
-  // completed (queued now if it was not).
+  // completed (queued now if it was not). Not for device sub-groups.
   Result<std::span<float>> Acquire(uint32_t i);
   // NVMe: queues the write of i's buffer (a new committed generation).
   void StartWrite(uint32_t i);
@@ -93,7 +102,8 @@ class StateTiers {
   // previous write is waited for first). FinishWrites or WaitWrite(i) waits.
   Status Fill(uint32_t i, const std::function<void(std::span<float>)>& fill);
 
-  // Whole-state access between steps (checkpoints, tests).
+  // Whole-state access between steps (checkpoints, tests); a device
+  // sub-group's is a copy in order on device_stream, waited for.
   Status Read(uint32_t i, std::span<float> out);
   Status Write(uint32_t i, std::span<const float> state);
 
@@ -111,7 +121,10 @@ class StateTiers {
   StateTiersOptions o_;
   std::vector<int32_t> extent_;      // per sub-group: NVMe extent or -1
   std::vector<uint32_t> nvme_order_;  // extent -> sub-group
-  std::vector<PinnedBuffer> host_;    // per sub-group (empty for NVMe)
+  std::vector<PinnedBuffer> host_;    // per sub-group (empty for NVMe and device)
+  uint32_t device_count_ = 0;         // the first sub-groups (the plan's step 0)
+  DeviceBuffer device_state_;         // theirs, one after the other
+  std::vector<uint64_t> device_offset_;  // per device sub-group: elems before it
   std::vector<PinnedBuffer> buffers_;
   std::unique_ptr<Storage> owned_storage_;
   std::unique_ptr<StateStore> store_;

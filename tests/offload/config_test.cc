@@ -196,7 +196,9 @@ TEST(ConfigTest, ValidateCrossFieldChecks) {
        "nvme_path is not set"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "none"}}})", "always offloads"},
       {R"({"zero_optimization": {"stage": 0}})", "ZeRO stage 1, 2 or 3"},
-      {R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.5}}})", "partial offload"},
+      {R"({"optimizer": {"type": "Lion"}, "strata": {"gpu_fraction": 0.5}})",
+       "needs optimizer Adam or AdamW"},
+      {R"({"strata": {"gpu_fraction": "auto"}})", "needs strata.device_budget"},
       {R"({"aio": {"block_size": 5000}})", "multiple of 4096"},
       {R"({"fp16": {"enabled": true, "initial_scale_power": 1, "min_loss_scale": 4}})",
        "fp16: loss scaler: initial scale"},
@@ -210,6 +212,40 @@ TEST(ConfigTest, ValidateCrossFieldChecks) {
     Status s = ValidateConfig(*cfg);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.json;
     EXPECT_TRUE(Contains(s.message(), c.want)) << c.json << " -> " << s;
+  }
+}
+
+TEST(ConfigTest, GpuFractionAndDeepSpeedsRatioSayTheSameThing) {
+  Result<OffloadConfig> c = ParseConfigJson(R"({"strata": {"gpu_fraction": 0.25}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->gpu_fraction, 0.25);
+  c = ParseConfigJson(R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.75}}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->gpu_fraction, 0.25);
+  EXPECT_TRUE(ValidateConfig(*c).ok());
+  c = ParseConfigJson(R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.75}},
+                          "strata": {"gpu_fraction": 0.25}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  c = ParseConfigJson(R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.5}},
+                          "strata": {"gpu_fraction": 0.25}})");
+  ASSERT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(c.status().message(), "contradicts")) << c.status();
+  c = ParseConfigJson(R"({"strata": {"gpu_fraction": "AUTO", "device_budget": "60GiB"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->gpu_fraction, kGpuFractionAuto);
+  EXPECT_TRUE(ValidateConfig(*c).ok());
+  EXPECT_EQ(PlacementInputsFor(*c, std::vector<uint64_t>{10}).gpu_fraction, kGpuFractionAuto);
+  // Round trip, "auto" included.
+  Result<OffloadConfig> back = ParseConfigJson(ConfigToJson(*c));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->gpu_fraction, kGpuFractionAuto);
+  for (const char* bad : {R"({"strata": {"gpu_fraction": 1.5}})",
+                          R"({"strata": {"gpu_fraction": -0.1}})",
+                          R"({"strata": {"gpu_fraction": "half"}})",
+                          R"({"strata": {"gpu_fraction": true}})"}) {
+    Result<OffloadConfig> r = ParseConfigJson(bad);
+    ASSERT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(Contains(r.status().message(), "gpu_fraction")) << r.status();
   }
 }
 

@@ -49,6 +49,7 @@ struct Case {
   uint64_t sub_group_elems = 1024;
   double max_grad_norm = 0.0;
   PipelineMode mode = PipelineMode::kOverlapped;
+  double gpu_fraction = 0.0;  // partial offload: the first sub-groups on the device
 };
 
 // Tensor sizes that put tensor and group boundaries inside sub-groups, a
@@ -69,6 +70,7 @@ OffloadConfig MakeConfig(const Case& c) {
   config.max_grad_norm = c.max_grad_norm;
   config.threads = kCpuThreads;
   config.aio.block_bytes = 8192;
+  config.gpu_fraction = c.gpu_fraction;
   if (c.param_dtype == DType::kF16) config.loss_scaler = {.mode = LossScaleMode::kDynamic};
   if (c.where != Where::kHost) {
     config.device = OffloadDevice::kNvme;
@@ -126,6 +128,8 @@ TEST_P(EngineBitwiseTest, MatchesTheInMemoryReference) {
       EXPECT_GT(plan.nvme_sub_groups, 0u);
       break;
   }
+  EXPECT_EQ(plan.device_sub_groups > 0, c.gpu_fraction > 0);
+  EXPECT_EQ(plan.device_sub_groups == plan.sub_groups.size(), c.gpu_fraction == 1.0);
   ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
   const auto order = model.FlatOrder();
   for (int step = 0; step < 3; ++step) {
@@ -137,6 +141,7 @@ TEST_P(EngineBitwiseTest, MatchesTheInMemoryReference) {
     EXPECT_EQ(opt->step_count(), ref.step());
     EXPECT_FALSE(opt->last_step().skipped);
     ExpectSameAsReference(*opt, model, ref);
+    EXPECT_EQ(opt->last_step().times.device_adam > 0, c.gpu_fraction > 0);
     ASSERT_TRUE(opt->ZeroGrad().ok());
     // The test writes the next grads from the host: wait for the zeroing.
     ASSERT_TRUE(device->Synchronize().ok());
@@ -199,7 +204,30 @@ INSTANTIATE_TEST_SUITE_P(
              .param_dtype = DType::kF16,
              .buffer_count = 3,
              .max_grad_norm = 0.5,
-             .mode = PipelineMode::kSerial}),
+             .mode = PipelineMode::kSerial},
+        // Partial offload: the first sub-groups updated by the device Adam.
+        Case{.name = "device_half_bf16_adamw", .gpu_fraction = 0.5},
+        Case{.name = "device_all_fp32_adam",
+             .param_dtype = DType::kF32,
+             .optimizer = OptimizerType::kAdam,
+             .gpu_fraction = 1.0},
+        Case{.name = "device_mixed_fp16grads_fp16_clipped",
+             .where = Where::kMixed,
+             .param_dtype = DType::kF16,
+             .grad_dtype = DType::kF16,
+             .max_grad_norm = 0.5,
+             .gpu_fraction = 0.3},
+        Case{.name = "device_nvme_bf16grads_serial",
+             .where = Where::kNvme,
+             .grad_dtype = DType::kBF16,
+             .buffer_count = 1,
+             .mode = PipelineMode::kSerial,
+             .gpu_fraction = 0.4},
+        Case{.name = "device_bf16grads_clipped_sg300",
+             .grad_dtype = DType::kBF16,
+             .sub_group_elems = 300,
+             .max_grad_norm = 0.5,
+             .gpu_fraction = 0.7}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace
@@ -226,7 +254,8 @@ Result<std::unique_ptr<OffloadOptimizer>> MakeOptimizer(Device& device, Storage*
 
 // Rank r of N gets its own grads; the reference sees their average, summed
 // in rank order in fp32 as the local communicator does.
-void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32) {
+void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32,
+              double gpu_fraction = 0.0, int micro_steps = 1) {
   const uint64_t seed = TestSeed();
   auto device = *CreateHostDevice();
   auto comms = *CreateLocalGroup(world, *device);
@@ -234,7 +263,8 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32) {
          .grad_dtype = grad_dtype,
          .buffer_count = 2,
          .sub_group_elems = 512,
-         .max_grad_norm = max_grad_norm};
+         .max_grad_norm = max_grad_norm,
+         .gpu_fraction = gpu_fraction};
   OffloadConfig config = MakeConfig(c);
   config.host_budget_bytes = 64 * 1024;  // a few sub-groups of each rank stay in DRAM
   config.nvme_paths = {"/mem/nvme"};
@@ -249,11 +279,15 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32) {
     std::mt19937_64 same(seed ^ 0x5eed);  // identical initial params on every rank
     master[r] = models[r]->SetParams(same);
   }
-  std::vector<std::vector<std::vector<std::vector<float>>>> grads(kSteps);
+  // grads[s][m][r]: step s, micro-step m, rank r.
+  std::vector<std::vector<std::vector<std::vector<std::vector<float>>>>> grads(kSteps);
   for (int s = 0; s < kSteps; ++s) {
-    for (int r = 0; r < world; ++r) {
-      // The values the trainer's dtype holds: what every rank reduces.
-      grads[s].push_back(models[r]->SetGrads(models[r]->RandomGrads(rng, 0.5f)));
+    grads[s].resize(micro_steps);
+    for (int m = 0; m < micro_steps; ++m) {
+      for (int r = 0; r < world; ++r) {
+        // The values the trainer's dtype holds: what every rank reduces.
+        grads[s][m].push_back(models[r]->SetGrads(models[r]->RandomGrads(rng, 0.5f)));
+      }
     }
   }
   std::vector<std::unique_ptr<Storage>> storages;
@@ -271,8 +305,17 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32) {
         StreamRef stream = streams[r];
         STRATA_ASSIGN_OR_RETURN(opts[r], MakeOptimizer(*device, storages[r].get(), config,
                                                        *models[r], comms[r].get(), stream));
+        if (gpu_fraction > 0 && opts[r]->plan().device_sub_groups == 0) {
+          return InternalError("the plan keeps no sub-group on the device");
+        }
         for (int s = 0; s < kSteps; ++s) {
-          models[r]->SetGrads(grads[s][r]);
+          for (int m = 0; m < micro_steps; ++m) {
+            models[r]->SetGrads(grads[s][m][r]);
+            if (micro_steps > 1) {
+              STRATA_RETURN_IF_ERROR(opts[r]->ReduceGradients());
+              STRATA_RETURN_IF_ERROR(device->StreamSynchronize(stream));
+            }
+          }
           STRATA_RETURN_IF_ERROR(opts[r]->Step());
           STRATA_RETURN_IF_ERROR(device->StreamSynchronize(stream));
         }
@@ -286,13 +329,16 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32) {
   ReferenceOptimizer ref(config, master[0], kGroupOf, kHypers);
   const float inv = 1.0f / static_cast<float>(world);
   for (int s = 0; s < kSteps; ++s) {
+    // Per micro-step the rank-ordered average; micro-steps summed in fp32.
     std::vector<std::vector<float>> avg(kSizes.size());
     for (size_t t = 0; t < kSizes.size(); ++t) {
       avg[t].assign(kSizes[t], 0.0f);
       for (uint64_t k = 0; k < kSizes[t]; ++k) {
-        float acc = grads[s][0][t][k] * inv;
-        for (int r = 1; r < world; ++r) acc += grads[s][r][t][k] * inv;
-        avg[t][k] = acc;
+        for (int m = 0; m < micro_steps; ++m) {
+          float acc = grads[s][m][0][t][k] * inv;
+          for (int r = 1; r < world; ++r) acc += grads[s][m][r][t][k] * inv;
+          avg[t][k] = m == 0 ? acc : avg[t][k] + acc;
+        }
       }
     }
     // The statistics of each rank's shard, then over ranks in rank order
@@ -330,17 +376,35 @@ TEST(EngineRanks, TwoRanksClippedMatchBitwise) { RunRanks(2, 0.05); }
 TEST(EngineRanks, FourRanksClippedMatchBitwise) { RunRanks(4, 0.05); }
 TEST(EngineRanks, TwoRanksBf16GradsClippedMatchBitwise) { RunRanks(2, 0.05, DType::kBF16); }
 TEST(EngineRanks, FourRanksBf16GradsMatchBitwise) { RunRanks(4, 0.0, DType::kBF16); }
+TEST(EngineRanks, TwoRanksAccumulatedMatchBitwise) { RunRanks(2, 0.05, DType::kF32, 0.0, 3); }
+// Partial offload with several ranks: the reduced block stays on the device,
+// the device Adam updates it, the publish stream all-gathers it first.
+TEST(EngineRanks, OneRankHalfOnTheDeviceMatchesTheReference) {
+  RunRanks(1, 0.05, DType::kBF16, 0.5);
+}
+TEST(EngineRanks, TwoRanksHalfOnTheDeviceClippedMatchBitwise) {
+  RunRanks(2, 0.05, DType::kF32, 0.5);
+}
+TEST(EngineRanks, FourRanksBf16GradsMostlyOnTheDeviceMatchBitwise) {
+  RunRanks(4, 0.0, DType::kBF16, 0.8);
+}
+TEST(EngineRanks, TwoRanksAccumulatedOnTheDeviceMatchBitwise) {
+  RunRanks(2, 0.05, DType::kBF16, 0.5, 3);
+}
+TEST(EngineRanks, OneRankAccumulatedOnTheDeviceMatchesTheReference) {
+  RunRanks(1, 0.05, DType::kBF16, 0.5, 2);
+}
 
 // An inf in any one sub-group's gradient is caught by the device statistics
 // before anything is applied: the fp16 step is skipped on every placement,
 // and no param, master weight or moment changes.
-TEST(EngineLossScaler, AnInfInAnySubGroupSkipsTheStepAndChangesNothing) {
+void RunInfSkips(double gpu_fraction) {
   const uint64_t seed = TestSeed();
   std::mt19937_64 rng(seed);
   auto device = *CreateHostDevice();
   auto storage = CreateMemStorage();
   Case c{.where = Where::kMixed, .param_dtype = DType::kF16, .grad_dtype = DType::kF16,
-         .max_grad_norm = 1.0};
+         .max_grad_norm = 1.0, .gpu_fraction = gpu_fraction};
   OffloadConfig config = MakeConfig(c);
   SetMixedBudget(config, 0);
   config.loss_scaler = {.mode = LossScaleMode::kDynamic, .initial_scale_power = 24,
@@ -350,6 +414,7 @@ TEST(EngineLossScaler, AnInfInAnySubGroupSkipsTheStepAndChangesNothing) {
   auto opt = *MakeOptimizer(*device, storage.get(), config, model);
   ASSERT_GT(opt->plan().nvme_sub_groups, 0u);
   ASSERT_GT(opt->plan().host_sub_groups, 0u);
+  ASSERT_EQ(opt->plan().device_sub_groups > 0, gpu_fraction > 0);
   // One clean step, so the moments are not zero.
   model.SetGrads(model.RandomGrads(rng, 0.5f));
   ASSERT_TRUE(opt->Step().ok());
@@ -398,6 +463,9 @@ TEST(EngineLossScaler, AnInfInAnySubGroupSkipsTheStepAndChangesNothing) {
     }
   }
 }
+
+TEST(EngineLossScaler, AnInfInAnySubGroupSkipsTheStepAndChangesNothing) { RunInfSkips(0.0); }
+TEST(EngineLossScaler, AnInfInAnyTierWithDeviceSubGroupsSkipsTheStep) { RunInfSkips(0.3); }
 
 TEST(EngineLossScaler, InfOnOneRankSkipsTheStepOnEveryRank) {
   const uint64_t seed = TestSeed();
@@ -555,11 +623,12 @@ TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
 // lost, the optimizer refuses a new step, a save and a state read while the
 // failed step is unfinished, and RetryStep() gives bitwise the clean run's
 // params and state.
-void RunFaultRetry(testing::FaultOptions faults) {
+void RunFaultRetry(testing::FaultOptions faults, double gpu_fraction = 0.0) {
   const uint64_t seed = TestSeed();
   auto device = *CreateHostDevice();
   auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed});
-  Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0};
+  Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0,
+         .gpu_fraction = gpu_fraction};
   OffloadConfig config = MakeConfig(c);
   SetMixedBudget(config, 0);
   std::mt19937_64 rng(seed);
@@ -657,6 +726,11 @@ void RunFaultRetry(testing::FaultOptions faults) {
 
 TEST(EngineFaults, WriteEioMidStepIsRetried) { RunFaultRetry({.write_eio_one_in = 3}); }
 TEST(EngineFaults, ReadEioMidStepIsRetried) { RunFaultRetry({.read_eio_one_in = 4}); }
+// The device sub-groups are done when the NVMe ones fail: the retry
+// republishes them (into a moved tensor too) and updates only the rest.
+TEST(EngineFaults, WriteEioWithDeviceSubGroupsIsRetried) {
+  RunFaultRetry({.write_eio_one_in = 3}, 0.3);
+}
 
 // A trainer replaces a param's storage between steps (model.to(), p.data =
 // ...): after RebindParam the engine reads and writes only the new tensors

@@ -197,6 +197,89 @@ TEST(PlacementTest, MalformedInputs) {
   EXPECT_EQ(code(in), StatusCode::kInvalidArgument);
 }
 
+// ---- Partial offload: the first sub-groups on the device -------------------
+
+TEST(PlacementTest, GpuFractionKeepsTheClosestCountOfFirstSubGroupsOnTheDevice) {
+  PlacementInputs in = Small();  // 100, 100, 100, 50 elems
+  in.gpu_fraction = 0.3;         // 105 elems: one sub-group (100) is closest
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->device_sub_groups, 1u);
+  EXPECT_EQ(p->sub_groups[0].tier, Tier::kDevice);
+  EXPECT_EQ(p->sub_groups[1].tier, Tier::kHost);
+  EXPECT_EQ(p->device_state_bytes, 100u * 12);
+  EXPECT_EQ(p->device_elems, 100u);
+  EXPECT_EQ(p->host_sub_groups, 3u);
+  EXPECT_EQ(p->host_state_bytes, 250u * 12);
+  EXPECT_NEAR(p->gpu_fraction(), 100.0 / 350, 1e-12);
+  // The host staging serves the host sub-groups only (still 100 elems).
+  EXPECT_EQ(p->host_staging_bytes, kFixed);
+  const std::string text = FormatPlan(*p);
+  EXPECT_TRUE(Contains(text, "0 device, 1-3 host")) << text;
+  EXPECT_TRUE(Contains(text, "gpu_fraction: 0.286")) << text;
+
+  in.gpu_fraction = 0.8;  // 280 elems: three (300) are closest
+  EXPECT_EQ(PlanPlacement(in)->device_sub_groups, 3u);
+  in.gpu_fraction = 0.0;
+  EXPECT_EQ(PlanPlacement(in)->device_sub_groups, 0u);
+  in.gpu_fraction = 1.0;
+  p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->device_sub_groups, 4u);
+  EXPECT_EQ(p->host_sub_groups, 0u);
+  EXPECT_EQ(p->host_state_bytes, 0u);
+  // Nothing left for the host: no gradient or param staging.
+  EXPECT_EQ(p->host_staging_bytes, 0u);
+}
+
+TEST(PlacementTest, GpuFractionWithNvmePlacesTheRestAsBefore) {
+  PlacementInputs in = Large();  // ten of 2048, one of 1024
+  in.gpu_fraction = 0.2;         // 4301 elems: two sub-groups (4096)
+  in.host_budget_bytes = 0;      // staging only: the rest on NVMe
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->device_sub_groups, 2u);
+  EXPECT_EQ(p->nvme_sub_groups, 9u);
+  EXPECT_EQ(p->host_sub_groups, 0u);
+  EXPECT_EQ(p->sub_groups[1].tier, Tier::kDevice);
+  EXPECT_EQ(p->sub_groups[2].tier, Tier::kNvme);
+  EXPECT_EQ(p->nvme_state_bytes, (8 * 2048 + 1024) * 12u);
+}
+
+TEST(PlacementTest, GpuFractionAutoTakesWhatFitsTheDeviceBudget) {
+  PlacementInputs in = Small();
+  in.world_size = 2;  // buckets 2 x 100 x (4 + 2) = 1200; device grads 4 bytes per elem
+  in.gpu_fraction = kGpuFractionAuto;
+  in.device_budget_bytes = 1200 + 2 * 100 * 16;  // two sub-groups' state and grads
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->device_sub_groups, 2u);
+  EXPECT_EQ(p->device_total_bytes(), in.device_budget_bytes);
+  EXPECT_LE(p->device_total_bytes(), in.device_budget_bytes);
+  in.device_budget_bytes -= 1;
+  EXPECT_EQ(PlanPlacement(in)->device_sub_groups, 1u);
+  in.device_budget_bytes = 1200;  // the staging only: nothing on the device
+  EXPECT_EQ(PlanPlacement(in)->device_sub_groups, 0u);
+  // "auto" needs a budget to fill.
+  in.device_budget_bytes = 0;
+  p = PlanPlacement(in);
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(p.status().message(), "strata.device_budget")) << p.status();
+}
+
+TEST(PlacementTest, GpuFractionBeyondTheDeviceBudgetSaysWhatFits) {
+  PlacementInputs in = Small();
+  in.gpu_fraction = 1.0;
+  in.device_budget_bytes = 80 + 250 * 12;  // statistics (16 x 5) + 250 elems of state
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted) << p.status();
+  EXPECT_TRUE(Contains(p.status().message(), "lower gpu_fraction to 0.571 (2 sub-groups)"))
+      << p.status();
+  EXPECT_TRUE(Contains(p.status().message(), "strata.device_budget")) << p.status();
+  in.gpu_fraction = 1.5;
+  EXPECT_EQ(PlanPlacement(in).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
   const uint64_t seed = testing::TestSeed();
   std::mt19937_64 rng(seed);
