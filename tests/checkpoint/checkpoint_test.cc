@@ -35,11 +35,19 @@ using testing::TempDir;
 using testing::TestSeed;
 using testing::Where;
 
+// Partial offload: the first sub-groups' state on the device.
+OffloadConfig WithGpu(OffloadConfig config, double gpu_fraction) {
+  config.gpu_fraction = gpu_fraction;
+  return config;
+}
+
 struct RoundTripCase {
   std::string name;
   Where save_where;
   Where load_where;
   OptimizerType optimizer = OptimizerType::kAdamW;
+  double save_gpu = 0.0;  // gpu_fraction of the saving and the loading optimizer
+  double load_gpu = 0.0;
 };
 
 class RoundTripTest : public ::testing::TestWithParam<RoundTripCase> {};
@@ -49,7 +57,7 @@ TEST_P(RoundTripTest, LoadGivesBitwiseTheSavedStateAndParams) {
   const uint64_t seed = TestSeed();
   TempDir dir;
   ASSERT_TRUE(dir.ok());
-  Cluster a(1, CkptConfig(c.save_where, c.optimizer), seed);
+  Cluster a(1, WithGpu(CkptConfig(c.save_where, c.optimizer), c.save_gpu), seed);
   ASSERT_TRUE(a.status().ok()) << a.status();
   ASSERT_TRUE(a.Train(seed, 3).ok());
   ASSERT_TRUE(a.opt(0).SetGroupHyper(1, {.lr = 5e-4, .weight_decay = 0.01}).ok());
@@ -57,8 +65,11 @@ TEST_P(RoundTripTest, LoadGivesBitwiseTheSavedStateAndParams) {
   ASSERT_TRUE(s.ok()) << s;
   Snapshot saved = *TakeSnapshot(a);
 
-  Cluster b(1, CkptConfig(c.load_where, c.optimizer), seed + 1);  // other params
+  Cluster b(1, WithGpu(CkptConfig(c.load_where, c.optimizer), c.load_gpu),
+            seed + 1);  // other params
   ASSERT_TRUE(b.status().ok()) << b.status();
+  ASSERT_EQ(a.opt(0).plan().device_sub_groups > 0, c.save_gpu > 0);
+  ASSERT_EQ(b.opt(0).plan().device_sub_groups > 0, c.load_gpu > 0);
   s = b.opt(0).Load(dir.path());
   ASSERT_TRUE(s.ok()) << s;
   Snapshot loaded = *TakeSnapshot(b);
@@ -79,7 +90,14 @@ INSTANTIATE_TEST_SUITE_P(
         RoundTripCase{"nvme_to_mixed", Where::kNvme, Where::kMixed},
         RoundTripCase{"mixed_to_host", Where::kMixed, Where::kHost},
         RoundTripCase{"lion_mixed", Where::kMixed, Where::kMixed, OptimizerType::kLion},
-        RoundTripCase{"adagrad_host", Where::kHost, Where::kNvme, OptimizerType::kAdagrad}),
+        RoundTripCase{"adagrad_host", Where::kHost, Where::kNvme, OptimizerType::kAdagrad},
+        // Every tier, and across fractions.
+        RoundTripCase{"device_half_to_host", Where::kMixed, Where::kHost, OptimizerType::kAdamW,
+                      0.5, 0.0},
+        RoundTripCase{"host_to_device_all", Where::kHost, Where::kHost, OptimizerType::kAdamW,
+                      0.0, 1.0},
+        RoundTripCase{"device_mixed_to_device_nvme", Where::kMixed, Where::kNvme,
+                      OptimizerType::kAdam, 0.3, 0.7}),
     [](const ::testing::TestParamInfo<RoundTripCase>& info) { return info.param.name; });
 
 // ---- Resume -------------------------------------------------------------------
@@ -88,6 +106,7 @@ struct ResumeCase {
   std::string name;
   Where where;
   DType param_dtype = DType::kBF16;
+  double gpu_fraction = 0.0;
 };
 
 class ResumeTest : public ::testing::TestWithParam<ResumeCase> {};
@@ -98,7 +117,7 @@ TEST_P(ResumeTest, SaveLoadAndContinueEqualsAnUninterruptedRun) {
   const ResumeCase& c = GetParam();
   const uint64_t seed = TestSeed();
   TempDir dir;
-  OffloadConfig config = CkptConfig(c.where);
+  OffloadConfig config = WithGpu(CkptConfig(c.where), c.gpu_fraction);
   config.param_dtype = c.param_dtype;
   if (c.param_dtype == DType::kF16) {
     // Dynamic loss scaling that grows every 2 steps: the scaler's state moves.
@@ -134,7 +153,8 @@ INSTANTIATE_TEST_SUITE_P(
     Placements, ResumeTest,
     ::testing::Values(ResumeCase{"host", Where::kHost}, ResumeCase{"nvme", Where::kNvme},
                       ResumeCase{"mixed", Where::kMixed},
-                      ResumeCase{"mixed_fp16_scaled", Where::kMixed, DType::kF16}),
+                      ResumeCase{"mixed_fp16_scaled", Where::kMixed, DType::kF16},
+                      ResumeCase{"device_mixed_fp16_scaled", Where::kMixed, DType::kF16, 0.4}),
     [](const ::testing::TestParamInfo<ResumeCase>& info) { return info.param.name; });
 
 // ---- Reshard ------------------------------------------------------------------
@@ -210,6 +230,24 @@ TEST_F(ReshardTest, FourToOne) { Reshard(4, 1); }
 TEST_F(ReshardTest, ThreeToTwo) { Reshard(3, 2); }
 TEST_F(ReshardTest, TwoToTwoKeepsTheWorldSize) { Reshard(2, 2); }
 
+// The state of N ranks with half of it on the device, into M ranks with all
+// or none of it there.
+TEST_F(ReshardTest, AcrossGpuFractions) {
+  TempDir dir;
+  Cluster two(2, WithGpu(Config(2), 0.5), seed_ + 7);
+  LoadAndCheck(two, one_.path());
+  ASSERT_GT(two.opt(0).plan().device_sub_groups, 0u);
+  Status s = two.Save(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  Cluster all(1, WithGpu(Config(1), 1.0), seed_ + 9);
+  LoadAndCheck(all, dir.path());
+  ASSERT_EQ(all.opt(0).plan().device_sub_groups, all.opt(0).sub_groups().size());
+  ContinueAndCheck(all);
+  Cluster four(4, Config(4), seed_ + 11);
+  LoadAndCheck(four, dir.path());
+  ContinueAndCheck(four);
+}
+
 TEST_F(ReshardTest, AnotherAlignmentMapsTensorByTensor) {
   OffloadConfig config = Config(2);
   config.align_elems = 256;  // every tensor sits elsewhere in the flat buffer
@@ -282,9 +320,11 @@ std::map<std::string, std::vector<float>> ParseSafetensors(const std::string& pa
 TEST(ExportTest, SafetensorsHoldsEveryMasterTensorByName) {
   const uint64_t seed = TestSeed();
   TempDir dir;
-  // Two ranks: the export consolidates the shards.
-  Cluster c(2, CkptConfig(Where::kMixed, OptimizerType::kAdamW, 512, 2), seed);
+  // Two ranks, part of the state on the device: the export consolidates the
+  // shards of every tier.
+  Cluster c(2, WithGpu(CkptConfig(Where::kMixed, OptimizerType::kAdamW, 512, 2), 0.4), seed);
   ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_GT(c.opt(0).plan().device_sub_groups, 0u);
   ASSERT_TRUE(c.Train(seed, 2).ok());
   ASSERT_TRUE(c.Save(dir.path()).ok());
   Snapshot snap = *TakeSnapshot(c);
