@@ -421,6 +421,7 @@ class Engine {
     t["comm"] = s.times.comm;
     t["read"] = s.times.read;
     t["adam"] = s.times.adam;
+    t["device_adam"] = s.times.device_adam;
     t["write"] = s.times.write;
     t["h2d"] = s.times.h2d;
     t["step"] = s.times.step;
@@ -439,6 +440,9 @@ class Engine {
     const PlacementPlan& p = opt_->plan();
     py::dict d;
     d["text"] = FormatPlan(p);
+    d["device_sub_groups"] = p.device_sub_groups;
+    d["device_state_bytes"] = p.device_state_bytes;
+    d["gpu_fraction"] = p.gpu_fraction();
     d["host_sub_groups"] = p.host_sub_groups;
     d["nvme_sub_groups"] = p.nvme_sub_groups;
     d["host_state_bytes"] = p.host_state_bytes;

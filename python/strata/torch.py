@@ -244,6 +244,16 @@ class OffloadAdam(torch.optim.Optimizer):
             optimizer on the same directory fails with the holder's pid.
         host_budget: pinned DRAM for state and staging, bytes or "8GiB".
             None: unlimited with "cpu", staging only with "nvme".
+        gpu_fraction: partial offload. The share of the state (master weights
+            and moments) kept in device memory and updated there by the fused
+            device Adam, beside the CPU update of the rest: a number in
+            [0, 1] (0, the default: everything offloaded; 1: nothing) or
+            ``"auto"``: the largest share that fits ``device_budget``.
+            Bitwise the same results at every fraction. With CPU params the
+            "device" is host memory (no gain; for tests).
+        device_budget: device memory the optimizer may use (its staging and
+            the state it keeps there), bytes or "60GiB"; needed by
+            ``gpu_fraction="auto"``. None: not limited.
         sub_group_size: elements per pipelined sub-group (default 1e9; smaller
             values overlap NVMe IO with the update at a finer grain).
         threads: CPU optimizer threads (None: all hardware threads).
@@ -328,7 +338,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  adamw=True, max_grad_norm=None, offload="cpu", nvme_path=None, host_budget=None,
                  config=None, sub_group_size=None, threads=None, process_group=None,
-                 state_dict_dir=None, trace=None):
+                 state_dict_dir=None, trace=None, gpu_fraction=None, device_budget=None):
         if isinstance(lr, (int, float)) and math.isfinite(lr) and lr < 0.0:
             raise ValueError(f"OffloadAdam: invalid learning rate {lr}; lr must be >= 0")
         _check_hyper("", lr, betas, eps, weight_decay)
@@ -338,6 +348,14 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError("OffloadAdam: offload='nvme' needs nvme_path (a directory on the "
                              "NVMe drive, or a list of them)")
         trace_steps = _trace_steps("OffloadAdam: trace", trace, none_ok=True)
+        if gpu_fraction is not None and gpu_fraction != "auto" and not (
+                isinstance(gpu_fraction, (int, float)) and not isinstance(gpu_fraction, bool)
+                and 0.0 <= gpu_fraction <= 1.0):
+            raise ValueError(f"OffloadAdam: gpu_fraction={gpu_fraction!r}; use a number in "
+                             "[0, 1] or 'auto'")
+        if gpu_fraction == "auto" and device_budget is None:
+            raise ValueError("OffloadAdam: gpu_fraction='auto' needs device_budget (the device "
+                             "memory the optimizer may use, e.g. '60GiB')")
         if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"OffloadAdam: max_grad_norm={max_grad_norm}; use a positive, finite "
                              "value or None")
@@ -398,6 +416,10 @@ class OffloadAdam(torch.optim.Optimizer):
             base["zero_optimization"]["sub_group_size"] = int(sub_group_size)
         if threads is not None:
             base["strata"]["threads"] = int(threads)
+        if gpu_fraction is not None:
+            base["strata"]["gpu_fraction"] = gpu_fraction
+        if device_budget is not None:
+            base["strata"]["device_budget"] = device_budget
         if _PARAM_DTYPES[self._dtype]:
             base[_PARAM_DTYPES[self._dtype]] = {"enabled": True}
         if config is not None:

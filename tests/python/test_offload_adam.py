@@ -473,3 +473,58 @@ def test_checkpoint_written_through_the_c_api_loads_into_offload_adam(tmp_path):
     assert torch.equal(p.detach(), w)
     lib.strata_optimizer_free(opt)
     lib.strata_device_free(dev)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0, "auto"])
+def test_gpu_fraction_is_bitwise_the_all_offloaded_run(fraction, tmp_path):
+    """Partial offload: the share kept on the device (here the host device:
+    CPU tensors) is updated by the device Adam; params and state stay bitwise
+    those of the run that offloads everything, and a state_dict moves between
+    fractions."""
+    x, y = data()
+    runs = {}
+    for f in (0.0, fraction):
+        model = Net()
+        budget = "64KiB" if f == "auto" else None
+        opt = OffloadAdam(groups_of(model, 1e-3), lr=1e-3, max_grad_norm=0.5,
+                          sub_group_size=1024, gpu_fraction=f, device_budget=budget)
+        for _ in range(5):
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[f] = (model, opt)
+    model0, opt0 = runs[0.0]
+    model1, opt1 = runs[fraction]
+    plan = opt1.plan()
+    assert plan["device_sub_groups"] > 0, plan["text"]
+    assert 0 < plan["gpu_fraction"] <= 1.0
+    if fraction == 1.0:
+        assert plan["host_sub_groups"] == 0, plan["text"]
+    assert opt1.last_step()["times"]["device_adam"] > 0
+    assert opt0.last_step()["times"]["device_adam"] == 0
+    for a, b in zip(model0.parameters(), model1.parameters()):
+        assert torch.equal(a, b)
+    s0, s1 = opt0.state_dict(), opt1.state_dict()
+    a0, a1 = s0["state"]["strata"]["arrays"], s1["state"]["strata"]["arrays"]
+    assert len(a0) == len(a1) > 0
+    for t0, t1 in zip(a0, a1):
+        assert torch.equal(t0, t1)
+    # The fraction's state loads into an all-offloaded optimizer and back.
+    fresh = Net()
+    fresh_opt = OffloadAdam(groups_of(fresh, 1e-3), lr=1e-3, max_grad_norm=0.5,
+                            sub_group_size=1024)
+    fresh_opt.load_state_dict(s1)
+    assert fresh_opt.step_count == 5
+
+
+def test_gpu_fraction_bad_values_raise_clear_errors():
+    w = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="gpu_fraction=1.5"):
+        OffloadAdam([w], gpu_fraction=1.5)
+    with pytest.raises(ValueError, match="gpu_fraction="):
+        OffloadAdam([w], gpu_fraction="most")
+    with pytest.raises(ValueError, match="needs device_budget"):
+        OffloadAdam([w], gpu_fraction="auto")
+    with pytest.raises(strata.ResourceExhaustedError, match="lower gpu_fraction"):
+        OffloadAdam([torch.randn(4096, requires_grad=True)], gpu_fraction=1.0,
+                    device_budget="16KiB")
