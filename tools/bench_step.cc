@@ -23,6 +23,11 @@
 // runs one more overlapped step with the trace recorder on (written to FILE,
 // and its cost reported as trace_overhead). docs/guide.md says how to read the
 // output; docs/perf/step.md has measured results.
+//
+// With --gpu-fraction F (partial offload) part of the state is updated by the
+// device Adam beside the CPU: its baseline is kernels::AdamStep alone on the
+// device over a probe buffer, its bound the device share's bytes at that
+// rate, and the text names both sides' busy times.
 #include <fmt/format.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -50,6 +55,7 @@
 #include "offload/layout.h"
 #include "offload/optimizer.h"
 #include "cpu_adam/cpu_adam.h"
+#include "kernels/kernels.h"
 #include "offload/placement.h"
 #include "runtime/comm.h"
 #include "runtime/device.h"
@@ -69,6 +75,7 @@ struct StepArgs {
   std::string offload = "nvme";
   std::string host_budget = "auto";
   std::string device_budget = "0";
+  std::string gpu_fraction = "0";
   std::vector<std::string> nvme_dirs;
   int ranks = 1;
   int steps = 3;
@@ -178,6 +185,7 @@ struct StepSample {
   StageTimes times;  // max over ranks, stage by stage
   uint64_t read_bytes = 0, write_bytes = 0, d2h_bytes = 0, h2d_bytes = 0;  // sum over ranks
   uint64_t host_dram_bytes = 0;                                            // sum over ranks
+  uint64_t device_adam_bytes = 0;  // the device Adam's traffic (sum over ranks)
   double handover_sec = 0;  // the simulated backward's hand-over (slowest rank)
 };
 
@@ -194,6 +202,7 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
     s.times.nvme = std::max(s.times.nvme, t.nvme);
     s.times.h2d = std::max(s.times.h2d, t.h2d);
     s.times.device = std::max(s.times.device, t.device);
+    s.times.device_adam = std::max(s.times.device_adam, t.device_adam);
     s.times.step = std::max(s.times.step, t.step);
     s.read_bytes += r.read_bytes;
     s.write_bytes += r.write_bytes;
@@ -207,9 +216,9 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
 // Busy time of each resource: NVMe = wall time with IO in flight (reads and
 // writes share the drive).
 struct Resources {
-  double nvme = 0, cpu = 0, d2h = 0, h2d = 0, comm = 0, device = 0;
+  double nvme = 0, cpu = 0, d2h = 0, h2d = 0, comm = 0, device = 0, device_adam = 0;
   static Resources Of(const StageTimes& t) {
-    return {t.nvme, t.adam, t.d2h, t.h2d, t.comm, t.device};
+    return {t.nvme, t.adam, t.d2h, t.h2d, t.comm, t.device, t.device_adam};
   }
   std::pair<std::string, double> Bottleneck() const {
     std::pair<std::string, double> b{"nvme", nvme};
@@ -217,7 +226,8 @@ struct Resources {
                            {"d2h", d2h},
                            {"h2d", h2d},
                            {"comm", comm},
-                           {"device", device}}) {
+                           {"device", device},
+                           {"device adam", device_adam}}) {
       if (v > b.second) b = {name, v};
     }
     return b;
@@ -230,21 +240,23 @@ struct Rates {
   LinkRates link;
   double adam_bytes_per_sec = 0;  // CpuAdam::TrafficBaseline
   DriveRates drive;               // zero when there is no NVMe state (or --drive-probe 0)
+  double device_adam_bytes_per_sec = 0;  // kernels::AdamStep alone (partial offload only)
 };
 
 struct Bound {
-  double d2h = 0, h2d = 0, cpu = 0, nvme = 0;
+  double d2h = 0, h2d = 0, cpu = 0, nvme = 0, device_adam = 0;
   static Bound Of(const StepSample& s, const Rates& r) {
     auto t = [](uint64_t bytes, double rate) { return rate > 0 ? bytes / rate : 0.0; };
     return {t(s.d2h_bytes, r.link.d2h_bytes_per_sec), t(s.h2d_bytes, r.link.h2d_bytes_per_sec),
             t(s.host_dram_bytes, r.adam_bytes_per_sec),
             t(s.read_bytes, r.drive.read_bytes_per_sec) +
-                t(s.write_bytes, r.drive.write_bytes_per_sec)};
+                t(s.write_bytes, r.drive.write_bytes_per_sec),
+            t(s.device_adam_bytes, r.device_adam_bytes_per_sec)};
   }
   std::pair<std::string, double> Max() const {
     std::pair<std::string, double> b{"cpu", cpu};
     for (auto [name, v] : {std::pair<const char*, double>{"d2h", d2h}, {"h2d", h2d},
-                           {"nvme", nvme}}) {
+                           {"nvme", nvme}, {"device adam", device_adam}}) {
       if (v > b.second) b = {name, v};
     }
     return b;
@@ -275,6 +287,40 @@ Result<double> MeasureAdamRate(const OffloadConfig& config, uint64_t elems) {
   return static_cast<double>(n * (grad_bytes + 24 + out_bytes)) / best;
 }
 
+// The bytes kernels::AdamStep moves per element: master, m, v read and
+// written, the gradient read, the params written (one rank).
+uint64_t DeviceAdamBytesPerElem(const OffloadConfig& config) {
+  return 24 + DTypeSize(config.grad_dtype) + DTypeSize(config.param_dtype);
+}
+
+// The device Adam alone: kernels::AdamStep over `elems` elements of device
+// memory on one stream, best of three after a first pass.
+Result<double> MeasureDeviceAdamRate(Device& device, const OffloadConfig& config,
+                                     uint64_t elems) {
+  const size_t n = static_cast<size_t>(elems);
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer state, device.Allocate(3 * n * 4));
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer grad, device.Allocate(n * DTypeSize(config.grad_dtype)));
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer out, device.Allocate(n * DTypeSize(config.param_dtype)));
+  STRATA_ASSIGN_OR_RETURN(Stream stream, device.CreateStream());
+  STRATA_RETURN_IF_ERROR(kernels::PackGrads(device, stream, {}, {state.data(), 3 * n, DType::kF32}));
+  STRATA_RETURN_IF_ERROR(kernels::PackGrads(device, stream, {}, {grad.data(), n, config.grad_dtype}));
+  const AdamHyper hyper{.lr = 1e-3, .step = 1};
+  float* s = state.as<float>();
+  double best = 1e300;
+  for (int i = 0; i < 4; ++i) {
+    STRATA_RETURN_IF_ERROR(device.StreamSynchronize(stream));
+    const auto t0 = std::chrono::steady_clock::now();
+    STRATA_RETURN_IF_ERROR(kernels::AdamStep(device, stream, hyper, {s, s + n, s + 2 * n, n},
+                                             {grad.data(), n, config.grad_dtype},
+                                             {out.data(), n, config.param_dtype}));
+    STRATA_RETURN_IF_ERROR(device.StreamSynchronize(stream));
+    const double sec =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::min(best, sec);
+  }
+  return static_cast<double>(n * DeviceAdamBytesPerElem(config)) / best;
+}
+
 nlohmann::json StagesJson(const StageTimes& t) {
   return {{"d2h", t.d2h},
           {"comm", t.comm},
@@ -285,6 +331,7 @@ nlohmann::json StagesJson(const StageTimes& t) {
           {"h2d", t.h2d},
           {"grad_stats", t.grad_stats},
           {"device", t.device},
+          {"device_adam", t.device_adam},
           {"step", t.step}};
 }
 
@@ -305,6 +352,7 @@ StageTimes MedianTimes(const std::vector<StepSample>& v) {
   t.nvme = med(&StageTimes::nvme);
   t.h2d = med(&StageTimes::h2d);
   t.device = med(&StageTimes::device);
+  t.device_adam = med(&StageTimes::device_adam);
   t.step = med(&StageTimes::step);
   return t;
 }
@@ -348,6 +396,19 @@ Status RunStep(const StepArgs& a) {
   if (Use(a, "--queue-depth")) config.aio.queue_depth = a.queue_depth;
   if (Use(a, "--device-budget")) {
     STRATA_ASSIGN_OR_RETURN(config.device_budget_bytes, ParseBytes(a.device_budget));
+  }
+  if (Use(a, "--gpu-fraction")) {
+    if (a.gpu_fraction == "auto") {
+      config.gpu_fraction = kGpuFractionAuto;
+    } else {
+      char* end = nullptr;
+      const double f = std::strtod(a.gpu_fraction.c_str(), &end);
+      if (end == a.gpu_fraction.c_str() || *end != '\0' || !(f >= 0 && f <= 1)) {
+        return InvalidArgumentError(fmt::format(
+            "--gpu-fraction {}: give a number in [0, 1] or auto", a.gpu_fraction));
+      }
+      config.gpu_fraction = f;
+    }
   }
   STRATA_ASSIGN_OR_RETURN(const uint64_t pcie_rate, ParseBytes(a.pcie_rate));
   if (Use(a, "--offload")) {
@@ -421,7 +482,7 @@ Status RunStep(const StepArgs& a) {
       params * (DTypeSize(config.param_dtype) + DTypeSize(config.grad_dtype));
   constexpr uint64_t kLinkProbeBytes = 64 * kMiB;
   const uint64_t device_need =
-      a.ranks * (tensor_bytes + plan0.device_staging_bytes + 64 * kMiB) + kLinkProbeBytes +
+      a.ranks * (tensor_bytes + plan0.device_total_bytes() + 64 * kMiB) + kLinkProbeBytes +
       64 * kMiB;
   std::unique_ptr<Device> device;
   if (a.device == "host") {
@@ -493,6 +554,12 @@ Status RunStep(const StepArgs& a) {
   STRATA_ASSIGN_OR_RETURN(
       rates.adam_bytes_per_sec,
       MeasureAdamRate(config, std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
+  if (plan0.device_sub_groups > 0) {
+    STRATA_ASSIGN_OR_RETURN(rates.device_adam_bytes_per_sec,
+                            MeasureDeviceAdamRate(*device, config,
+                                                  std::min<uint64_t>(plan0.device_elems,
+                                                                     uint64_t{32} << 20)));
+  }
   // auto: as many bytes as one copy of the rank's NVMe state (256 MiB to 4
   // GiB): a small file may sit in a cache (a VM's host) the state does not.
   uint64_t probe_bytes = std::clamp<uint64_t>(plan0.nvme_state_bytes, 256 * kMiB, 4 * kGiB);
@@ -587,6 +654,11 @@ Status RunStep(const StepArgs& a) {
     }));
     StepSample s = Combine(stats);
     s.handover_sec = *std::max_element(handover.begin(), handover.end());
+    if (!stats[0].skipped) {
+      for (const auto& opt : opts) {
+        s.device_adam_bytes += opt->plan().device_elems * DeviceAdamBytesPerElem(config);
+      }
+    }
     return s;
   };
   // A round: overlapped, serial (alternating which goes first so drift
@@ -634,9 +706,12 @@ Status RunStep(const StepArgs& a) {
   }
   const StepSample& traffic = overlapped.back();
   uint64_t host_state = 0, host_staging = 0, nvme_state = 0, device_staging = 0;
-  uint32_t sub_groups = 0, nvme_sub_groups = 0;
+  uint64_t device_state = 0;
+  uint32_t sub_groups = 0, nvme_sub_groups = 0, device_sub_groups = 0;
   for (const auto& opt : opts) {
     const PlacementPlan& p = opt->plan();
+    device_state += p.device_state_bytes;
+    device_sub_groups += p.device_sub_groups;
     host_state += p.host_state_bytes;
     host_staging += p.host_staging_bytes;
     nvme_state += p.nvme_state_bytes;
@@ -692,6 +767,8 @@ Status RunStep(const StepArgs& a) {
         {"sub_group_elems", config.sub_group_elems},
         {"sub_groups", sub_groups},
         {"nvme_sub_groups", nvme_sub_groups},
+        {"device_sub_groups", device_sub_groups},
+        {"gpu_fraction", plan0.gpu_fraction()},
         {"buffer_count", config.buffer_count},
         {"threads", config.threads},
         {"block_bytes", config.aio.block_bytes},
@@ -714,14 +791,16 @@ Status RunStep(const StepArgs& a) {
           {"d2h", res_alone.d2h},
           {"h2d", res_alone.h2d},
           {"comm", res_alone.comm},
-          {"device", res_alone.device}}},
+          {"device", res_alone.device},
+          {"device_adam", res_alone.device_adam}}},
         {"resources",
          {{"nvme", res_over.nvme},
           {"cpu", res_over.cpu},
           {"d2h", res_over.d2h},
           {"h2d", res_over.h2d},
           {"comm", res_over.comm},
-          {"device", res_over.device}}},
+          {"device", res_over.device},
+          {"device_adam", res_over.device_adam}}},
         {"bottleneck", bottleneck},
         {"bottleneck_alone_sec", bottleneck_sec},
         {"overlap_efficiency", efficiency},
@@ -744,8 +823,14 @@ Status RunStep(const StepArgs& a) {
           {"drive_write_bytes_per_sec", rates.drive.write_bytes_per_sec},
           {"drive_mixed_bytes_per_sec", rates.drive.mixed_bytes_per_sec},
           {"drive_probe_bytes", rates.drive.bytes},
-          {"drive_direct_io", rates.drive.direct}}},
-        {"bound", {{"d2h", bound.d2h}, {"h2d", bound.h2d}, {"cpu", bound.cpu}, {"nvme", bound.nvme}}},
+          {"drive_direct_io", rates.drive.direct},
+          {"device_adam_bytes_per_sec", rates.device_adam_bytes_per_sec}}},
+        {"bound",
+         {{"d2h", bound.d2h},
+          {"h2d", bound.h2d},
+          {"cpu", bound.cpu},
+          {"nvme", bound.nvme},
+          {"device_adam", bound.device_adam}}},
         {"bound_sec", bound_sec},
         {"bound_resource", bound_resource},
         {"bound_efficiency", bound_efficiency},
@@ -758,7 +843,10 @@ Status RunStep(const StepArgs& a) {
         {"bytes_per_tier",
          {{"host", {{"state", host_state}, {"staging", host_staging}}},
           {"nvme", {{"state", nvme_state}}},
-          {"device", {{"tensors", a.ranks * tensor_bytes}, {"staging", device_staging}}}}},
+          {"device",
+           {{"tensors", a.ranks * tensor_bytes},
+            {"staging", device_staging},
+            {"state", device_state}}}}},
         {"traffic_per_step",
          {{"nvme_read", traffic.read_bytes},
           {"nvme_write", traffic.write_bytes},
@@ -817,6 +905,7 @@ Status RunStep(const StepArgs& a) {
   row(" nvme busy", over.nvme, alone.nvme);
   row("h2d", over.h2d, alone.h2d);
   row("device", over.device, alone.device);
+  if (device_sub_groups > 0) row("device adam", over.device_adam, alone.device_adam);
   row("step", over.step, alone.step);
   if (a.backward) {
     std::vector<double> v;
@@ -838,9 +927,12 @@ Status RunStep(const StepArgs& a) {
   for (double e : per_round) std::printf(" %.3f", e);
   std::printf(")\n");
   std::printf(
-      "  bound %s: d2h %s, h2d %s, cpu %s, nvme %s; step %s; bound_efficiency %.3f",
+      "  bound %s: d2h %s, h2d %s, cpu %s, nvme %s%s; step %s; bound_efficiency %.3f",
       bound_resource.c_str(), FormatSeconds(bound.d2h).c_str(), FormatSeconds(bound.h2d).c_str(),
       FormatSeconds(bound.cpu).c_str(), FormatSeconds(bound.nvme).c_str(),
+      device_sub_groups > 0
+          ? fmt::format(", device adam {}", FormatSeconds(bound.device_adam)).c_str()
+          : "",
       FormatSeconds(over.step).c_str(), bound_efficiency);
   if (bound.nvme > 0) {
     std::printf(", nvme_efficiency %.3f (%.3f against the drive reading and writing at once)",
@@ -848,6 +940,16 @@ Status RunStep(const StepArgs& a) {
   }
   if (trace) std::printf(", trace_overhead %+.1f%%", 100 * trace_overhead);
   std::printf("\n");
+  if (device_sub_groups > 0) {
+    std::printf(
+        "  partial offload: gpu_fraction %.3f (%u sub-groups, %s of state on the device); "
+        "cpu side busy %s, device side busy %s (bound %s at %s, kernels::AdamStep alone); "
+        "step %s\n",
+        plan0.gpu_fraction(), device_sub_groups, FormatBytes(device_state).c_str(),
+        FormatSeconds(over.adam).c_str(), FormatSeconds(over.device_adam).c_str(),
+        FormatSeconds(bound.device_adam).c_str(),
+        FormatRate(rates.device_adam_bytes_per_sec).c_str(), FormatSeconds(over.step).c_str());
+  }
   return OkStatus();
 }
 
@@ -876,7 +978,12 @@ void AddBenchStepCommand(Cli& cli) {
                   "(nvme) or unlimited (cpu); 0: staging only (nvme)")
       ->capture_default_str();
   cmd->add_option("--device-budget", a->device_budget,
-                  "Device staging per rank (strata.device_budget); 0: not limited")
+                  "Device memory per rank for staging and state (strata.device_budget); 0: not "
+                  "limited")
+      ->capture_default_str();
+  cmd->add_option("--gpu-fraction", a->gpu_fraction,
+                  "Partial offload: the share of the state updated on the device "
+                  "(strata.gpu_fraction), 0 to 1, or auto (what fits --device-budget)")
       ->capture_default_str();
   cmd->add_option("--nvme-dir", a->nvme_dirs,
                   "Directory for the state files; repeat to stripe over drives (default: a "

@@ -66,4 +66,17 @@ assert j["bound"]["nvme"] > 0 and j["nvme_efficiency"] > 0, j
 assert j["traffic_per_step"]["nvme_read"] > 0
 assert not [f for f in os.listdir(scratch) if f.startswith("strata-drive-probe")], \
     "the drive probe's files are removed"
+# Partial offload: half the sub-groups on the device. Their gradients and
+# params never cross the link and the CPU's pass covers only the other half
+# (1, 1 and 14 B/param over all params); the device Adam is measured alone
+# and bounds its part.
+j = bench("--offload", "cpu", "--gpu-fraction", "0.5")
+assert j["device_sub_groups"] == 4 and near(j["gpu_fraction"], 0.5), j
+assert near(j["d2h_bytes_per_param"], 1.0), j["d2h_bytes_per_param"]
+assert near(j["h2d_bytes_per_param"], 1.0), j["h2d_bytes_per_param"]
+assert near(j["host_dram_bytes_per_param"], 14.0), j["host_dram_bytes_per_param"]
+assert j["baselines"]["device_adam_bytes_per_sec"] > 0, j["baselines"]
+assert j["bound"]["device_adam"] > 0 and j["stages"]["device_adam"] > 0, j
+assert j["bytes_per_tier"]["device"]["state"] == 2**20 * 12, j["bytes_per_tier"]
+assert j["bound_sec"] == max(j["bound"].values()), j["bound"]
 print("bench step JSON, bound and trace: ok")
