@@ -114,6 +114,8 @@ Status RunPlan(const PlanArgs& args) {
                           {"plan",
                            {{"sub_group_tiers", tiers},
                             {"buffers", buffers},
+                            {"device_state_bytes", plan.device_state_bytes},
+                            {"gpu_fraction", plan.gpu_fraction()},
                             {"host_state_bytes", plan.host_state_bytes},
                             {"nvme_state_bytes", plan.nvme_state_bytes},
                             {"host_staging_bytes", plan.host_staging_bytes},
