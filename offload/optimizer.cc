@@ -794,6 +794,11 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   STRATA_RETURN_IF_ERROR(publisher->OrderAfterUser());
   std::vector<uint8_t> device_updated;
   STRATA_RETURN_IF_ERROR(StartDeviceSide(d, device_updated));
+  if (serial) {
+    // Each stage alone: the device side before the CPU's.
+    if (Status s = FinishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
+    device_updated.assign(device_updated.size(), 0);
+  }
   for (uint32_t r : schedule.initial_reads) tiers->StartRead(k + r);
   double adam_sec = 0;
   for (const internal::ScheduledUpdate& u : schedule.updates) {

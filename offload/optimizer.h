@@ -159,7 +159,8 @@ struct StageTimes {
 // pipeline: NVMe read-ahead and write-behind, CPU update and H2D of different
 // sub-groups at once. kSerial runs every stage alone: no read issued before
 // the gradients are on the host, and per sub-group read, update, write and
-// upload each wait for the one before. Same results bit for bit, only slower;
+// upload each wait for the one before (and the device side of a partial
+// offload runs first, alone). Same results bit for bit, only slower;
 // its StageTimes are each stage's busy time with nothing else running, the
 // baseline `strata bench step` divides by (docs/guide.md, "Reading the bench").
 enum class PipelineMode : uint8_t { kOverlapped = 0, kSerial = 1 };
