@@ -238,6 +238,20 @@ struct OffloadOptimizer::Impl {
   Status Update(uint32_t i, std::span<float> state, GradView grad, void* out,
                 const StepDecision& d);
   Status UpdateOnDevice(uint32_t i, const StepDecision& d);
+  // A group's Adam/AdamW hyperparameters for the step (CPU and device alike).
+  AdamHyper AdamHyperFor(const GroupHyper& h, const StepDecision& d) const {
+    return {.lr = h.lr,
+            .beta1 = h.beta1,
+            .beta2 = h.beta2,
+            .eps = h.eps,
+            .weight_decay = h.weight_decay,
+            .weight_decay_mode = config.optimizer == OptimizerType::kAdam
+                                     ? WeightDecayMode::kL2
+                                     : WeightDecayMode::kDecoupled,
+            .bias_correction = config.adam.bias_correction,
+            .step = d.step,
+            .grad_scale = d.grad_scale};
+  }
   // The device side of a step: queued, then waited for (FinishDeviceSide).
   Status StartDeviceSide(const StepDecision& d, std::vector<uint8_t>& updated);
   Status FinishDeviceSide(const std::vector<uint8_t>& updated);
@@ -614,17 +628,7 @@ Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, GradVi
     switch (config.optimizer) {
       case OptimizerType::kAdam:
       case OptimizerType::kAdamW: {
-        const AdamHyper ah{.lr = h.lr,
-                           .beta1 = h.beta1,
-                           .beta2 = h.beta2,
-                           .eps = h.eps,
-                           .weight_decay = h.weight_decay,
-                           .weight_decay_mode = config.optimizer == OptimizerType::kAdam
-                                                    ? WeightDecayMode::kL2
-                                                    : WeightDecayMode::kDecoupled,
-                           .bias_correction = config.adam.bias_correction,
-                           .step = d.step,
-                           .grad_scale = d.grad_scale};
+        const AdamHyper ah = AdamHyperFor(h, d);
         std::span<float> m2 = state.subspan(2 * elems + run.begin, n);
         STRATA_RETURN_IF_ERROR(cpu->Step(ah, {master, m1, m2}, g, o));
         break;
@@ -668,18 +672,7 @@ Status OffloadOptimizer::Impl::UpdateOnDevice(uint32_t i, const StepDecision& d)
        elems * (2 * 4 * arrays + grad_bytes + (world == 1 ? param_bytes : 0)), "device"},
       [&]() -> Status {
         for (const internal::TensorMap::Piece& p : pieces) {
-          const GroupHyper& h = hypers[param_group[p.tensor]];
-          const AdamHyper ah{.lr = h.lr,
-                             .beta1 = h.beta1,
-                             .beta2 = h.beta2,
-                             .eps = h.eps,
-                             .weight_decay = h.weight_decay,
-                             .weight_decay_mode = config.optimizer == OptimizerType::kAdam
-                                                      ? WeightDecayMode::kL2
-                                                      : WeightDecayMode::kDecoupled,
-                             .bias_correction = config.adam.bias_correction,
-                             .step = d.step,
-                             .grad_scale = d.grad_scale};
+          const AdamHyper ah = AdamHyperFor(hypers[param_group[p.tensor]], d);
           const std::byte* g =
               grad.base != nullptr
                   ? grad.base + p.offset_elems * grad_bytes
