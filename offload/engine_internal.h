@@ -56,6 +56,13 @@ struct TraceSpot {
   const char* tier = nullptr;
 };
 
+// Work enqueued on `waiter` from now on waits for what `producer` has
+// queued so far (through `event`, recorded on `producer` here).
+inline Status OrderAfter(Device& device, StreamRef waiter, StreamRef producer, Event& event) {
+  STRATA_RETURN_IF_ERROR(device.RecordEvent(event, producer));
+  return device.StreamWaitEvent(waiter, event);
+}
+
 // Enqueues `enqueue()`'s work on `stream` between the two timing tasks.
 template <typename F>
 Status TimedOnStream(Device& device, StreamRef stream, StageClock* clock, const TraceContext& trace,

@@ -131,8 +131,7 @@ GradPath::Source GradPath::SourceOf(uint32_t i) const {
 }
 
 Status GradPath::OrderAfterUser() {
-  STRATA_RETURN_IF_ERROR(o_.device->RecordEvent(user_event_, o_.user_stream));
-  return o_.device->StreamWaitEvent(o_.stream, user_event_);
+  return OrderAfter(*o_.device, o_.stream, o_.user_stream, user_event_);
 }
 
 // The statistics of sub-group i's pieces into their regions of stats_dev_:
@@ -195,17 +194,16 @@ Status GradPath::Reduce(uint32_t i) {
             return dev.CopyAsync(dst, mine, elems * wire_bytes_, CopyKind::kDeviceToDevice,
                                  o_.stream);
           }));
-      reduced_[i] = 1;
-      ++reduced_count_;
-      return OkStatus();
+    } else {
+      std::byte* dst = shard_buf_.data() + HostRel(i) * wire_bytes_;
+      STRATA_RETURN_IF_ERROR(TimedOnStream(
+          dev, o_.stream, &d2h_clock_, *o_.trace,
+          {TraceTrack::kD2H, "d2h", sg, elems * wire_bytes_, nullptr}, [&] {
+            return dev.CopyAsync(dst, mine, elems * wire_bytes_, CopyKind::kDeviceToHost,
+                                 o_.stream);
+          }));
+      d2h_bytes_ += elems * wire_bytes_;
     }
-    std::byte* dst = shard_buf_.data() + HostRel(i) * wire_bytes_;
-    STRATA_RETURN_IF_ERROR(TimedOnStream(
-        dev, o_.stream, &d2h_clock_, *o_.trace,
-        {TraceTrack::kD2H, "d2h", sg, elems * wire_bytes_, nullptr}, [&] {
-          return dev.CopyAsync(dst, mine, elems * wire_bytes_, CopyKind::kDeviceToHost, o_.stream);
-        }));
-    d2h_bytes_ += elems * wire_bytes_;
   }
   reduced_[i] = 1;
   ++reduced_count_;
@@ -306,8 +304,7 @@ Status GradPath::Accumulate() {
   }
   // The trainer may reuse its grad tensors once this returns: its stream
   // waits for the copies that read them.
-  STRATA_RETURN_IF_ERROR(dev.RecordEvent(done_event_, o_.stream));
-  STRATA_RETURN_IF_ERROR(dev.StreamWaitEvent(o_.user_stream, done_event_));
+  STRATA_RETURN_IF_ERROR(OrderAfter(dev, o_.user_stream, o_.stream, done_event_));
   ResetMicroStep();
   ++micro_steps_;
   return OkStatus();

@@ -571,8 +571,8 @@ Status OffloadOptimizer::Impl::InitState() {
 // cast from the params (fp16/bf16 -> fp32 is exact: what the host does).
 Status OffloadOptimizer::Impl::InitDeviceState() {
   if (device_count == 0) return OkStatus();
-  STRATA_RETURN_IF_ERROR(device->RecordEvent(device_user_event, user_stream));
-  STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(device_stream, device_user_event));
+  STRATA_RETURN_IF_ERROR(
+      internal::OrderAfter(*device, device_stream, user_stream, device_user_event));
   for (uint32_t i = 0; i < device_count; ++i) {
     float* state = tiers->DeviceState(i);
     STRATA_RETURN_IF_ERROR(kernels::PackGrads(
@@ -701,8 +701,8 @@ Status OffloadOptimizer::Impl::StartDeviceSide(const StepDecision& d,
                                                std::vector<uint8_t>& updated) {
   updated.assign(device_count, 0);
   if (device_count == 0) return OkStatus();
-  STRATA_RETURN_IF_ERROR(device->RecordEvent(device_user_event, user_stream));
-  STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(device_stream, device_user_event));
+  STRATA_RETURN_IF_ERROR(
+      internal::OrderAfter(*device, device_stream, user_stream, device_user_event));
   for (uint32_t i = 0; i < device_count; ++i) {
     if (!done[i]) {
       STRATA_RETURN_IF_ERROR(
@@ -727,8 +727,7 @@ Status OffloadOptimizer::Impl::StartDeviceSide(const StepDecision& d,
 // params it wrote). Updated sub-groups are done once it succeeded.
 Status OffloadOptimizer::Impl::FinishDeviceSide(const std::vector<uint8_t>& updated) {
   if (device_count == 0) return OkStatus();
-  STRATA_RETURN_IF_ERROR(device->RecordEvent(device_event, device_stream));
-  STRATA_RETURN_IF_ERROR(device->StreamWaitEvent(user_stream, device_event));
+  STRATA_RETURN_IF_ERROR(internal::OrderAfter(*device, user_stream, device_stream, device_event));
   STRATA_RETURN_IF_ERROR(
       device->StreamSynchronize(device_stream).WithContext("update the device sub-groups"));
   for (uint32_t i = 0; i < device_count; ++i) {
@@ -1106,11 +1105,11 @@ Status OffloadOptimizer::ZeroGrad() {
   Device& dev = *m.device;
   // The engine's streams may still read the grad tensors (hand-over) or
   // write the params: the zeroing on the trainer's stream comes after both.
-  for (StreamRef s : {StreamRef(m.grad_stream), m.publisher->stream(), StreamRef(m.device_stream)}) {
+  for (StreamRef s :
+       {StreamRef(m.grad_stream), m.publisher->stream(), StreamRef(m.device_stream)}) {
     if (!s) continue;
     STRATA_ASSIGN_OR_RETURN(Event e, dev.CreateEvent());
-    STRATA_RETURN_IF_ERROR(dev.RecordEvent(e, s));
-    STRATA_RETURN_IF_ERROR(dev.StreamWaitEvent(m.user_stream, e));
+    STRATA_RETURN_IF_ERROR(internal::OrderAfter(dev, m.user_stream, s, e));
   }
   for (const Param& p : m.params) {
     if (p.elems == 0) continue;

@@ -42,8 +42,7 @@ Status ParamPublisher::Init() {
 }
 
 Status ParamPublisher::OrderAfterUser() {
-  STRATA_RETURN_IF_ERROR(o_.device->RecordEvent(user_event_, o_.user_stream));
-  return o_.device->StreamWaitEvent(stream_, user_event_);
+  return OrderAfter(*o_.device, stream_, o_.user_stream, user_event_);
 }
 
 Status ParamPublisher::WaitSlot(uint32_t slot) {
@@ -142,8 +141,7 @@ Status ParamPublisher::PublishDevice(uint32_t i, const float* master, const Even
 }
 
 Status ParamPublisher::Finish() {
-  STRATA_RETURN_IF_ERROR(o_.device->RecordEvent(done_event_, stream_));
-  STRATA_RETURN_IF_ERROR(o_.device->StreamWaitEvent(o_.user_stream, done_event_));
+  STRATA_RETURN_IF_ERROR(OrderAfter(*o_.device, o_.user_stream, stream_, done_event_));
   return o_.device->StreamSynchronize(stream_);
 }
 

@@ -246,9 +246,15 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
     cum_device[i + 1] =
         cum_device[i] + plan.sub_groups[i].state_bytes + plan.sub_groups[i].elems * device_grad_bytes;
   }
+  // The most sub-groups whose device bytes fit the budget.
+  auto most_that_fit = [&] {
+    size_t c = 0;
+    while (c < n && fixed_device + cum_device[c + 1] <= in.device_budget_bytes) ++c;
+    return c;
+  };
   size_t k = 0;
   if (auto_fraction) {
-    while (k < n && fixed_device + cum_device[k + 1] <= in.device_budget_bytes) ++k;
+    k = most_that_fit();
   } else if (in.gpu_fraction > 0) {
     // The count whose elements come closest to the fraction (ties: fewer).
     const double target = in.gpu_fraction * static_cast<double>(shard_elems);
@@ -257,8 +263,7 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
       if (miss(c) < miss(k)) k = c;
     }
     if (in.device_budget_bytes != 0 && fixed_device + cum_device[k] > in.device_budget_bytes) {
-      size_t fits = 0;
-      while (fits < n && fixed_device + cum_device[fits + 1] <= in.device_budget_bytes) ++fits;
+      const size_t fits = most_that_fit();
       return ResourceExhaustedError(fmt::format(
           "{}: gpu_fraction {} keeps {} sub-groups on the device, {} with the staging, but "
           "strata.device_budget is {}; raise strata.device_budget to {}, or lower gpu_fraction "
@@ -268,10 +273,12 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
           static_cast<double>(cum_elems[fits]) / static_cast<double>(shard_elems), fits));
     }
   }
-  for (size_t i = 0; i < k; ++i) plan.sub_groups[i].tier = Tier::kDevice;
+  for (size_t i = 0; i < k; ++i) {
+    plan.sub_groups[i].tier = Tier::kDevice;
+    plan.device_state_bytes += plan.sub_groups[i].state_bytes;
+  }
   plan.device_sub_groups = static_cast<uint32_t>(k);
   plan.device_elems = cum_elems[k];
-  for (size_t i = 0; i < k; ++i) plan.device_state_bytes += plan.sub_groups[i].state_bytes;
   if (k > 0 && !one_rank) {
     device_buffers.push_back(
         {"device grads", Tier::kDevice, 1, cum_elems[k] * in.grad_bytes_per_elem});
@@ -294,7 +301,7 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
     plan.device_staging_bytes += b.total_bytes();
     plan.buffers.push_back(std::move(b));
   }
-  for (size_t i = 0; i < k; ++i) all_state -= plan.sub_groups[i].state_bytes;
+  all_state -= plan.device_state_bytes;
   const uint64_t fixed_host = plan.buffers[0].total_bytes() + plan.buffers[1].total_bytes();
   const bool nvme = in.nvme == NvmeTier::kAvailable;
   const bool unlimited_host = in.host_budget_bytes == 0 && !nvme;

@@ -179,12 +179,7 @@ Status StateTiers::WaitWrite(uint32_t i) {
 
 Status StateTiers::Fill(uint32_t i, const std::function<void(std::span<float>)>& fill) {
   if (on_device(i)) {
-    std::vector<float> state(o_.sub_groups[i].elems() * o_.arrays);
-    fill(state);
-    Device& dev = *o_.device;
-    STRATA_RETURN_IF_ERROR(dev.CopyAsync(DeviceState(i), state.data(), state.size() * 4,
-                                         CopyKind::kHostToDevice, o_.device_stream));
-    return dev.StreamSynchronize(o_.device_stream);
+    return InternalError(fmt::format("state tiers: {} is set by Write, not filled", Name(i)));
   }
   if (!on_nvme(i)) {
     fill(HostState(i));
@@ -216,28 +211,24 @@ void StateTiers::DrainReads() {
 }
 
 Status StateTiers::Read(uint32_t i, std::span<float> out) {
-  if (on_device(i)) {
-    Device& dev = *o_.device;
-    STRATA_RETURN_IF_ERROR(dev.CopyAsync(out.data(), DeviceState(i),
-                                         o_.sub_groups[i].elems() * o_.arrays * 4,
-                                         CopyKind::kDeviceToHost, o_.device_stream));
-    return dev.StreamSynchronize(o_.device_stream);
-  }
+  if (on_device(i)) return CopyDeviceState(out.data(), DeviceState(i), out.size_bytes(),
+                                            CopyKind::kDeviceToHost);
   STRATA_ASSIGN_OR_RETURN(std::span<float> s, Acquire(i));
   std::copy(s.begin(), s.end(), out.begin());
   return OkStatus();
 }
 
 Status StateTiers::Write(uint32_t i, std::span<const float> state) {
-  if (on_device(i)) {
-    Device& dev = *o_.device;
-    STRATA_RETURN_IF_ERROR(dev.CopyAsync(DeviceState(i), state.data(), state.size_bytes(),
-                                         CopyKind::kHostToDevice, o_.device_stream));
-    return dev.StreamSynchronize(o_.device_stream);
-  }
+  if (on_device(i)) return CopyDeviceState(DeviceState(i), state.data(), state.size_bytes(),
+                                            CopyKind::kHostToDevice);
   STRATA_RETURN_IF_ERROR(
       Fill(i, [&](std::span<float> s) { std::copy(state.begin(), state.end(), s.begin()); }));
   return WaitWrite(i);
+}
+
+Status StateTiers::CopyDeviceState(void* dst, const void* src, size_t bytes, CopyKind kind) {
+  STRATA_RETURN_IF_ERROR(o_.device->CopyAsync(dst, src, bytes, kind, o_.device_stream));
+  return o_.device->StreamSynchronize(o_.device_stream);
 }
 
 TierFigures StateTiers::TakeFigures() {

@@ -97,9 +97,10 @@ class StateTiers {
   // Waits for reads queued and never acquired (after an error).
   void DrainReads();
 
-  // Sets i's whole state: `fill` writes every one of its elems x arrays
-  // floats in place; an NVMe one is then queued for writing (its buffer's
-  // previous write is waited for first). FinishWrites or WaitWrite(i) waits.
+  // Sets i's whole state (not a device one: Write): `fill` writes every one
+  // of its elems x arrays floats in place; an NVMe one is then queued for
+  // writing (its buffer's previous write is waited for first). FinishWrites
+  // or WaitWrite(i) waits.
   Status Fill(uint32_t i, const std::function<void(std::span<float>)>& fill);
 
   // Whole-state access between steps (checkpoints, tests); a device
@@ -114,6 +115,8 @@ class StateTiers {
   Status Init();
   std::span<std::byte> Buffer(uint32_t i) const;
   std::span<float> NvmeState(uint32_t i) const;
+  // A device sub-group's copy, in order on device_stream, waited for.
+  Status CopyDeviceState(void* dst, const void* src, size_t bytes, CopyKind kind);
   // Writes carry the payload's hash (computed by the caller); reads are
   // verified by Acquire.
   std::future<Status> Job(IoOp op, uint32_t i, uint64_t payload_hash = 0);
