@@ -496,11 +496,64 @@ Status ParseBf16(const Json& b, OffloadConfig& c) {
   return OkStatus();
 }
 
+// strata.rates: what this machine does per second, for the plan's estimate
+// and gpu_fraction "auto" (PlanRates). Adam rates in elements per second (a
+// number or a count such as "5.4G"), the others in bytes per second (a
+// number or a rate such as "25GB/s").
+Status ParseRates(const Json& r, PlanRates& rates) {
+  const std::string p = "strata.rates";
+  if (!r.is_object()) return TypeError(p, r, "an object");
+  STRATA_RETURN_IF_ERROR(
+      CheckKeys(r, p, {"cpu_adam", "device_adam", "pcie", "nvme_read", "nvme_write"}));
+  struct Field {
+    std::string_view key;
+    double* out;
+    bool elems;
+  } fields[] = {{"cpu_adam", &rates.cpu_adam_elems_per_sec, true},
+                {"device_adam", &rates.device_adam_elems_per_sec, true},
+                {"pcie", &rates.pcie_bytes_per_sec, false},
+                {"nvme_read", &rates.nvme_read_bytes_per_sec, false},
+                {"nvme_write", &rates.nvme_write_bytes_per_sec, false}};
+  for (const Field& f : fields) {
+    const Json* v = Find(r, f.key);
+    if (v == nullptr || v->is_null()) continue;
+    const std::string full = Join(p, f.key);
+    const std::string_view want = f.elems ? "elements per second (a number or a count such as \"5.4G\")"
+                                          : "bytes per second (a number or a rate such as \"25GB/s\")";
+    double value = 0;
+    if (v->is_number()) {
+      value = v->get<double>();
+    } else if (v->is_string()) {
+      if (f.elems) {
+        Result<uint64_t> n = ParseCount(v->get<std::string>());
+        if (!n.ok()) return TypeError(full, *v, want);
+        value = static_cast<double>(*n);
+      } else {
+        Result<double> b = ParseRate(v->get<std::string>());
+        if (!b.ok()) return TypeError(full, *v, want);
+        value = *b;
+      }
+    } else {
+      return TypeError(full, *v, want);
+    }
+    if (!std::isfinite(value) || value < 0) {
+      return InvalidArgumentError(
+          fmt::format("{} = {}: must be {} >= 0 (0: unknown)", full, Describe(*v), want));
+    }
+    *f.out = value;
+  }
+  return OkStatus();
+}
+
 Status ParseStrata(const Json& s, OffloadConfig& c) {
   const std::string p = "strata";
   STRATA_RETURN_IF_ERROR(CheckKeys(s, p,
                                    {"host_budget", "device_budget", "threads", "align_elems",
-                                    "grad_dtype", "min_scale_overflow", "gpu_fraction"}));
+                                    "grad_dtype", "min_scale_overflow", "gpu_fraction",
+                                    "rates"}));
+  if (const Json* r = Find(s, "rates"); r != nullptr && !r->is_null()) {
+    STRATA_RETURN_IF_ERROR(ParseRates(*r, c.rates));
+  }
   STRATA_CONFIG_SET(c.host_budget_bytes, GetBytes(s, p, "host_budget", 0, kMaxBytes));
   STRATA_CONFIG_SET(c.device_budget_bytes, GetBytes(s, p, "device_budget", 0, kMaxBytes));
   STRATA_CONFIG_SET(c.threads, GetUint(s, p, "threads", 0, 4096));
@@ -607,7 +660,8 @@ PlacementInputs PlacementInputsFor(const OffloadConfig& c,
               1, static_cast<uint32_t>(std::min<uint64_t>(c.buffer_count, sub_group_elems.size()))),
           .block_bytes = c.aio.block_bytes,
           .world_size = world_size,
-          .gpu_fraction = c.gpu_fraction};
+          .gpu_fraction = c.gpu_fraction,
+          .rates = c.rates};
 }
 
 std::span<const std::string_view> IgnoredConfigKeys() { return kIgnoredKeys; }
@@ -814,6 +868,12 @@ std::string ConfigToJson(const OffloadConfig& c) {
                 {"device_budget", c.device_budget_bytes},
                 {"gpu_fraction", c.gpu_fraction == kGpuFractionAuto ? Json("auto")
                                                                     : Json(c.gpu_fraction)},
+                {"rates",
+                 {{"cpu_adam", c.rates.cpu_adam_elems_per_sec},
+                  {"device_adam", c.rates.device_adam_elems_per_sec},
+                  {"pcie", c.rates.pcie_bytes_per_sec},
+                  {"nvme_read", c.rates.nvme_read_bytes_per_sec},
+                  {"nvme_write", c.rates.nvme_write_bytes_per_sec}}},
                 {"threads", c.threads},
                 {"align_elems", c.align_elems},
                 {"grad_dtype", DTypeName(c.grad_dtype)},

@@ -107,6 +107,9 @@ struct OffloadConfig {
   // largest share that fits device_budget). DeepSpeed's
   // offload_optimizer.ratio r sets it to 1 - r.
   double gpu_fraction = 0.0;
+  // strata.rates: the machine's rates for the plan's per-step estimate and
+  // gpu_fraction "auto" (0: unknown; "auto" probes the Adam rates it lacks).
+  PlanRates rates;
   int threads = 0;                   // CPU optimizer threads; 0: every hardware thread
   uint64_t align_elems = 64;         // alignment of each tensor in the flat buffer
 };

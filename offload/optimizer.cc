@@ -61,6 +61,7 @@
 #include "offload/engine_internal.h"
 #include "offload/grad_path.h"
 #include "offload/param_publisher.h"
+#include "offload/rate_probe.h"
 #include "offload/state_tiers.h"
 #include "offload/step_plan.h"
 #include "offload/tensor_map.h"
@@ -229,6 +230,7 @@ struct OffloadOptimizer::Impl {
   bool host_stats = false;              // the statistics were a host pass (accumulation)
 
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
+  Status ProbeRates();                                  // gpu_fraction "auto"
   Status InitPlan(std::span<const ParamGroup> groups);  // validation, layout, placement
   Status AgreeOnPlan(Status planned);                   // several ranks
   Status InitUnits(const EngineContext& context);       // buffers, store, initial state
@@ -293,8 +295,22 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
   // whose Create succeeded while another's failed would wait for it in the
   // first collective of Step.
   if (world == 1) {
+    STRATA_RETURN_IF_ERROR(ProbeRates());
     STRATA_RETURN_IF_ERROR(InitPlan(groups));
     return InitUnits(context);
+  }
+  Status probed = ProbeRates();
+  if (config.gpu_fraction == kGpuFractionAuto) {
+    // Every rank plans with the same rates (the slowest rank's), so that they
+    // keep the same sub-groups on the device.
+    PlanRates& r = config.rates;
+    double v[3] = {-r.cpu_adam_elems_per_sec, -r.device_adam_elems_per_sec,
+                   probed.ok() ? 0.0 : 1.0};
+    STRATA_RETURN_IF_ERROR(AllReduceDoubles(v, ReduceOp::kMax).WithContext(kOp));
+    if (!probed.ok()) return probed;
+    if (v[2] > 0) return OtherRankFailed();
+    r.cpu_adam_elems_per_sec = -v[0];
+    r.device_adam_elems_per_sec = -v[1];
   }
   Status planned = InitPlan(groups);
   STRATA_RETURN_IF_ERROR(AgreeOnPlan(planned));
@@ -313,6 +329,34 @@ Status OffloadOptimizer::Impl::OtherRankFailed() const {
       "create offload optimizer: rank {}: another rank failed to create its optimizer (its "
       "error says why); Create fails on every rank together",
       rank));
+}
+
+// gpu_fraction "auto" balances the device and CPU sides by their Adam rates
+// (placement.h, step 0): the ones strata.rates does not give are measured
+// here, in the engine's shapes (offload/rate_probe.h), in a few tenths of a
+// second.
+Status OffloadOptimizer::Impl::ProbeRates() {
+  PlanRates& r = config.rates;
+  if (config.gpu_fraction != kGpuFractionAuto ||
+      (r.cpu_adam_elems_per_sec > 0 && r.device_adam_elems_per_sec > 0)) {
+    return OkStatus();
+  }
+  constexpr uint64_t kProbeElems = uint64_t{8} << 20;
+  const AdamShape shape = AdamShape::Of(config, static_cast<uint32_t>(world));
+  if (r.cpu_adam_elems_per_sec <= 0) {
+    STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
+    STRATA_ASSIGN_OR_RETURN(r.cpu_adam_elems_per_sec,
+                            MeasureCpuAdamRate(*cpu, shape, kProbeElems));
+  }
+  if (r.device_adam_elems_per_sec <= 0) {
+    STRATA_ASSIGN_OR_RETURN(r.device_adam_elems_per_sec,
+                            MeasureDeviceAdamRate(*device, shape, kProbeElems));
+  }
+  LogInfo(fmt::format(
+      "rank {}: gpu_fraction \"auto\": CPU Adam {:.3g} G elems/s, device Adam {:.3g} G elems/s "
+      "(measured where strata.rates does not give them)",
+      rank, r.cpu_adam_elems_per_sec * 1e-9, r.device_adam_elems_per_sec * 1e-9));
+  return OkStatus();
 }
 
 Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
@@ -500,7 +544,9 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
                                                      .nvme_buffers = plan.nvme_buffers,
                                                      .trace = &trace,
                                                      .device_stream = device_stream}));
-  STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
+  if (!cpu) {
+    STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
+  }
   STRATA_ASSIGN_OR_RETURN(LossScaler s, LossScaler::Create(config.loss_scaler));
   scaler.emplace(std::move(s));
   ready_count.assign(sub_groups.size(), 0);

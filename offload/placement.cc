@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 
 #include "runtime/machine.h"
@@ -137,157 +138,91 @@ double PlacementPlan::gpu_fraction() const {
   return all == 0 ? 0.0 : static_cast<double>(device_elems) / static_cast<double>(all);
 }
 
+double StepEstimate::cpu_side() const { return std::max({cpu_adam, d2h, h2d, nvme}); }
+
+std::string_view StepEstimate::bottleneck() const {
+  const std::pair<double, std::string_view> sides[] = {
+      {cpu_adam, "cpu adam"}, {device_adam, "device adam"}, {std::max(d2h, h2d), "pcie"},
+      {nvme, "nvme"}};
+  std::pair<double, std::string_view> most{0.0, ""};
+  for (const auto& s : sides) {
+    if (s.first > most.first) most = s;
+  }
+  return most.second;
+}
+
 uint64_t NvmeBufferBytes(uint64_t state_bytes) {
   return RoundUpPage(state_bytes) + kExtentHeaderBytes;
 }
 
 namespace {
 
-Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
+// What steps 1-3 need, computed once by PlanTiers.
+struct Shape {
+  PlacementPlan base;                         // every sub-group, budgets; no tiers yet
+  std::vector<StagingBuffer> device_buffers;  // device staging independent of the split
+  uint64_t fixed_device = 0;                  // their bytes
+  std::vector<uint64_t> cum_elems;            // elems of the first k sub-groups
+  std::vector<uint64_t> cum_device;           // device bytes of the first k (state, grads)
+};
+
+Status CheckRate(double rate, std::string_view name) {
+  if (std::isfinite(rate) && rate >= 0) return OkStatus();
+  return InvalidArgumentError(
+      fmt::format("plan placement: strata.rates.{} is {}; a rate must be a finite number >= 0 "
+                  "(0: unknown)",
+                  name, rate));
+}
+
+// Step 6.
+StepEstimate Estimate(const PlacementInputs& in, const PlacementPlan& plan) {
+  const PlanRates& r = in.rates;
+  uint64_t shard = 0;
+  for (const SubGroupPlacement& g : plan.sub_groups) shard += g.elems;
+  const uint64_t host_elems = shard - plan.device_elems;
+  StepEstimate e;
+  e.d2h_bytes = host_elems * in.grad_bytes_per_elem;
+  e.h2d_bytes = host_elems * in.param_bytes_per_elem;
+  e.nvme_read_bytes = e.nvme_write_bytes = plan.nvme_state_bytes;
+  auto time = [](double amount, double rate) { return rate > 0 ? amount / rate : 0.0; };
+  const double ranks = std::max<uint32_t>(in.machine.ranks_per_node, 1);
+  e.cpu_adam = time(static_cast<double>(host_elems), r.cpu_adam_elems_per_sec);
+  e.device_adam = time(static_cast<double>(plan.device_elems), r.device_adam_elems_per_sec);
+  e.d2h = time(static_cast<double>(e.d2h_bytes), r.pcie_bytes_per_sec);
+  e.h2d = time(static_cast<double>(e.h2d_bytes), r.pcie_bytes_per_sec);
+  e.nvme = time(ranks * static_cast<double>(e.nvme_read_bytes), r.nvme_read_bytes_per_sec) +
+           time(ranks * static_cast<double>(e.nvme_write_bytes), r.nvme_write_bytes_per_sec);
+  return e;
+}
+
+// Steps 1-3: the first k sub-groups on the device (step 0's choice), the
+// others in DRAM and on NVMe.
+Result<PlacementPlan> PlaceRest(const PlacementInputs& in, const Shape& sh, size_t k) {
   constexpr std::string_view kOp = "plan placement";
-  if (in.sub_group_elems.empty()) {
-    return InvalidArgumentError(fmt::format("{}: no sub-groups (the shard is empty)", kOp));
-  }
-  if (in.sub_group_elems.size() > kMaxSubGroups) {
-    return InvalidArgumentError(
-        fmt::format("{}: {} sub-groups; at most {}: raise zero_optimization.sub_group_size", kOp,
-                    in.sub_group_elems.size(), kMaxSubGroups));
-  }
-  if (in.state_bytes_per_elem == 0 || in.grad_bytes_per_elem == 0 || in.param_bytes_per_elem == 0) {
-    return InvalidArgumentError(
-        fmt::format("{}: bytes per element (state {}, grad {}, param {}) must all be > 0", kOp,
-                    in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
-  }
-  if (in.world_size == 0 || in.world_size > 65536) {
-    return InvalidArgumentError(
-        fmt::format("{}: world_size is {}; it must be in [1, 65536]", kOp, in.world_size));
-  }
-  if (in.buffer_count == 0 || in.buffer_count > 1024) {
-    return InvalidArgumentError(fmt::format(
-        "{}: buffer_count is {}; the pipeline needs 1 to 1024 buffers", kOp, in.buffer_count));
-  }
-  if (in.block_bytes == 0 || in.block_bytes % kPage != 0) {
-    return InvalidArgumentError(fmt::format(
-        "{}: aio.block_size {} must be a positive multiple of 4096", kOp, in.block_bytes));
-  }
-  if (in.state_bytes_per_elem > 64 || in.grad_bytes_per_elem > 64 || in.param_bytes_per_elem > 64) {
-    return InvalidArgumentError(
-        fmt::format("{}: bytes per element (state {}, grad {}, param {}) must be at most 64", kOp,
-                    in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
-  }
-  // Bound every size so products below cannot overflow: 2^44 elements x 64 bytes x 1024 buffers.
-  constexpr uint64_t kMaxElems = uint64_t{1} << 44;
-  PlacementPlan plan;
-  plan.host_budget_bytes = in.host_budget_bytes;
-  plan.device_budget_bytes = in.device_budget_bytes;
-  uint64_t shard_elems = 0, max_elems = 0, all_state = 0;
-  for (size_t i = 0; i < in.sub_group_elems.size(); ++i) {
-    const uint64_t e = in.sub_group_elems[i];
-    if (e == 0 || e > kMaxElems || shard_elems + e > kMaxElems) {
-      return InvalidArgumentError(fmt::format(
-          "{}: sub-group {} has {} elems; each must be in [1, 2^44] and the shard at most 2^44",
-          kOp, i, e));
-    }
-    shard_elems += e;
-    max_elems = std::max(max_elems, e);
-    const uint64_t sb = e * in.state_bytes_per_elem;
-    plan.sub_groups.push_back({e, sb, Tier::kHost});
-    all_state += sb;
-  }
-
-  const bool one_rank = in.world_size == 1;
-  // Device staging that does not depend on the split.
-  std::vector<StagingBuffer> device_buffers;
-  if (one_rank) {
-    device_buffers.push_back({"grad stats", Tier::kDevice, 1,
-                              16 * ((shard_elems + 4095) / 4096 + in.sub_group_elems.size())});
-  } else {
-    // A bucket holds every rank's block: world_size x the largest sub-group,
-    // bounded like the shard so that the products below stay in 64 bits.
-    if (uint64_t{in.world_size} * max_elems > kMaxElems) {
-      return InvalidArgumentError(fmt::format(
-          "{}: a device bucket of {} ranks x {} elems exceeds 2^44 elems; lower "
-          "zero_optimization.sub_group_size",
-          kOp, in.world_size, max_elems));
-    }
-    const uint64_t block = uint64_t{in.world_size} * max_elems;
-    device_buffers.push_back({"grad bucket", Tier::kDevice, 1, block * in.grad_bytes_per_elem});
-    device_buffers.push_back({"param bucket", Tier::kDevice, 1, block * in.param_bytes_per_elem});
-  }
-  uint64_t fixed_device = 0;
-  for (const StagingBuffer& b : device_buffers) fixed_device += b.total_bytes();
-  if (in.device_budget_bytes != 0 && fixed_device > in.device_budget_bytes) {
-    return ResourceExhaustedError(fmt::format(
-        "{}: device staging needs {} but strata.device_budget is {}; raise "
-        "strata.device_budget to {} or lower zero_optimization.sub_group_size",
-        kOp, FormatBytes(fixed_device), FormatBytes(in.device_budget_bytes),
-        FormatBytes(fixed_device)));
-  }
-
-  // Step 0: the first k sub-groups on the device. Device bytes of the first
-  // k: their state, and with several ranks their reduced gradients.
-  const bool auto_fraction = in.gpu_fraction == kGpuFractionAuto;
-  if (!auto_fraction && !(in.gpu_fraction >= 0 && in.gpu_fraction <= 1)) {
-    return InvalidArgumentError(
-        fmt::format("{}: gpu_fraction is {}; it must be in [0, 1] or \"auto\"", kOp,
-                    in.gpu_fraction));
-  }
-  if (auto_fraction && in.device_budget_bytes == 0) {
-    return InvalidArgumentError(fmt::format(
-        "{}: gpu_fraction \"auto\" needs strata.device_budget (the device memory the optimizer "
-        "may use for its state); set it, or give gpu_fraction a number",
-        kOp));
-  }
+  PlacementPlan plan = sh.base;
   const size_t n = plan.sub_groups.size();
-  const uint64_t device_grad_bytes = one_rank ? 0 : in.grad_bytes_per_elem;
-  std::vector<uint64_t> cum_elems(n + 1, 0), cum_device(n + 1, 0);
+  const bool one_rank = in.world_size == 1;
+  uint64_t all_state = 0;
   for (size_t i = 0; i < n; ++i) {
-    cum_elems[i + 1] = cum_elems[i] + plan.sub_groups[i].elems;
-    cum_device[i + 1] =
-        cum_device[i] + plan.sub_groups[i].state_bytes + plan.sub_groups[i].elems * device_grad_bytes;
-  }
-  // The most sub-groups whose device bytes fit the budget.
-  auto most_that_fit = [&] {
-    size_t c = 0;
-    while (c < n && fixed_device + cum_device[c + 1] <= in.device_budget_bytes) ++c;
-    return c;
-  };
-  size_t k = 0;
-  if (auto_fraction) {
-    k = most_that_fit();
-  } else if (in.gpu_fraction > 0) {
-    // The count whose elements come closest to the fraction (ties: fewer).
-    const double target = in.gpu_fraction * static_cast<double>(shard_elems);
-    auto miss = [&](size_t c) { return std::abs(static_cast<double>(cum_elems[c]) - target); };
-    for (size_t c = 1; c <= n; ++c) {
-      if (miss(c) < miss(k)) k = c;
+    if (i < k) {
+      plan.sub_groups[i].tier = Tier::kDevice;
+      plan.device_state_bytes += plan.sub_groups[i].state_bytes;
+    } else {
+      all_state += plan.sub_groups[i].state_bytes;
     }
-    if (in.device_budget_bytes != 0 && fixed_device + cum_device[k] > in.device_budget_bytes) {
-      const size_t fits = most_that_fit();
-      return ResourceExhaustedError(fmt::format(
-          "{}: gpu_fraction {} keeps {} sub-groups on the device, {} with the staging, but "
-          "strata.device_budget is {}; raise strata.device_budget to {}, or lower gpu_fraction "
-          "to {:.3g} ({} sub-groups) or use \"auto\"",
-          kOp, in.gpu_fraction, k, FormatBytes(fixed_device + cum_device[k]),
-          FormatBytes(in.device_budget_bytes), FormatBytes(fixed_device + cum_device[k]),
-          static_cast<double>(cum_elems[fits]) / static_cast<double>(shard_elems), fits));
-    }
-  }
-  for (size_t i = 0; i < k; ++i) {
-    plan.sub_groups[i].tier = Tier::kDevice;
-    plan.device_state_bytes += plan.sub_groups[i].state_bytes;
   }
   plan.device_sub_groups = static_cast<uint32_t>(k);
-  plan.device_elems = cum_elems[k];
+  plan.device_elems = sh.cum_elems[k];
+  std::vector<StagingBuffer> device_buffers = sh.device_buffers;
   if (k > 0 && !one_rank) {
     device_buffers.push_back(
-        {"device grads", Tier::kDevice, 1, cum_elems[k] * in.grad_bytes_per_elem});
+        {"device grads", Tier::kDevice, 1, sh.cum_elems[k] * in.grad_bytes_per_elem});
   }
 
   // Host staging serves the other sub-groups only.
   uint64_t host_max_elems = 0;
   for (size_t i = k; i < n; ++i) host_max_elems = std::max(host_max_elems, plan.sub_groups[i].elems);
-  const uint64_t host_shard_elems = shard_elems - cum_elems[k];
+  const uint64_t host_shard_elems = sh.cum_elems[n] - sh.cum_elems[k];
   if (one_rank) {
     plan.buffers.push_back(
         {"grad ring", Tier::kHost, in.buffer_count, host_max_elems * in.grad_bytes_per_elem});
@@ -301,7 +236,6 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
     plan.device_staging_bytes += b.total_bytes();
     plan.buffers.push_back(std::move(b));
   }
-  all_state -= plan.device_state_bytes;
   const uint64_t fixed_host = plan.buffers[0].total_bytes() + plan.buffers[1].total_bytes();
   const bool nvme = in.nvme == NvmeTier::kAvailable;
   const bool unlimited_host = in.host_budget_bytes == 0 && !nvme;
@@ -358,6 +292,193 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
       plan.nvme_state_bytes += g.state_bytes;
     }
   }
+  return plan;
+}
+
+Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
+  constexpr std::string_view kOp = "plan placement";
+  if (in.sub_group_elems.empty()) {
+    return InvalidArgumentError(fmt::format("{}: no sub-groups (the shard is empty)", kOp));
+  }
+  if (in.sub_group_elems.size() > kMaxSubGroups) {
+    return InvalidArgumentError(
+        fmt::format("{}: {} sub-groups; at most {}: raise zero_optimization.sub_group_size", kOp,
+                    in.sub_group_elems.size(), kMaxSubGroups));
+  }
+  if (in.state_bytes_per_elem == 0 || in.grad_bytes_per_elem == 0 || in.param_bytes_per_elem == 0) {
+    return InvalidArgumentError(
+        fmt::format("{}: bytes per element (state {}, grad {}, param {}) must all be > 0", kOp,
+                    in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
+  }
+  if (in.world_size == 0 || in.world_size > 65536) {
+    return InvalidArgumentError(
+        fmt::format("{}: world_size is {}; it must be in [1, 65536]", kOp, in.world_size));
+  }
+  if (in.buffer_count == 0 || in.buffer_count > 1024) {
+    return InvalidArgumentError(fmt::format(
+        "{}: buffer_count is {}; the pipeline needs 1 to 1024 buffers", kOp, in.buffer_count));
+  }
+  if (in.block_bytes == 0 || in.block_bytes % kPage != 0) {
+    return InvalidArgumentError(fmt::format(
+        "{}: aio.block_size {} must be a positive multiple of 4096", kOp, in.block_bytes));
+  }
+  if (in.state_bytes_per_elem > 64 || in.grad_bytes_per_elem > 64 || in.param_bytes_per_elem > 64) {
+    return InvalidArgumentError(
+        fmt::format("{}: bytes per element (state {}, grad {}, param {}) must be at most 64", kOp,
+                    in.state_bytes_per_elem, in.grad_bytes_per_elem, in.param_bytes_per_elem));
+  }
+  STRATA_RETURN_IF_ERROR(CheckRate(in.rates.cpu_adam_elems_per_sec, "cpu_adam"));
+  STRATA_RETURN_IF_ERROR(CheckRate(in.rates.device_adam_elems_per_sec, "device_adam"));
+  STRATA_RETURN_IF_ERROR(CheckRate(in.rates.pcie_bytes_per_sec, "pcie"));
+  STRATA_RETURN_IF_ERROR(CheckRate(in.rates.nvme_read_bytes_per_sec, "nvme_read"));
+  STRATA_RETURN_IF_ERROR(CheckRate(in.rates.nvme_write_bytes_per_sec, "nvme_write"));
+  // Bound every size so products below cannot overflow: 2^44 elements x 64 bytes x 1024 buffers.
+  constexpr uint64_t kMaxElems = uint64_t{1} << 44;
+  Shape sh;
+  sh.base.host_budget_bytes = in.host_budget_bytes;
+  sh.base.device_budget_bytes = in.device_budget_bytes;
+  sh.base.rates = in.rates;
+  const size_t n = in.sub_group_elems.size();
+  const bool one_rank = in.world_size == 1;
+  const uint64_t device_grad_bytes = one_rank ? 0 : in.grad_bytes_per_elem;
+  sh.cum_elems.assign(n + 1, 0);
+  sh.cum_device.assign(n + 1, 0);
+  uint64_t max_elems = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t e = in.sub_group_elems[i];
+    if (e == 0 || e > kMaxElems || sh.cum_elems[i] + e > kMaxElems) {
+      return InvalidArgumentError(fmt::format(
+          "{}: sub-group {} has {} elems; each must be in [1, 2^44] and the shard at most 2^44",
+          kOp, i, e));
+    }
+    max_elems = std::max(max_elems, e);
+    const uint64_t sb = e * in.state_bytes_per_elem;
+    sh.base.sub_groups.push_back({e, sb, Tier::kHost});
+    sh.cum_elems[i + 1] = sh.cum_elems[i] + e;
+    sh.cum_device[i + 1] = sh.cum_device[i] + sb + e * device_grad_bytes;
+  }
+  const uint64_t shard_elems = sh.cum_elems[n];
+
+  // Device staging that does not depend on the split.
+  if (one_rank) {
+    sh.device_buffers.push_back({"grad stats", Tier::kDevice, 1,
+                                 16 * ((shard_elems + 4095) / 4096 + n)});
+  } else {
+    // A bucket holds every rank's block: world_size x the largest sub-group,
+    // bounded like the shard so that the products below stay in 64 bits.
+    if (uint64_t{in.world_size} * max_elems > kMaxElems) {
+      return InvalidArgumentError(fmt::format(
+          "{}: a device bucket of {} ranks x {} elems exceeds 2^44 elems; lower "
+          "zero_optimization.sub_group_size",
+          kOp, in.world_size, max_elems));
+    }
+    const uint64_t block = uint64_t{in.world_size} * max_elems;
+    sh.device_buffers.push_back({"grad bucket", Tier::kDevice, 1, block * in.grad_bytes_per_elem});
+    sh.device_buffers.push_back(
+        {"param bucket", Tier::kDevice, 1, block * in.param_bytes_per_elem});
+  }
+  for (const StagingBuffer& b : sh.device_buffers) sh.fixed_device += b.total_bytes();
+  if (in.device_budget_bytes != 0 && sh.fixed_device > in.device_budget_bytes) {
+    return ResourceExhaustedError(fmt::format(
+        "{}: device staging needs {} but strata.device_budget is {}; raise "
+        "strata.device_budget to {} or lower zero_optimization.sub_group_size",
+        kOp, FormatBytes(sh.fixed_device), FormatBytes(in.device_budget_bytes),
+        FormatBytes(sh.fixed_device)));
+  }
+
+  // Step 0: the first k sub-groups on the device.
+  const bool auto_fraction = in.gpu_fraction == kGpuFractionAuto;
+  if (!auto_fraction && !(in.gpu_fraction >= 0 && in.gpu_fraction <= 1)) {
+    return InvalidArgumentError(
+        fmt::format("{}: gpu_fraction is {}; it must be in [0, 1] or \"auto\"", kOp,
+                    in.gpu_fraction));
+  }
+  if (auto_fraction && in.device_budget_bytes == 0) {
+    return InvalidArgumentError(fmt::format(
+        "{}: gpu_fraction \"auto\" needs strata.device_budget (the device memory the optimizer "
+        "may use for its state); set it, or give gpu_fraction a number",
+        kOp));
+  }
+  // The most sub-groups whose device bytes fit the budget.
+  auto most_that_fit = [&] {
+    size_t c = 0;
+    while (c < n && sh.fixed_device + sh.cum_device[c + 1] <= in.device_budget_bytes) ++c;
+    return c;
+  };
+  size_t k = 0;
+  bool balanced = false;
+  if (auto_fraction) {
+    k = most_that_fit();
+    if (in.rates.cpu_adam_elems_per_sec > 0 && in.rates.device_adam_elems_per_sec > 0) {
+      // The device side grows with c and the CPU side shrinks: the best c is
+      // where they cross (a plan that does not fit counts as endless).
+      auto sides = [&](size_t c) {
+        const double device =
+            static_cast<double>(sh.cum_elems[c]) / in.rates.device_adam_elems_per_sec;
+        Result<PlacementPlan> p = PlaceRest(in, sh, c);
+        const double cpu = p.ok() ? Estimate(in, *p).cpu_side()
+                                  : std::numeric_limits<double>::infinity();
+        return std::pair<double, double>(device, cpu);
+      };
+      auto device_slower = [&](size_t c) {
+        const auto [device, cpu] = sides(c);
+        return device >= cpu;
+      };
+      if (device_slower(k)) {
+        size_t lo = 0, hi = k;  // the smallest c with the device side the slower one
+        while (lo < hi) {
+          const size_t mid = lo + (hi - lo) / 2;
+          if (device_slower(mid)) {
+            hi = mid;
+          } else {
+            lo = mid + 1;
+          }
+        }
+        auto step = [&](size_t c) {
+          const auto [device, cpu] = sides(c);
+          return std::max(device, cpu);
+        };
+        // The step is the CPU side (non-increasing) below lo and the device
+        // side (non-decreasing) from lo on: its least value is at lo - 1 or
+        // lo. The fewest sub-groups that reach it (the CPU side may be flat,
+        // e.g. bound by NVMe), to spare device memory.
+        const double at_lo = step(lo);
+        const double least = lo > 0 ? std::min(step(lo - 1), at_lo) : at_lo;
+        size_t first = 0, last = at_lo == least ? lo : lo - 1;
+        while (first < last) {
+          const size_t mid = first + (last - first) / 2;
+          if (step(mid) <= least) {
+            last = mid;
+          } else {
+            first = mid + 1;
+          }
+        }
+        balanced = first < k;
+        k = first;
+      }
+    }
+  } else if (in.gpu_fraction > 0) {
+    // The count whose elements come closest to the fraction (ties: fewer).
+    const double target = in.gpu_fraction * static_cast<double>(shard_elems);
+    auto miss = [&](size_t c) { return std::abs(static_cast<double>(sh.cum_elems[c]) - target); };
+    for (size_t c = 1; c <= n; ++c) {
+      if (miss(c) < miss(k)) k = c;
+    }
+    if (in.device_budget_bytes != 0 &&
+        sh.fixed_device + sh.cum_device[k] > in.device_budget_bytes) {
+      const size_t fits = most_that_fit();
+      return ResourceExhaustedError(fmt::format(
+          "{}: gpu_fraction {} keeps {} sub-groups on the device, {} with the staging, but "
+          "strata.device_budget is {}; raise strata.device_budget to {}, or lower gpu_fraction "
+          "to {:.3g} ({} sub-groups) or use \"auto\"",
+          kOp, in.gpu_fraction, k, FormatBytes(sh.fixed_device + sh.cum_device[k]),
+          FormatBytes(in.device_budget_bytes), FormatBytes(sh.fixed_device + sh.cum_device[k]),
+          static_cast<double>(sh.cum_elems[fits]) / static_cast<double>(shard_elems), fits));
+    }
+  }
+  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlaceRest(in, sh, k));
+  plan.auto_balanced = balanced;
+  plan.estimate = Estimate(in, plan);
   return plan;
 }
 
@@ -427,8 +548,47 @@ std::string FormatPlan(const PlacementPlan& plan) {
                        b.count, FormatBytes(b.bytes_each), FormatBytes(b.total_bytes()));
   }
   if (plan.device_sub_groups > 0) {
-    out += fmt::format("  gpu_fraction: {:.3g} of the shard's elements updated on the device\n",
-                       plan.gpu_fraction());
+    out += fmt::format("  gpu_fraction: {:.3g} of the shard's elements updated on the device{}\n",
+                       plan.gpu_fraction(),
+                       plan.auto_balanced ? " (auto: fewer than fit, as more would make the "
+                                            "device side the slower one)"
+                                          : "");
+  }
+  const PlanRates& r = plan.rates;
+  const StepEstimate& e = plan.estimate;
+  if (r.cpu_adam_elems_per_sec > 0 || r.device_adam_elems_per_sec > 0 ||
+      r.pcie_bytes_per_sec > 0 || r.nvme_read_bytes_per_sec > 0 ||
+      r.nvme_write_bytes_per_sec > 0) {
+    auto secs = [](double rate, double sec) {
+      return rate > 0 ? FormatSeconds(sec) : std::string("? (rate not given)");
+    };
+    auto elems_rate = [](double rate) { return fmt::format("{:.3g} G elems/s", rate * 1e-9); };
+    out += "  per step at these rates (busy time of each; the step costs at least the largest):\n";
+    uint64_t shard = 0;
+    for (const SubGroupPlacement& g : plan.sub_groups) shard += g.elems;
+    out += fmt::format("    cpu adam     {:>10}  {} elems at {}\n",
+                       secs(r.cpu_adam_elems_per_sec, e.cpu_adam),
+                       FormatCount(shard - plan.device_elems),
+                       elems_rate(r.cpu_adam_elems_per_sec));
+    if (plan.device_sub_groups > 0) {
+      out += fmt::format("    device adam  {:>10}  {} elems at {}\n",
+                         secs(r.device_adam_elems_per_sec, e.device_adam),
+                         FormatCount(plan.device_elems), elems_rate(r.device_adam_elems_per_sec));
+    }
+    out += fmt::format("    pcie         {:>10}  {} down, {} up, each way at {}\n",
+                       secs(r.pcie_bytes_per_sec, std::max(e.d2h, e.h2d)),
+                       FormatBytes(e.d2h_bytes), FormatBytes(e.h2d_bytes),
+                       FormatRate(r.pcie_bytes_per_sec));
+    if (plan.nvme_sub_groups > 0) {
+      out += fmt::format(
+          "    nvme         {:>10}  {} read at {} + {} written at {} (every rank of the node)\n",
+          secs(std::min(r.nvme_read_bytes_per_sec, r.nvme_write_bytes_per_sec), e.nvme),
+          FormatBytes(e.nvme_read_bytes), FormatRate(r.nvme_read_bytes_per_sec),
+          FormatBytes(e.nvme_write_bytes), FormatRate(r.nvme_write_bytes_per_sec));
+    }
+    if (!e.bottleneck().empty()) {
+      out += fmt::format("    bound        {:>10}  {}\n", FormatSeconds(e.bound()), e.bottleneck());
+    }
   }
   out += "  sub-groups:";
   // Runs of consecutive sub-groups on one tier: "0-11 nvme, 12-15 host".

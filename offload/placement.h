@@ -44,7 +44,10 @@
 //      k is the count whose elements come closest to gpu_fraction of the
 //      shard, or with kGpuFractionAuto the largest k whose state (and with
 //      several ranks their reduced gradients, 'device grads') fits
-//      device_budget next to the device staging. The first ones, because
+//      device_budget next to the device staging — or, when PlacementInputs::
+//      rates has both Adam rates, the k among those whose device update and
+//      CPU side (CPU Adam, PCIe, NVMe of the rest: step 6's estimate) finish
+//      closest together (the fewest that reach it). The first ones, because
 //      the device side starts right after the decision: with several ranks
 //      their all-gathers then lead the publish stream instead of trailing
 //      the CPU's last sub-group. Steps 1-3 place the other n - k.
@@ -62,14 +65,19 @@
 //      PlacementPlan::warnings (the pinned pool then falls back to unlocked
 //      memory and io_uring cannot register its buffers).
 //
+//   6. With PlacementInputs::rates, PlacementPlan::estimate gives each
+//      resource's busy time per step at those rates (the step costs at least
+//      the largest: the pipeline overlaps them); FormatPlan prints it.
+//
 // PlanPlacement is pure, deterministic (same inputs, same plan) and
 // thread-safe; ProbeMachineLimits reads the machine. InvalidArgument for
 // malformed inputs (no sub-groups, more than kMaxSubGroups, a 0-elem
 // sub-group, 0 bytes per element, buffer_count 0, a block size that is not a
 // multiple of 4096, a gpu_fraction outside [0, 1], kGpuFractionAuto with no
-// device budget).
+// device budget, a negative or non-finite rate).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -113,6 +121,31 @@ struct MachineLimits {
 enum class Tier : uint8_t { kHost = 0, kNvme = 1, kDevice = 2 };
 std::string_view TierName(Tier tier);  // "host", "nvme", "device"
 
+// What the machine does per second (0: unknown): measured (`strata bench`,
+// `strata plan --probe-drive`, the engine's probe for gpu_fraction "auto")
+// or given in the config (strata.rates).
+struct PlanRates {
+  double cpu_adam_elems_per_sec = 0;     // one rank's CPU Adam, all its threads
+  double device_adam_elems_per_sec = 0;  // the device Adam (partial offload)
+  double pcie_bytes_per_sec = 0;         // host <-> device, each way
+  double nvme_read_bytes_per_sec = 0;    // the drives of the nvme_paths, together
+  double nvme_write_bytes_per_sec = 0;
+};
+
+// One rank's step at PlanRates: each resource's bytes and busy seconds (0
+// where the rate is unknown). The drives serve every rank of the node
+// (MachineLimits::ranks_per_node), so `nvme` counts all of theirs.
+struct StepEstimate {
+  uint64_t d2h_bytes = 0, h2d_bytes = 0;  // the host sub-groups' grads down, params up
+  uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;  // this rank's
+  double cpu_adam = 0, device_adam = 0, d2h = 0, h2d = 0;
+  double nvme = 0;  // reads / read rate + writes / write rate (one drive serves both)
+  // The CPU side (everything but the device Adam), and the whole step's bound.
+  double cpu_side() const;
+  double bound() const { return std::max(cpu_side(), device_adam); }
+  std::string_view bottleneck() const;  // "cpu adam", "device adam", "pcie", "nvme"; "" if none known
+};
+
 struct PlacementInputs {
   std::vector<uint64_t> sub_group_elems;  // the rank's sub-groups, in update order
   uint32_t state_bytes_per_elem = 12;     // Adam/AdamW 12, Adagrad 8, Lion 8
@@ -127,6 +160,7 @@ struct PlacementInputs {
   // Share of the shard's state kept and updated on the device, in [0, 1],
   // or kGpuFractionAuto (needs device_budget_bytes). Step 0.
   double gpu_fraction = 0.0;
+  PlanRates rates{};               // step 6, and "auto" balancing in step 0
   MachineLimits machine{};         // the preflight's view of the machine (step 5)
 };
 
@@ -161,6 +195,11 @@ struct PlacementPlan {
   uint64_t nvme_buffer_bytes = 0;  // bytes of one NVMe buffer (0 when no NVMe)
   uint32_t nvme_buffers = 0;       // NVMe extent buffers: the read-ahead depth (0 when no NVMe)
   uint64_t nvme_file_bytes = 0;    // bytes of each rank's state file per nvme_path (checked inputs)
+  PlanRates rates{};       // as given
+  StepEstimate estimate{};  // step 6
+  // gpu_fraction "auto" chose fewer device sub-groups than fit the budget:
+  // more would make the device side the slower one.
+  bool auto_balanced = false;
   std::vector<std::string> warnings;  // the preflight's: fine to run, worth knowing
   uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }
   uint64_t device_total_bytes() const { return device_state_bytes + device_staging_bytes; }

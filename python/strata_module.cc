@@ -449,6 +449,24 @@ class Engine {
     d["nvme_state_bytes"] = p.nvme_state_bytes;
     d["host_staging_bytes"] = p.host_staging_bytes;
     d["device_staging_bytes"] = p.device_staging_bytes;
+    // The rates the plan was made with (strata.rates, or measured for
+    // gpu_fraction "auto"; 0: unknown) and its per-step estimate in seconds.
+    py::dict rates;
+    rates["cpu_adam"] = p.rates.cpu_adam_elems_per_sec;
+    rates["device_adam"] = p.rates.device_adam_elems_per_sec;
+    rates["pcie"] = p.rates.pcie_bytes_per_sec;
+    rates["nvme_read"] = p.rates.nvme_read_bytes_per_sec;
+    rates["nvme_write"] = p.rates.nvme_write_bytes_per_sec;
+    d["rates"] = rates;
+    py::dict e;
+    e["cpu_adam"] = p.estimate.cpu_adam;
+    e["device_adam"] = p.estimate.device_adam;
+    e["d2h"] = p.estimate.d2h;
+    e["h2d"] = p.estimate.h2d;
+    e["nvme"] = p.estimate.nvme;
+    e["bound"] = p.estimate.bound();
+    d["estimate"] = e;
+    d["auto_balanced"] = p.auto_balanced;
     return d;
   }
 

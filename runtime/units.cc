@@ -96,6 +96,25 @@ Result<uint64_t> ParseCount(std::string_view text) {
   return Scale(text, split.first, m, "count");
 }
 
+Result<double> ParseRate(std::string_view text) {
+  STRATA_ASSIGN_OR_RETURN(auto split, SplitNumber(text, "rate"));
+  std::string suffix = split.second;
+  if (suffix.size() >= 2 && suffix.ends_with("/s")) suffix.resize(suffix.size() - 2);
+  if (suffix.size() > 1 && suffix.back() == 'b') suffix.pop_back();  // "GB" -> "g", "GiB" -> "gi"
+  double m;
+  if (suffix.empty() || suffix == "b") {
+    m = 1;
+  } else if (suffix == "k" || suffix == "m" || suffix == "g" || suffix == "t") {
+    m = suffix == "k" ? 1e3 : suffix == "m" ? 1e6 : suffix == "g" ? 1e9 : 1e12;
+  } else if (suffix == "ki" || suffix == "mi" || suffix == "gi" || suffix == "ti") {
+    m = suffix == "ki" ? 0x1p10 : suffix == "mi" ? 0x1p20 : suffix == "gi" ? 0x1p30 : 0x1p40;
+  } else {
+    return InvalidArgumentError("parse rate '" + std::string(text) + "': unknown unit '" +
+                                split.second + "' (use bytes per second: 2.5GB/s, 900M, 1GiB/s)");
+  }
+  return split.first * m;
+}
+
 std::string FormatBytes(uint64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   double v = static_cast<double>(bytes);

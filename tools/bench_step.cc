@@ -55,8 +55,8 @@
 #include "offload/layout.h"
 #include "offload/optimizer.h"
 #include "cpu_adam/cpu_adam.h"
-#include "kernels/kernels.h"
 #include "offload/placement.h"
+#include "offload/rate_probe.h"
 #include "runtime/comm.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
@@ -287,57 +287,6 @@ Result<double> MeasureAdamRate(const OffloadConfig& config, uint64_t elems) {
   return static_cast<double>(n * (grad_bytes + 24 + out_bytes)) / best;
 }
 
-// What the engine's device update reads and writes: the gradient in the
-// trainer's dtype (one rank) or the wire dtype (several), and the params
-// only with one rank (several all-gather them from the master weights).
-struct DeviceAdamShape {
-  DType grad = DType::kF32;
-  DType out = DType::kF32;
-  bool writes_params = true;
-  static DeviceAdamShape Of(const OffloadConfig& config, int ranks) {
-    return {ranks == 1 ? config.grad_dtype : config.comm_dtype, config.param_dtype, ranks == 1};
-  }
-  // Master, m and v read and written, the gradient read, the params written.
-  uint64_t bytes_per_elem() const {
-    return 24 + DTypeSize(grad) + (writes_params ? DTypeSize(out) : 0);
-  }
-};
-
-// The device Adam alone: kernels::AdamStep over `elems` elements of device
-// memory on one stream, in the engine's shape, best of three after a first
-// pass.
-Result<double> MeasureDeviceAdamRate(Device& device, const DeviceAdamShape& shape,
-                                     uint64_t elems) {
-  const size_t n = static_cast<size_t>(elems);
-  const size_t out_elems = shape.writes_params ? n : 0;
-  STRATA_ASSIGN_OR_RETURN(DeviceBuffer state, device.Allocate(3 * n * 4));
-  STRATA_ASSIGN_OR_RETURN(DeviceBuffer grad, device.Allocate(n * DTypeSize(shape.grad)));
-  STRATA_ASSIGN_OR_RETURN(DeviceBuffer out,
-                          device.Allocate(std::max<size_t>(out_elems * DTypeSize(shape.out), 1)));
-  STRATA_ASSIGN_OR_RETURN(Stream stream, device.CreateStream());
-  STRATA_RETURN_IF_ERROR(kernels::PackGrads(device, stream, {}, {state.data(), 3 * n, DType::kF32}));
-  // The bench's own gradient values (the arithmetic's speed may depend on them).
-  std::vector<std::byte> g(n * DTypeSize(shape.grad));
-  Fill(g.data(), n, shape.grad, 1.0f, 0);
-  STRATA_RETURN_IF_ERROR(
-      device.CopyAsync(grad.data(), g.data(), g.size(), CopyKind::kHostToDevice, stream));
-  const AdamHyper hyper{.lr = 1e-3, .step = 1};
-  float* s = state.as<float>();
-  double best = 1e300;
-  for (int i = 0; i < 4; ++i) {
-    STRATA_RETURN_IF_ERROR(device.StreamSynchronize(stream));
-    const auto t0 = std::chrono::steady_clock::now();
-    STRATA_RETURN_IF_ERROR(kernels::AdamStep(
-        device, stream, hyper, {s, s + n, s + 2 * n, n}, {grad.data(), n, shape.grad},
-        {shape.writes_params ? out.data() : nullptr, out_elems, shape.out}));
-    STRATA_RETURN_IF_ERROR(device.StreamSynchronize(stream));
-    const double sec =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0) best = std::min(best, sec);
-  }
-  return static_cast<double>(n * shape.bytes_per_elem()) / best;
-}
-
 nlohmann::json StagesJson(const StageTimes& t) {
   return {{"d2h", t.d2h},
           {"comm", t.comm},
@@ -564,6 +513,7 @@ Status RunStep(const StepArgs& a) {
   host_fill = {};
 
   // ---- the machine alone: link, CPU stream, drive ----
+  const AdamShape adam_shape = AdamShape::Of(config, static_cast<uint32_t>(a.ranks));
   Rates rates;
   std::fprintf(stderr, "bench step: measuring the link, the CPU stream rate%s ...\n",
                plan0.nvme_sub_groups > 0 ? " and the drive" : "");
@@ -573,9 +523,10 @@ Status RunStep(const StepArgs& a) {
       MeasureAdamRate(config, std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
   if (plan0.device_sub_groups > 0) {
     STRATA_ASSIGN_OR_RETURN(
-        rates.device_adam_bytes_per_sec,
-        MeasureDeviceAdamRate(*device, DeviceAdamShape::Of(config, a.ranks),
+        const double device_adam_elems_per_sec,
+        MeasureDeviceAdamRate(*device, adam_shape,
                               std::min<uint64_t>(plan0.device_elems, uint64_t{32} << 20)));
+    rates.device_adam_bytes_per_sec = device_adam_elems_per_sec * adam_shape.device_bytes_per_elem();
   }
   // auto: as many bytes as one copy of the rank's NVMe state (256 MiB to 4
   // GiB): a small file may sit in a cache (a VM's host) the state does not.
@@ -674,7 +625,7 @@ Status RunStep(const StepArgs& a) {
     if (!stats[0].skipped) {
       for (const auto& opt : opts) {
         s.device_adam_bytes +=
-            opt->plan().device_elems * DeviceAdamShape::Of(config, a.ranks).bytes_per_elem();
+            opt->plan().device_elems * adam_shape.device_bytes_per_elem();
       }
     }
     return s;

@@ -37,16 +37,6 @@ struct PlanArgs {
   bool json = false;
 };
 
-// The drive's time for one step's NVMe traffic of every rank on this node
-// (the state on NVMe is read once and written once per step; the ranks share
-// the drives), at rates measured alone and with reads and writes at once.
-struct NvmeEstimate {
-  DriveRates rates;
-  uint64_t bytes_each_way = 0;  // all ranks of the node
-  double sec = 0;               // read bytes / read rate + write bytes / write rate
-  double sec_mixed = 0;         // both ways at the rate of reads and writes at once
-};
-
 Status RunPlan(const PlanArgs& args) {
   if (args.rank >= args.world_size) {
     return InvalidArgumentError(
@@ -79,24 +69,28 @@ Status RunPlan(const PlanArgs& args) {
         args.rank, args.ranks_per_node > 0 ? args.ranks_per_node : RanksPerNode("", 1));
   }
   STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(inputs));
-  std::optional<NvmeEstimate> nvme;
+  // The drive measured: its rates join the config's (strata.rates) in the
+  // plan's per-step estimate.
+  std::optional<DriveRates> drive;
   if (!args.probe_drive.empty() && plan.nvme_sub_groups > 0) {
     STRATA_ASSIGN_OR_RETURN(const uint64_t probe_bytes, ParseBytes(args.probe_drive));
     std::fprintf(stderr, "plan: measuring the drive under %s (%s) ...\n",
                  fmt::format("{}", fmt::join(config.nvme_paths, ", ")).c_str(),
                  FormatBytes(probe_bytes).c_str());
-    NvmeEstimate e;
-    STRATA_ASSIGN_OR_RETURN(e.rates,
+    STRATA_ASSIGN_OR_RETURN(drive,
                             MeasureDriveRates(config.nvme_paths,
                                               probe_bytes / config.nvme_paths.size(),
                                               config.aio.block_bytes, config.aio.queue_depth));
-    const uint32_t ranks = args.ranks_per_node > 0 ? args.ranks_per_node : RanksPerNode("", 1);
-    e.bytes_each_way = plan.nvme_state_bytes * ranks;
-    e.sec = e.bytes_each_way / e.rates.read_bytes_per_sec +
-            e.bytes_each_way / e.rates.write_bytes_per_sec;
-    e.sec_mixed = 2.0 * e.bytes_each_way / e.rates.mixed_bytes_per_sec;
-    nvme = e;
+    inputs.rates.nvme_read_bytes_per_sec = drive->read_bytes_per_sec;
+    inputs.rates.nvme_write_bytes_per_sec = drive->write_bytes_per_sec;
+    STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
   }
+  // Both ways at the rate of reads and writes at once (what a step asks).
+  const double ranks = std::max<uint32_t>(inputs.machine.ranks_per_node, 1);
+  const double nvme_mixed_sec =
+      drive ? ranks * 2.0 * static_cast<double>(plan.nvme_state_bytes) / drive->mixed_bytes_per_sec
+            : 0.0;
+  const StepEstimate& e = plan.estimate;
   if (args.json) {
     nlohmann::json tiers = nlohmann::json::array();
     for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));
@@ -126,13 +120,22 @@ Status RunPlan(const PlanArgs& args) {
                             {"host_available_bytes", inputs.machine.host_available_bytes},
                             {"ranks_per_node", inputs.machine.ranks_per_node},
                             {"warnings", plan.warnings}}}};
-    if (nvme) {
-      out["nvme_per_step"] = {{"bytes_each_way", nvme->bytes_each_way},
-                              {"read_bytes_per_sec", nvme->rates.read_bytes_per_sec},
-                              {"write_bytes_per_sec", nvme->rates.write_bytes_per_sec},
-                              {"mixed_bytes_per_sec", nvme->rates.mixed_bytes_per_sec},
-                              {"sec", nvme->sec},
-                              {"sec_mixed", nvme->sec_mixed}};
+    out["estimate"] = {{"cpu_adam_sec", e.cpu_adam},
+                       {"device_adam_sec", e.device_adam},
+                       {"d2h_sec", e.d2h},
+                       {"h2d_sec", e.h2d},
+                       {"nvme_sec", e.nvme},
+                       {"bound_sec", e.bound()},
+                       {"bottleneck", e.bottleneck()},
+                       {"d2h_bytes", e.d2h_bytes},
+                       {"h2d_bytes", e.h2d_bytes},
+                       {"nvme_read_bytes", e.nvme_read_bytes},
+                       {"nvme_write_bytes", e.nvme_write_bytes}};
+    if (drive) {
+      out["drive"] = {{"read_bytes_per_sec", drive->read_bytes_per_sec},
+                      {"write_bytes_per_sec", drive->write_bytes_per_sec},
+                      {"mixed_bytes_per_sec", drive->mixed_bytes_per_sec},
+                      {"nvme_sec_mixed", nvme_mixed_sec}};
     }
     std::printf("%s\n", out.dump(2).c_str());
     return OkStatus();
@@ -141,17 +144,16 @@ Status RunPlan(const PlanArgs& args) {
   std::printf("rank %u of %u: %s elements in %zu sub-groups\n", args.rank, args.world_size,
               FormatCount(shard.elems()).c_str(), groups.size());
   std::fputs(FormatPlan(plan).c_str(), stdout);
-  if (nvme) {
+  if (drive) {
     std::printf(
-        "nvme per step: %s read and %s written (every rank on this node); this drive reads %s "
-        "and writes %s alone, %s with both at once: %s to %s of NVMe time per step, which CPU "
-        "Adam hides when it takes longer\n",
-        FormatBytes(nvme->bytes_each_way).c_str(), FormatBytes(nvme->bytes_each_way).c_str(),
-        FormatRate(nvme->rates.read_bytes_per_sec).c_str(),
-        FormatRate(nvme->rates.write_bytes_per_sec).c_str(),
-        FormatRate(nvme->rates.mixed_bytes_per_sec).c_str(),
-        FormatSeconds(std::min(nvme->sec, nvme->sec_mixed)).c_str(),
-        FormatSeconds(std::max(nvme->sec, nvme->sec_mixed)).c_str());
+        "nvme per step: this drive reads %s and writes %s alone (the estimate above), %s with "
+        "both at once: %s to %s of NVMe time per step, which CPU Adam hides when it takes "
+        "longer\n",
+        FormatRate(drive->read_bytes_per_sec).c_str(),
+        FormatRate(drive->write_bytes_per_sec).c_str(),
+        FormatRate(drive->mixed_bytes_per_sec).c_str(),
+        FormatSeconds(std::min(e.nvme, nvme_mixed_sec)).c_str(),
+        FormatSeconds(std::max(e.nvme, nvme_mixed_sec)).c_str());
   } else if (!args.probe_drive.empty()) {
     std::printf("nvme per step: nothing on NVMe in this plan\n");
   }

@@ -937,7 +937,9 @@ class OffloadAdam(torch.optim.Optimizer):
         return self._engine.last_step()
 
     def plan(self):
-        """The placement plan: 'text' (the table) and bytes and sub-groups per tier."""
+        """The placement plan: 'text' (the table), bytes and sub-groups per tier,
+        'rates' (strata.rates, or measured for gpu_fraction="auto"; 0: unknown)
+        and 'estimate' (each resource's seconds per step at those rates)."""
         return self._engine.plan()
 
     @property

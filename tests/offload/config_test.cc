@@ -249,6 +249,39 @@ TEST(ConfigTest, GpuFractionAndDeepSpeedsRatioSayTheSameThing) {
   }
 }
 
+TEST(ConfigTest, RatesTakeNumbersCountsAndRatesAndNameWhatIsWrong) {
+  Result<OffloadConfig> c = ParseConfigJson(R"({"strata": {"rates": {
+      "cpu_adam": "5.4G", "device_adam": 1e11, "pcie": "25GB/s", "nvme_read": "1.9 GB/s",
+      "nvme_write": 3300000000}}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rates.cpu_adam_elems_per_sec, 5.4e9);
+  EXPECT_EQ(c->rates.device_adam_elems_per_sec, 1e11);
+  EXPECT_EQ(c->rates.pcie_bytes_per_sec, 25e9);
+  EXPECT_EQ(c->rates.nvme_read_bytes_per_sec, 1.9e9);
+  EXPECT_EQ(c->rates.nvme_write_bytes_per_sec, 3.3e9);
+  const PlacementInputs in = PlacementInputsFor(*c, std::vector<uint64_t>{10});
+  EXPECT_EQ(in.rates.pcie_bytes_per_sec, 25e9);
+  Result<OffloadConfig> back = ParseConfigJson(ConfigToJson(*c));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->rates.nvme_read_bytes_per_sec, 1.9e9);
+  EXPECT_EQ(back->rates.cpu_adam_elems_per_sec, 5.4e9);
+  struct Bad {
+    const char* json;
+    const char* want;
+  } bad[] = {
+      {R"({"strata": {"rates": {"pcie": "fast"}}})", "strata.rates.pcie"},
+      {R"({"strata": {"rates": {"cpu_adam": -1}}})", "strata.rates.cpu_adam"},
+      {R"({"strata": {"rates": {"nvme_red": "1GB/s"}}})", "nvme_read"},
+      {R"({"strata": {"rates": 5}})", "strata.rates"},
+      {R"({"strata": {"rates": {"device_adam": true}}})", "strata.rates.device_adam"},
+  };
+  for (const Bad& b : bad) {
+    Result<OffloadConfig> r = ParseConfigJson(b.json);
+    ASSERT_EQ(r.status().code(), StatusCode::kInvalidArgument) << b.json;
+    EXPECT_TRUE(Contains(r.status().message(), b.want)) << b.json << " -> " << r.status();
+  }
+}
+
 TEST(ConfigTest, ConfigToJsonRoundTrips) {
   const std::string_view docs[] = {
       "{}",

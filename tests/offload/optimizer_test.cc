@@ -268,6 +268,7 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32,
   OffloadConfig config = MakeConfig(c);
   config.host_budget_bytes = 64 * 1024;  // a few sub-groups of each rank stay in DRAM
   config.nvme_paths = {"/mem/nvme"};
+  if (gpu_fraction == kGpuFractionAuto) config.device_budget_bytes = 1 << 20;  // all fit
   constexpr int kSteps = 3;
   // Every rank's grads of every step, drawn up front from one generator.
   std::mt19937_64 rng(seed);
@@ -325,6 +326,19 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32,
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < world; ++r) ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  if (gpu_fraction == kGpuFractionAuto) {
+    // The Adam rates were measured on every rank, and every rank planned with
+    // the slowest's: the same sub-groups on the device everywhere.
+    const PlacementPlan& p0 = opts[0]->plan();
+    EXPECT_GT(p0.rates.cpu_adam_elems_per_sec, 0);
+    EXPECT_GT(p0.rates.device_adam_elems_per_sec, 0);
+    for (int r = 1; r < world; ++r) {
+      EXPECT_EQ(opts[r]->plan().rates.cpu_adam_elems_per_sec, p0.rates.cpu_adam_elems_per_sec);
+      EXPECT_EQ(opts[r]->plan().rates.device_adam_elems_per_sec,
+                p0.rates.device_adam_elems_per_sec);
+      EXPECT_EQ(opts[r]->plan().device_sub_groups, p0.device_sub_groups) << "rank " << r;
+    }
+  }
 
   ReferenceOptimizer ref(config, master[0], kGroupOf, kHypers);
   const float inv = 1.0f / static_cast<float>(world);
@@ -390,6 +404,11 @@ TEST(EngineRanks, FourRanksBf16GradsMostlyOnTheDeviceMatchBitwise) {
 }
 TEST(EngineRanks, TwoRanksAccumulatedOnTheDeviceMatchBitwise) {
   RunRanks(2, 0.05, DType::kBF16, 0.5, 3);
+}
+// "auto" with no strata.rates: each rank measures its Adam rates, all plan
+// with the slowest's.
+TEST(EngineRanks, TwoRanksAutoFractionAgreeAndMatchBitwise) {
+  RunRanks(2, 0.05, DType::kBF16, kGpuFractionAuto);
 }
 TEST(EngineRanks, OneRankAccumulatedOnTheDeviceMatchesTheReference) {
   RunRanks(1, 0.05, DType::kBF16, 0.5, 2);

@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <cmath>
+#include <limits>
 #include <random>
 
 #include "runtime/machine.h"
@@ -339,6 +341,129 @@ TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
       ASSERT_EQ(p->sub_groups[i].tier, i + want_host >= n ? Tier::kHost : Tier::kNvme) << i;
     }
     ASSERT_EQ(p->host_state_bytes + p->nvme_state_bytes, all_state);
+  }
+}
+
+// ---- Rates: the per-step estimate and "auto" balancing ---------------------
+
+TEST(PlacementTest, EstimateCountsEachResourceAtTheGivenRates) {
+  PlacementInputs in = Small();
+  in.sub_group_elems = {1000, 1000, 1000, 500};  // 4 B grads, 2 B params, 12 B state
+  in.buffer_count = 1;
+  in.nvme = NvmeTier::kAvailable;
+  // Staging (grad 4000 + param 2000 + one 16 KiB NVMe buffer), then the last sub-group.
+  in.host_budget_bytes = 6000 + 16384 + 500 * 12;
+  in.rates = {.cpu_adam_elems_per_sec = 100,
+              .pcie_bytes_per_sec = 1000,
+              .nvme_read_bytes_per_sec = 3600,
+              .nvme_write_bytes_per_sec = 1800};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->nvme_sub_groups, 3u);
+  const StepEstimate& e = p->estimate;
+  EXPECT_EQ(e.d2h_bytes, 3500u * 4);
+  EXPECT_EQ(e.h2d_bytes, 3500u * 2);
+  EXPECT_EQ(e.nvme_read_bytes, 3000u * 12);
+  EXPECT_EQ(e.nvme_write_bytes, 3000u * 12);
+  EXPECT_DOUBLE_EQ(e.cpu_adam, 35.0);
+  EXPECT_DOUBLE_EQ(e.d2h, 14.0);
+  EXPECT_DOUBLE_EQ(e.h2d, 7.0);
+  EXPECT_DOUBLE_EQ(e.nvme, 10.0 + 20.0);  // 36000 B read at 3600 B/s, written at 1800 B/s
+  EXPECT_EQ(e.device_adam, 0.0);
+  EXPECT_DOUBLE_EQ(e.bound(), 35.0);
+  EXPECT_EQ(e.bottleneck(), "cpu adam");
+  EXPECT_TRUE(Contains(FormatPlan(*p), "bound")) << FormatPlan(*p);
+  // Two ranks on the node share the drive.
+  in.machine.ranks_per_node = 2;
+  p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_DOUBLE_EQ(p->estimate.nvme, 60.0);
+  EXPECT_EQ(p->estimate.bottleneck(), "nvme");
+  // Unknown rates cost nothing, and the plan prints no estimate.
+  in.rates = {};
+  p = PlanPlacement(in);
+  EXPECT_EQ(p->estimate.bound(), 0.0);
+  EXPECT_EQ(p->estimate.bottleneck(), "");
+  EXPECT_FALSE(Contains(FormatPlan(*p), "per step")) << FormatPlan(*p);
+  // A bad rate is named.
+  in.rates.nvme_write_bytes_per_sec = -1;
+  p = PlanPlacement(in);
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(p.status().message(), "strata.rates.nvme_write")) << p.status();
+}
+
+TEST(PlacementTest, GpuFractionAutoWithRatesLetsBothSidesFinishTogether) {
+  PlacementInputs in;
+  in.sub_group_elems.assign(10, 1000);
+  in.gpu_fraction = kGpuFractionAuto;
+  in.device_budget_bytes = uint64_t{1} << 40;  // everything fits
+  in.rates = {.cpu_adam_elems_per_sec = 1000, .device_adam_elems_per_sec = 3000};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // 8 on the device: 8/3 s against 2 s on the CPU; 7 would leave the CPU 3 s.
+  EXPECT_EQ(p->device_sub_groups, 8u);
+  EXPECT_TRUE(p->auto_balanced);
+  EXPECT_TRUE(Contains(FormatPlan(*p), "auto: fewer than fit")) << FormatPlan(*p);
+  // The budget still caps it.
+  in.device_budget_bytes = 16 * ((10000 + 4095) / 4096 + 10) + 5 * 12000;  // stats + 5
+  p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->device_sub_groups, 5u);
+  EXPECT_FALSE(p->auto_balanced);
+  // A CPU side bound by PCIe: the device takes more.
+  in.device_budget_bytes = uint64_t{1} << 40;
+  in.rates.pcie_bytes_per_sec = 1000;  // 2 B down per elem: 2 s per 1000 elems
+  EXPECT_EQ(PlanPlacement(in)->device_sub_groups, 9u);  // 3 s vs 2 s; 8: 2.67 vs 4 s
+}
+
+// Against every count that fits: the chosen one reaches the least step, and
+// no fewer sub-groups do.
+TEST(PlacementTest, GpuFractionAutoBalanceMatchesBruteForce) {
+  const uint64_t seed = testing::TestSeed();
+  std::mt19937_64 rng(seed);
+  for (int iter = 0; iter < 200; ++iter) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed << " iter " << iter);
+    PlacementInputs in;
+    const size_t n = 1 + rng() % 12;
+    for (size_t i = 0; i < n; ++i) in.sub_group_elems.push_back(1 + rng() % 5000);
+    in.world_size = 1 + static_cast<uint32_t>(rng() % 3);
+    in.buffer_count = 1 + static_cast<uint32_t>(rng() % 4);
+    in.nvme = rng() % 2 ? NvmeTier::kAvailable : NvmeTier::kUnavailable;
+    in.host_budget_bytes = in.nvme == NvmeTier::kAvailable ? rng() % 400000 : 0;
+    in.device_budget_bytes = 200000 + rng() % 800000;
+    in.rates = {.cpu_adam_elems_per_sec = 100.0 + static_cast<double>(rng() % 10000),
+                .device_adam_elems_per_sec = 100.0 + static_cast<double>(rng() % 10000),
+                .pcie_bytes_per_sec = rng() % 2 ? 0.0 : 100.0 + static_cast<double>(rng() % 50000),
+                .nvme_read_bytes_per_sec = 100.0 + static_cast<double>(rng() % 100000),
+                .nvme_write_bytes_per_sec = 100.0 + static_cast<double>(rng() % 100000)};
+    in.gpu_fraction = kGpuFractionAuto;
+    Result<PlacementPlan> p = PlanPlacement(in);
+    // Reference: each count c as a fixed fraction (exactly its elements).
+    uint64_t shard = 0;
+    for (uint64_t e : in.sub_group_elems) shard += e;
+    double least = std::numeric_limits<double>::infinity();
+    size_t best = 0;
+    uint64_t elems = 0;
+    for (size_t c = 0; c <= n; ++c) {
+      if (c > 0) elems += in.sub_group_elems[c - 1];
+      PlacementInputs fixed = in;
+      fixed.gpu_fraction = static_cast<double>(elems) / static_cast<double>(shard);
+      Result<PlacementPlan> q = PlanPlacement(fixed);
+      if (!q.ok() && q.status().code() == StatusCode::kResourceExhausted &&
+          Contains(q.status().message(), "strata.device_budget")) {
+        break;  // c and more do not fit the device
+      }
+      if (!q.ok() || q->device_sub_groups != c) continue;
+      const double step = q->estimate.bound();
+      if (step < least) least = step, best = c;
+    }
+    if (!p.ok()) {
+      ASSERT_TRUE(std::isinf(least)) << p.status();
+      continue;
+    }
+    ASSERT_FALSE(std::isinf(least));
+    EXPECT_EQ(p->estimate.bound(), least);
+    EXPECT_EQ(p->device_sub_groups, best);
   }
 }
 

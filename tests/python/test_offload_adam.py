@@ -500,6 +500,10 @@ def test_gpu_fraction_is_bitwise_the_all_offloaded_run(fraction, tmp_path):
     assert 0 < plan["gpu_fraction"] <= 1.0
     if fraction == 1.0:
         assert plan["host_sub_groups"] == 0, plan["text"]
+    if fraction == "auto":
+        # Both Adam rates measured at construction; the plan balances them.
+        assert plan["rates"]["cpu_adam"] > 0 and plan["rates"]["device_adam"] > 0, plan
+        assert plan["estimate"]["device_adam"] > 0 and plan["estimate"]["cpu_adam"] >= 0, plan
     assert opt1.last_step()["times"]["device_adam"] > 0
     assert opt0.last_step()["times"]["device_adam"] == 0
     for a, b in zip(model0.parameters(), model1.parameters()):

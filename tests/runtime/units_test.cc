@@ -20,6 +20,20 @@ TEST(Units, ParseCountDecimal) {
   EXPECT_EQ(*ParseCount("7"), 7u);
 }
 
+TEST(Units, ParseRateIsDecimalLikeFormatRateAndBinaryWithI) {
+  EXPECT_DOUBLE_EQ(*ParseRate("2.5GB/s"), 2.5e9);
+  EXPECT_DOUBLE_EQ(*ParseRate("900M"), 9e8);
+  EXPECT_DOUBLE_EQ(*ParseRate("1GiB/s"), 1073741824.0);
+  EXPECT_DOUBLE_EQ(*ParseRate("512"), 512.0);
+  EXPECT_DOUBLE_EQ(*ParseRate("3 tb/s"), 3e12);
+  EXPECT_EQ(FormatRate(*ParseRate("2.50 GB/s")), "2.50 GB/s");
+  Result<double> bad = ParseRate("5 furlongs/s");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("5 furlongs/s"), std::string_view::npos);
+  EXPECT_FALSE(ParseRate("").ok());
+  EXPECT_FALSE(ParseRate("-1GB/s").ok());
+}
+
 TEST(Units, RejectsGarbageWithTheText) {
   Result<uint64_t> r = ParseBytes("12 parsecs");
   ASSERT_FALSE(r.ok());
