@@ -174,6 +174,9 @@ std::string FormatStepStats(const StepStats& s) {
   if (s.read_bytes + s.write_bytes > 0) {
     out += fmt::format(", nvme read {} write {}", FormatBytes(s.read_bytes),
                        FormatBytes(s.write_bytes));
+    if (s.resident_bytes > 0) {
+      out += fmt::format(" ({} still in the buffers, not read)", FormatBytes(s.resident_bytes));
+    }
   }
   return out;
 }
@@ -261,6 +264,10 @@ struct OffloadOptimizer::Impl {
   Status Step();
   Status HandOverAndDecide();
   Status RunPipeline(const StepDecision& d);
+  // The pipeline of the update numbered `update_step`: odd ones take their
+  // NVMe sub-groups last first, so that each starts with the extents the one
+  // before ended with, still in their buffers (state_tiers.h).
+  internal::PipelineSchedule Schedule(int64_t update_step) const;
   void FillStats(const StepDecision& d, double t0);
   Status FailedStepError(std::string_view op) const;
   void EndFailedStep() {
@@ -812,6 +819,16 @@ Status OffloadOptimizer::Impl::HandOverAndDecide() {
   return OkStatus();
 }
 
+internal::PipelineSchedule OffloadOptimizer::Impl::Schedule(int64_t update_step) const {
+  // The CPU side: the sub-groups after the device ones (schedule positions
+  // and sub-groups are relative to the first of them).
+  const uint32_t n = static_cast<uint32_t>(sub_groups.size());
+  std::vector<int32_t> extents(n - device_count);
+  for (uint32_t i = device_count; i < n; ++i) extents[i - device_count] = tiers->extent(i);
+  return internal::MakeSchedule(extents, slots, tiers->nvme_buffers(), mode,
+                                /*reverse_nvme=*/update_step % 2 == 1);
+}
+
 // Stage 3: the pipeline (see the note at the top). Errors of one sub-group
 // do not stop the others (every rank must issue every collective); the first
 // one is returned.
@@ -821,10 +838,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   // The CPU side: the sub-groups after the device ones (schedule positions
   // and sub-groups are relative to the first of them, k).
   const uint32_t k = device_count;
-  std::vector<int32_t> extents(n - k);
-  for (uint32_t i = k; i < n; ++i) extents[i - k] = tiers->extent(i);
-  const internal::PipelineSchedule schedule =
-      internal::MakeSchedule(extents, slots, tiers->nvme_buffers(), mode);
+  const internal::PipelineSchedule schedule = Schedule(d.step);
   Status first_error;
   auto fail = [&](Status s) {
     if (first_error.ok()) first_error = std::move(s);
@@ -943,11 +957,7 @@ Status OffloadOptimizer::Impl::Step() {
   HostSlice whole(trace, {TraceTrack::kStep, "step"});
   if (!pending) {
     // The first reads do not depend on the gradients: start them now.
-    if (mode == PipelineMode::kOverlapped) {
-      for (uint32_t k = 0; k < tiers->nvme_count() && k < tiers->nvme_buffers(); ++k) {
-        tiers->StartRead(tiers->nvme_order()[k]);
-      }
-    }
+    for (uint32_t r : Schedule(step + 1).initial_reads) tiers->StartRead(device_count + r);
     Status decided = HandOverAndDecide();
     if (!decided.ok()) {
       tiers->DrainReads();
@@ -1010,6 +1020,7 @@ void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
   last.times.write = io.write_sec;
   last.times.nvme = io.busy_sec;
   last.read_bytes = io.read_bytes;
+  last.resident_bytes = io.resident_bytes;
   last.write_bytes = io.write_bytes;
   last.d2h_bytes = g.d2h_bytes;
   last.h2d_bytes = p.h2d_bytes;

@@ -175,6 +175,9 @@ struct StepStats {
   StageTimes times;
   uint64_t read_bytes = 0;    // NVMe
   uint64_t write_bytes = 0;   // NVMe
+  // NVMe reads not needed: the extent was still in its buffer from the step
+  // before (steps alternate the order of their NVMe sub-groups).
+  uint64_t resident_bytes = 0;
   uint64_t d2h_bytes = 0;      // PCIe, device to host (gradients)
   uint64_t h2d_bytes = 0;      // PCIe, host to device (params)
   // Host DRAM bytes the CPU itself reads and writes: the optimizer's one pass

@@ -88,6 +88,8 @@ Status StateTiers::Init() {
   io_ = std::make_unique<IoPump>(*store_);
   reads_.resize(nvme_count());
   writes_.resize(nvme_count());
+  holds_.assign(buffers_.size(), -1);
+  writing_.assign(buffers_.size(), -1);
   return OkStatus();
 }
 
@@ -102,8 +104,14 @@ std::span<float> StateTiers::HostState(uint32_t i) const {
 }
 
 std::span<std::byte> StateTiers::Buffer(uint32_t i) const {
-  return buffers_[static_cast<uint32_t>(extent_[i]) % buffers_.size()].bytes().first(
-      store_->ExtentBufferBytes());
+  return buffers_[BufferIndex(i)].bytes().first(store_->ExtentBufferBytes());
+}
+
+void StateTiers::WriteDone(uint32_t i, const Status& s) {
+  const uint32_t b = BufferIndex(i);
+  if (writing_[b] != extent_[i]) return;  // the buffer changed after the write was queued
+  writing_[b] = -1;
+  holds_[b] = s.ok() ? extent_[i] : -1;
 }
 
 std::span<float> StateTiers::NvmeState(uint32_t i) const {
@@ -147,7 +155,8 @@ std::future<Status> StateTiers::Job(IoOp op, uint32_t i, uint64_t payload_hash) 
 }
 
 void StateTiers::StartRead(uint32_t i) {
-  if (!on_nvme(i) || reads_[extent_[i]].valid()) return;
+  if (!on_nvme(i) || reads_[extent_[i]].valid() || holds_[BufferIndex(i)] == extent_[i]) return;
+  Release(i);
   reads_[extent_[i]] = Job(IoOp::kRead, i);
 }
 
@@ -156,6 +165,13 @@ Result<std::span<float>> StateTiers::Acquire(uint32_t i) {
     return InternalError(fmt::format("state tiers: {} has no host state to acquire", Name(i)));
   }
   if (!on_nvme(i)) return HostState(i);
+  if (holds_[BufferIndex(i)] == extent_[i] && !reads_[extent_[i]].valid()) {
+    // Still in its buffer from its last write: no read.
+    Release(i);
+    std::lock_guard<std::mutex> lock(mu_);
+    figures_.resident_bytes += Buffer(i).size();
+    return NvmeState(i);
+  }
   StartRead(i);
   STRATA_RETURN_IF_ERROR(reads_[extent_[i]].get());
   // The payload's checksum, here rather than on the IO thread: this thread
@@ -170,11 +186,15 @@ void StateTiers::StartWrite(uint32_t i) {
   auto& w = writes_[extent_[i]];
   if (w.valid()) w.get().IgnoreError();  // a retry's second write; the first was reported
   w = Job(IoOp::kWrite, i, store_->PayloadHash(Buffer(i)));  // hashed while the data is hot
+  holds_[BufferIndex(i)] = -1;
+  writing_[BufferIndex(i)] = extent_[i];
 }
 
 Status StateTiers::WaitWrite(uint32_t i) {
   if (!on_nvme(i) || !writes_[extent_[i]].valid()) return OkStatus();
-  return writes_[extent_[i]].get();
+  Status s = writes_[extent_[i]].get();
+  WriteDone(i, s);
+  return s;
 }
 
 Status StateTiers::Fill(uint32_t i, const std::function<void(std::span<float>)>& fill) {
@@ -188,6 +208,7 @@ Status StateTiers::Fill(uint32_t i, const std::function<void(std::span<float>)>&
   // The extent that used this buffer last: its write must be done.
   const uint32_t e = static_cast<uint32_t>(extent_[i]);
   if (e >= buffers_.size()) STRATA_RETURN_IF_ERROR(WaitWrite(nvme_order_[e - buffers_.size()]));
+  Release(i);
   fill(NvmeState(i));
   StartWrite(i);
   return OkStatus();
@@ -198,6 +219,7 @@ Status StateTiers::FinishWrites(const std::function<void(uint32_t, const Status&
   for (uint32_t k = 0; k < writes_.size(); ++k) {
     if (!writes_[k].valid()) continue;
     Status s = writes_[k].get();
+    WriteDone(nvme_order_[k], s);
     done(nvme_order_[k], s);
     if (!s.ok() && first.ok()) first = std::move(s);
   }
@@ -213,8 +235,15 @@ void StateTiers::DrainReads() {
 Status StateTiers::Read(uint32_t i, std::span<float> out) {
   if (on_device(i)) return CopyDeviceState(out.data(), DeviceState(i), out.size_bytes(),
                                             CopyKind::kDeviceToHost);
+  if (on_nvme(i) && holds_[BufferIndex(i)] == extent_[i] && !reads_[extent_[i]].valid()) {
+    const std::span<const float> s = NvmeState(i);  // still in its buffer
+    std::copy(s.begin(), s.end(), out.begin());
+    return OkStatus();
+  }
   STRATA_ASSIGN_OR_RETURN(std::span<float> s, Acquire(i));
   std::copy(s.begin(), s.end(), out.begin());
+  // Read and verified, and not changed: the buffer holds i's committed copy.
+  if (on_nvme(i)) holds_[BufferIndex(i)] = extent_[i];
   return OkStatus();
 }
 

@@ -18,6 +18,16 @@
 // write of the same buffer starts after that write completed, so the
 // pipeline may queue the next read of a buffer right after its write.
 //
+// Resident extents: a buffer whose write completed (FinishWrites, WaitWrite)
+// and that nothing changed since holds that extent's committed copy, bitwise;
+// reading that extent again is skipped (StartRead does nothing, Acquire
+// returns the buffer). Steps alternate the order of their NVMe sub-groups
+// (MakeSchedule's reverse_nvme), so each step starts with the extents the
+// step before ended with: nvme_buffers fewer extents read per step. A read
+// of another extent into the buffer, an Acquire (the caller updates it), a
+// Fill and a failed write end it; Read leaves it (and starts it: what it read
+// and verified is the committed copy).
+//
 // Errors: the store's (offload/state_store.h), with the sub-group named.
 // Not thread-safe: the engine's driving thread calls it.
 #pragma once
@@ -58,6 +68,7 @@ struct TierFigures {
   double read_sec = 0, write_sec = 0;  // the requests' times (they overlap)
   double busy_sec = 0;                 // wall time with a request in flight
   uint64_t read_bytes = 0, write_bytes = 0;
+  uint64_t resident_bytes = 0;  // reads skipped: the extent was still in its buffer
 };
 
 class StateTiers {
@@ -114,6 +125,16 @@ class StateTiers {
   explicit StateTiers(const StateTiersOptions& options) : o_(options) {}
   Status Init();
   std::span<std::byte> Buffer(uint32_t i) const;
+  uint32_t BufferIndex(uint32_t i) const {
+    return static_cast<uint32_t>(extent_[i]) % static_cast<uint32_t>(buffers_.size());
+  }
+  // The buffer of i is about to change (a read of i, an update, a fill).
+  void Release(uint32_t i) {
+    holds_[BufferIndex(i)] = -1;
+    writing_[BufferIndex(i)] = -1;
+  }
+  // The write of i finished with `s`: its buffer holds i if nothing changed it.
+  void WriteDone(uint32_t i, const Status& s);
   std::span<float> NvmeState(uint32_t i) const;
   // A device sub-group's copy, in order on device_stream, waited for.
   Status CopyDeviceState(void* dst, const void* src, size_t bytes, CopyKind kind);
@@ -134,6 +155,10 @@ class StateTiers {
   std::unique_ptr<IoPump> io_;
   std::vector<std::future<Status>> reads_;   // per extent
   std::vector<std::future<Status>> writes_;  // per extent
+  // Per NVMe buffer: the extent whose committed copy it holds (-1: none),
+  // and the extent whose write from it is in flight, the buffer unchanged
+  // since (-1: none): it holds that extent once the write succeeded.
+  std::vector<int32_t> holds_, writing_;
   std::mutex mu_;                            // figures (the IO thread adds)
   TierFigures figures_;
 };

@@ -24,31 +24,34 @@ Result<StepDecision> DecideStep(LossScaler& scaler, const GradStats& global,
 }
 
 PipelineSchedule MakeSchedule(std::span<const int32_t> nvme_extent, uint32_t slots,
-                              uint32_t nvme_buffers, PipelineMode mode) {
+                              uint32_t nvme_buffers, PipelineMode mode, bool reverse_nvme) {
   const uint32_t n = static_cast<uint32_t>(nvme_extent.size());
   PipelineSchedule s;
   s.slots = std::max<uint32_t>(1, std::min(slots, std::max<uint32_t>(n, 1)));
-  std::vector<uint32_t> nvme;  // extent -> sub-group
+  std::vector<uint32_t> nvme;  // the NVMe sub-groups in update order
   for (uint32_t i = 0; i < n; ++i) {
     if (nvme_extent[i] >= 0) nvme.push_back(i);
   }
+  if (reverse_nvme) std::reverse(nvme.begin(), nvme.end());
   const bool serial = mode == PipelineMode::kSerial;
   const uint32_t k = std::max<uint32_t>(1, nvme_buffers);
   if (!serial) {
-    for (uint32_t e = 0; e < nvme.size() && e < k; ++e) s.initial_reads.push_back(nvme[e]);
+    for (uint32_t q = 0; q < nvme.size() && q < k; ++q) s.initial_reads.push_back(nvme[q]);
   }
+  uint32_t q = 0;  // NVMe positions so far
   for (uint32_t p = 0; p < n; ++p) {
-    ScheduledUpdate u{.sub_group = p, .slot = p % s.slots};
+    const bool on_nvme = nvme_extent[p] >= 0;
+    ScheduledUpdate u{.sub_group = on_nvme ? nvme[q] : p, .slot = p % s.slots};
     if (serial) {
       u.fetch.push_back(p);
     } else if (p == 0) {
-      for (uint32_t q = 0; q < s.slots && q < n; ++q) u.fetch.push_back(q);
+      for (uint32_t f = 0; f < s.slots && f < n; ++f) u.fetch.push_back(f);
     } else if (p + s.slots - 1 < n) {
       u.fetch.push_back(p + s.slots - 1);
     }
-    const int32_t e = nvme_extent[p];
-    if (!serial && e >= 0 && static_cast<uint32_t>(e) + k < nvme.size()) {
-      u.read_after.push_back(nvme[e + k]);
+    if (on_nvme) {
+      if (!serial && q + k < nvme.size()) u.read_after.push_back(nvme[q + k]);
+      ++q;
     }
     s.updates.push_back(std::move(u));
   }

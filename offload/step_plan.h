@@ -51,15 +51,21 @@ struct PipelineSchedule {
   std::vector<ScheduledUpdate> updates;
 };
 
-// Sub-groups are updated in index order. kOverlapped: the first `slots`
-// gradients are fetched up front and each update frees a slot for the next
-// fetch; the first `nvme_buffers` NVMe sub-groups are read when the step
-// starts (before the decision: state reads do not depend on gradients) and
-// each NVMe update queues the read that reuses its buffer. kSerial: each
-// fetch at its own position, no read-ahead (Acquire reads on demand).
-// `nvme_extent[i]` is sub-group i's extent (-1: DRAM); extents are numbered
-// in index order.
+// Sub-groups are updated in index order, except that with `reverse_nvme`
+// the NVMe ones take the NVMe positions last extent first (the DRAM ones keep
+// theirs). Steps alternate the two: the last `nvme_buffers` extents a step
+// updates are still in their buffers when the next step starts with them
+// (StateTiers skips those reads). kOverlapped: the first `slots` gradients
+// are fetched up front and each update frees a slot for the next fetch; the
+// first `nvme_buffers` NVMe sub-groups in update order are read when the
+// step starts (before the decision: state reads do not depend on gradients)
+// and each NVMe update queues the read that reuses its buffer (extent e uses
+// buffer e % nvme_buffers, so the one nvme_buffers later in either order).
+// kSerial: each fetch at its own position, no read-ahead (Acquire reads on
+// demand). `nvme_extent[i]` is sub-group i's extent (-1: DRAM); extents are
+// numbered in index order.
 PipelineSchedule MakeSchedule(std::span<const int32_t> nvme_extent, uint32_t slots,
-                              uint32_t nvme_buffers, PipelineMode mode);
+                              uint32_t nvme_buffers, PipelineMode mode,
+                              bool reverse_nvme = false);
 
 }  // namespace strata::internal

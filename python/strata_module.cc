@@ -430,6 +430,7 @@ class Engine {
     d["times"] = t;
     d["read_bytes"] = s.read_bytes;
     d["write_bytes"] = s.write_bytes;
+    d["resident_bytes"] = s.resident_bytes;
     d["d2h_bytes"] = s.d2h_bytes;
     d["h2d_bytes"] = s.h2d_bytes;
     d["text"] = FormatStepStats(s);

@@ -185,6 +185,7 @@ struct StepSample {
   StageTimes times;  // max over ranks, stage by stage
   uint64_t read_bytes = 0, write_bytes = 0, d2h_bytes = 0, h2d_bytes = 0;  // sum over ranks
   uint64_t host_dram_bytes = 0;                                            // sum over ranks
+  uint64_t resident_bytes = 0;  // NVMe reads skipped: still in the buffers (sum over ranks)
   uint64_t device_adam_bytes = 0;  // the device Adam's traffic (sum over ranks)
   double handover_sec = 0;  // the simulated backward's hand-over (slowest rank)
 };
@@ -209,6 +210,7 @@ StepSample Combine(const std::vector<StepStats>& ranks) {
     s.d2h_bytes += r.d2h_bytes;
     s.h2d_bytes += r.h2d_bytes;
     s.host_dram_bytes += r.host_dram_bytes;
+    s.resident_bytes += r.resident_bytes;
   }
   return s;
 }
@@ -819,6 +821,7 @@ Status RunStep(const StepArgs& a) {
         {"traffic_per_step",
          {{"nvme_read", traffic.read_bytes},
           {"nvme_write", traffic.write_bytes},
+          {"nvme_resident", traffic.resident_bytes},
           {"d2h", traffic.d2h_bytes},
           {"h2d", traffic.h2d_bytes}}},
         {"rounds", rounds},
@@ -842,9 +845,10 @@ Status RunStep(const StepArgs& a) {
       a.ranks > 1 ? " per rank" : "", FormatBytes(nvme_state).c_str(),
       FormatBytes(a.ranks * tensor_bytes).c_str(), FormatBytes(device_staging).c_str());
   std::printf(
-      "  traffic per step: nvme read %s, write %s, d2h %s (%.2f B/param), h2d %s (%.2f "
-      "B/param), cpu dram %s (%.2f B/param)\n",
-      FormatBytes(traffic.read_bytes).c_str(), FormatBytes(traffic.write_bytes).c_str(),
+      "  traffic per step: nvme read %s (%s more still in the buffers), write %s, d2h %s (%.2f "
+      "B/param), h2d %s (%.2f B/param), cpu dram %s (%.2f B/param)\n",
+      FormatBytes(traffic.read_bytes).c_str(), FormatBytes(traffic.resident_bytes).c_str(),
+      FormatBytes(traffic.write_bytes).c_str(),
       FormatBytes(traffic.d2h_bytes).c_str(), traffic.d2h_bytes / params_d,
       FormatBytes(traffic.h2d_bytes).c_str(), traffic.h2d_bytes / params_d,
       FormatBytes(traffic.host_dram_bytes).c_str(), traffic.host_dram_bytes / params_d);

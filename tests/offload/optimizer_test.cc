@@ -150,7 +150,8 @@ TEST_P(EngineBitwiseTest, MatchesTheInMemoryReference) {
     }
   }
   if (c.where != Where::kHost) {
-    EXPECT_GT(opt->last_step().read_bytes, 0u);
+    // Read, or still in a buffer (with as many buffers as extents, all are).
+    EXPECT_GT(opt->last_step().read_bytes + opt->last_step().resident_bytes, 0u);
     EXPECT_GT(opt->last_step().write_bytes, 0u);
   }
 }
@@ -250,6 +251,53 @@ Result<std::unique_ptr<OffloadOptimizer>> MakeOptimizer(Device& device, Storage*
   return OffloadOptimizer::Create(
       {.device = &device, .comm = comm, .storage = storage, .stream = stream}, config,
       model.Groups(kHypers));
+}
+
+// Steps alternate the order of their NVMe sub-groups, so each starts with
+// the extents the one before left in the buffers: buffer_count fewer extents
+// read per step, the same results bit for bit.
+TEST(EngineNvme, ExtentsStillInTheirBuffersAreNotReadAgain) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto storage = CreateMemStorage();
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16);
+  Case c{.where = Where::kNvme, .grad_dtype = DType::kBF16, .buffer_count = 3,
+         .sub_group_elems = 1024, .max_grad_norm = 0.5};
+  OffloadConfig config = MakeConfig(c);
+  auto master = model.SetParams(rng);
+  auto opt = *OffloadOptimizer::Create({.device = device.get(), .storage = storage.get()}, config,
+                                       model.Groups(kHypers));
+  const uint32_t nvme = opt->plan().nvme_sub_groups;
+  ASSERT_EQ(nvme, opt->sub_groups().size());
+  ASSERT_GT(nvme, 2 * c.buffer_count);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  const auto order = model.FlatOrder();
+  for (PipelineMode mode : {PipelineMode::kOverlapped, PipelineMode::kSerial}) {
+    opt->SetPipelineMode(mode);
+    for (int step = 0; step < 3; ++step) {
+      SCOPED_TRACE(::testing::Message() << "mode " << static_cast<int>(mode) << " step " << step);
+      auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+      ASSERT_TRUE(opt->Step().ok());
+      const GradStats st = FlatStats(*opt, order, grads);
+      ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+      // Every extent is written; all but buffer_count are read.
+      const StepStats& s = opt->last_step();
+      const uint64_t extent = s.write_bytes / nvme;
+      EXPECT_EQ(s.write_bytes, nvme * extent);
+      EXPECT_EQ(s.resident_bytes, c.buffer_count * extent);
+      EXPECT_EQ(s.read_bytes, (nvme - c.buffer_count) * extent);
+      ASSERT_TRUE(device->Synchronize().ok());
+    }
+  }
+  // Bitwise the reference's (ReadState too reads what is still in a buffer).
+  ExpectSameAsReference(*opt, model, ref);
+  // And after ReadState the next step still finds what it left there.
+  auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->Step().ok());
+  const GradStats st = FlatStats(*opt, order, grads);
+  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+  ExpectSameAsReference(*opt, model, ref);
 }
 
 // Rank r of N gets its own grads; the reference sees their average, summed

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -73,6 +74,26 @@ TEST(MakeSchedule, HandComputedOverlapped) {
   EXPECT_TRUE(s.updates[2].read_after.empty());
 }
 
+TEST(MakeSchedule, ReversedNvmeStartsWithTheExtentsTheForwardStepEndedWith) {
+  // Sub-group 0 in DRAM, 1-4 on NVMe (extents 0-3), 5 in DRAM; two buffers.
+  const std::vector<int32_t> extents = {-1, 0, 1, 2, 3, -1};
+  const PipelineSchedule f = MakeSchedule(extents, 2, 2, PipelineMode::kOverlapped, false);
+  const PipelineSchedule r = MakeSchedule(extents, 2, 2, PipelineMode::kOverlapped, true);
+  std::vector<uint32_t> forward, reverse;
+  for (const ScheduledUpdate& u : f.updates) forward.push_back(u.sub_group);
+  for (const ScheduledUpdate& u : r.updates) reverse.push_back(u.sub_group);
+  EXPECT_EQ(forward, (std::vector<uint32_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(reverse, (std::vector<uint32_t>{0, 4, 3, 2, 1, 5}));
+  // The forward step ends with 3 and 4 in the buffers; the reversed one
+  // starts with them (and ends with 2 and 1, where the next forward starts).
+  EXPECT_EQ(r.initial_reads, (std::vector<uint32_t>{4, 3}));
+  EXPECT_EQ(f.initial_reads, (std::vector<uint32_t>{1, 2}));
+  EXPECT_EQ(r.updates[1].read_after, (std::vector<uint32_t>{2}));  // 4's buffer, 2's next
+  EXPECT_EQ(r.updates[2].read_after, (std::vector<uint32_t>{1}));
+  EXPECT_TRUE(r.updates[3].read_after.empty());
+  EXPECT_EQ(r.updates[1].slot, 1u);  // slots follow positions
+}
+
 TEST(MakeSchedule, SerialFetchesAndReadsOnDemand) {
   const std::vector<int32_t> extents = {0, 1, -1};
   const PipelineSchedule s = MakeSchedule(extents, 4, 2, PipelineMode::kSerial);
@@ -100,8 +121,14 @@ TEST(MakeSchedule, InvariantsHoldForRandomLayouts) {
         nvme.push_back(i);
       }
     }
-    const PipelineSchedule s = MakeSchedule(extents, slots, buffers, PipelineMode::kOverlapped);
+    const bool reverse = rng() % 2;
+    const PipelineSchedule s =
+        MakeSchedule(extents, slots, buffers, PipelineMode::kOverlapped, reverse);
     ASSERT_EQ(s.updates.size(), n);
+    // The NVMe sub-groups in update order; position_of[i]: where i is updated.
+    std::vector<uint32_t> seq = nvme;
+    if (reverse) std::reverse(seq.begin(), seq.end());
+    std::vector<int> position_of(n, -1);
     ASSERT_LE(s.slots, slots);
     std::vector<int> fetched_at(n, -1);  // position where each position's gradient is fetched
     std::vector<int> read_at(n, -2);     // -1: initial; else the position that queued it
@@ -111,7 +138,16 @@ TEST(MakeSchedule, InvariantsHoldForRandomLayouts) {
     }
     for (uint32_t p = 0; p < n; ++p) {
       const ScheduledUpdate& u = s.updates[p];
-      ASSERT_EQ(u.sub_group, p);  // index order
+      // Index order, the NVMe positions taken by `seq` in its order.
+      if (extents[p] < 0) {
+        ASSERT_EQ(u.sub_group, p);
+      } else {
+        const size_t q = static_cast<size_t>(
+            std::count_if(extents.begin(), extents.begin() + p, [](int32_t e) { return e >= 0; }));
+        ASSERT_EQ(u.sub_group, seq[q]);
+      }
+      ASSERT_EQ(position_of[u.sub_group], -1) << "updated twice: " << u.sub_group;
+      position_of[u.sub_group] = static_cast<int>(p);
       ASSERT_EQ(u.slot, p % s.slots);
       for (uint32_t q : u.fetch) {
         ASSERT_LT(q, n);
@@ -127,14 +163,16 @@ TEST(MakeSchedule, InvariantsHoldForRandomLayouts) {
         ASSERT_EQ(read_at[r], -2) << "read twice: " << r;
         ASSERT_GE(extents[r], 0);
         // The buffer's previous user is this very update.
-        ASSERT_EQ(extents[r] - static_cast<int32_t>(buffers), extents[p]);
+        ASSERT_EQ(extents[r] + (reverse ? 1 : -1) * static_cast<int32_t>(buffers),
+                  extents[u.sub_group]);
         read_at[r] = static_cast<int>(p);
       }
     }
-    for (uint32_t i : nvme) {
+    for (size_t q = 0; q < seq.size(); ++q) {
+      const uint32_t i = seq[q];
       ASSERT_NE(read_at[i], -2) << "NVMe sub-group " << i << " never read ahead";
-      ASSERT_LT(read_at[i], static_cast<int>(i));  // queued before its update
-      if (extents[i] < static_cast<int32_t>(buffers)) ASSERT_EQ(read_at[i], -1);
+      ASSERT_LT(read_at[i], position_of[i]);  // queued before its update
+      if (q < buffers) ASSERT_EQ(read_at[i], -1);
     }
   }
 }

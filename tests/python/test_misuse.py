@@ -55,17 +55,20 @@ def state_file(opt_kwargs):
 
 
 class Corrupt:
-    """Flips the headers of both slots of the last NVMe extent, so the next step fails
-    on its last sub-group after the others were updated; restore() undoes it (a
-    transient fault: a retry then succeeds)."""
+    """Flips the headers of both slots of NVMe extent 0. Steps alternate the order of
+    their NVMe sub-groups (each starts with the extents still in the buffers), and an
+    odd step (the third here) takes them last first: it reads extent 0 last and fails
+    on it after the others were updated. restore() undoes it (a transient fault: a
+    retry then succeeds)."""
 
     def __init__(self, path):
         self.path = path
         with open(path, "rb") as f:
             sb = json.loads(f.read(4096).rstrip(b"\0"))
         slot = 4096 + (sb["extent_bytes"] + 4095) // 4096 * 4096
-        last = 4096 + (2 * sb["num_extents"] - 2) * slot
-        self.ranges = [(last, 64), (last + slot, 64)]
+        assert sb["num_extents"] > 4, "extent 0 must be read, not still in a buffer"
+        first = 4096
+        self.ranges = [(first, 64), (first + slot, 64)]
         self.saved = []
         with open(path, "r+b") as f:
             for off, n in self.ranges:

@@ -96,7 +96,10 @@ def test_adamw_groups_and_scheduler_match_torch(offload, tmp_path):
     assert ours.step_count == STEPS
     if offload == "nvme":
         assert ours.plan()["nvme_sub_groups"] > 1
-        assert ours.last_step()["read_bytes"] > 0 and ours.last_step()["write_bytes"] > 0
+        # Read, or still in a buffer from the step before (all are, with as many
+        # buffers as extents).
+        last = ours.last_step()
+        assert last["read_bytes"] + last["resident_bytes"] > 0 and last["write_bytes"] > 0
     assert losses[0] < 1.0
 
 
