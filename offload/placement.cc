@@ -183,7 +183,17 @@ StepEstimate Estimate(const PlacementInputs& in, const PlacementPlan& plan) {
   StepEstimate e;
   e.d2h_bytes = host_elems * in.grad_bytes_per_elem;
   e.h2d_bytes = host_elems * in.param_bytes_per_elem;
-  e.nvme_read_bytes = e.nvme_write_bytes = plan.nvme_state_bytes;
+  e.nvme_write_bytes = plan.nvme_state_bytes;
+  // Every NVMe sub-group is written once a step; the nvme_buffers a step
+  // starts with are still in their buffers from the step before, not read
+  // (steps alternate their order: offload/state_tiers.h).
+  e.nvme_read_bytes = plan.nvme_state_bytes;
+  uint32_t resident = 0;
+  for (size_t i = plan.sub_groups.size(); i-- > 0 && resident < plan.nvme_buffers;) {
+    if (plan.sub_groups[i].tier != Tier::kNvme) continue;
+    e.nvme_read_bytes -= plan.sub_groups[i].state_bytes;
+    ++resident;
+  }
   auto time = [](double amount, double rate) { return rate > 0 ? amount / rate : 0.0; };
   const double ranks = std::max<uint32_t>(in.machine.ranks_per_node, 1);
   e.cpu_adam = time(static_cast<double>(host_elems), r.cpu_adam_elems_per_sec);

@@ -137,7 +137,9 @@ struct PlanRates {
 // (MachineLimits::ranks_per_node), so `nvme` counts all of theirs.
 struct StepEstimate {
   uint64_t d2h_bytes = 0, h2d_bytes = 0;  // the host sub-groups' grads down, params up
-  uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;  // this rank's
+  // This rank's: every NVMe sub-group written, all but nvme_buffers of them
+  // read (those are still in the buffers from the step before).
+  uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
   double cpu_adam = 0, device_adam = 0, d2h = 0, h2d = 0;
   double nvme = 0;  // reads / read rate + writes / write rate (one drive serves both)
   // The CPU side (everything but the device Adam), and the whole step's bound.

@@ -88,7 +88,10 @@ Status RunPlan(const PlanArgs& args) {
   // Both ways at the rate of reads and writes at once (what a step asks).
   const double ranks = std::max<uint32_t>(inputs.machine.ranks_per_node, 1);
   const double nvme_mixed_sec =
-      drive ? ranks * 2.0 * static_cast<double>(plan.nvme_state_bytes) / drive->mixed_bytes_per_sec
+      drive ? ranks *
+                  static_cast<double>(plan.estimate.nvme_read_bytes +
+                                      plan.estimate.nvme_write_bytes) /
+                  drive->mixed_bytes_per_sec
             : 0.0;
   const StepEstimate& e = plan.estimate;
   if (args.json) {
