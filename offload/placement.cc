@@ -22,14 +22,14 @@ uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
 // Bytes of one rank's state file per nvme_path: a superblock, then two slots
 // per NVMe sub-group, each slot (one NVMe buffer) cut into block_bytes chunks
-// dealt round-robin over the paths (offload/state_store.h). An upper bound by
-// at most one partial block per slot.
+// dealt round-robin over the paths (offload/state_store.h); the superblock
+// and each file's share of a slot take whole blocks, so that every chunk
+// starts on a block boundary.
 uint64_t NvmeFileBytes(const PlacementPlan& plan, uint64_t block_bytes, uint64_t paths) {
   if (plan.nvme_sub_groups == 0) return 0;
   const uint64_t chunks = CeilDiv(plan.nvme_buffer_bytes, block_bytes);
-  const uint64_t per_file_slot = std::min(CeilDiv(chunks, paths) * block_bytes,
-                                          plan.nvme_buffer_bytes);
-  return kPage + 2 * uint64_t{plan.nvme_sub_groups} * per_file_slot;
+  const uint64_t per_file_slot = CeilDiv(chunks, paths) * block_bytes;
+  return block_bytes + 2 * uint64_t{plan.nvme_sub_groups} * per_file_slot;
 }
 
 // Step 5 of the header: the plan against what the machine has.

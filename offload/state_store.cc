@@ -111,6 +111,10 @@ Status StateStore::Init(Storage& storage) {
     }
     per_file_slot_bytes_ = std::max(per_file_slot_bytes_, bytes);
   }
+  // Every chunk starts on a block boundary of its file, as the drive probes
+  // (and fio) issue them: the slots after a superblock padded to one block.
+  per_file_slot_bytes_ = RoundUp(per_file_slot_bytes_, options_.block_bytes);
+  data_offset_ = RoundUp(kSuperblockBytes, options_.block_bytes);
   committed_.assign(options_.num_extents, 0);
   busy_.assign(options_.num_extents, 0);
   for (const std::string& dir : options_.paths) {
@@ -128,7 +132,7 @@ Status StateStore::Init(Storage& storage) {
     locks_.push_back(std::move(held).value());
   }
   const uint64_t file_bytes =
-      kSuperblockBytes + 2 * uint64_t{options_.num_extents} * per_file_slot_bytes_;
+      data_offset_ + 2 * uint64_t{options_.num_extents} * per_file_slot_bytes_;
   for (uint32_t f = 0; f < num_paths; ++f) {
     std::string path =
         options_.paths[f] + "/strata-rank" + std::to_string(options_.rank) + ".state";
@@ -227,7 +231,7 @@ Status StateStore::CheckSuperblocks() {
 
 std::vector<StateStore::Placement> StateStore::SlotChunks(uint32_t id, uint32_t slot) const {
   const uint32_t num_paths = static_cast<uint32_t>(files_.size());
-  const uint64_t base = kSuperblockBytes + (uint64_t{id} * 2 + slot) * per_file_slot_bytes_;
+  const uint64_t base = data_offset_ + (uint64_t{id} * 2 + slot) * per_file_slot_bytes_;
   std::vector<Placement> out;
   for (uint64_t k = 0, pos = 0; pos < slot_bytes_; ++k, pos += options_.block_bytes) {
     out.push_back({static_cast<uint32_t>(k % num_paths),
@@ -350,7 +354,7 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
   op->pending_per_file.assign(files_.size(), 0);
   // Chunk k of the slot is bytes [k * block, ...) of the buffer; recover k from
   // the file offset so that sorting by file keeps the mapping.
-  const uint64_t base = kSuperblockBytes + (uint64_t{id} * 2 + op->slot) * per_file_slot_bytes_;
+  const uint64_t base = data_offset_ + (uint64_t{id} * 2 + op->slot) * per_file_slot_bytes_;
   const uint64_t num_paths = files_.size();
   for (const Placement& p : chunks) {
     const uint64_t k = ((p.offset_bytes - base) / options_.block_bytes) * num_paths + p.file;

@@ -17,7 +17,9 @@
 //   STRATA_RETURN_IF_ERROR(store->Wait(r));            // Payload(buf) is valid and verified
 //
 // On-disk layout (docs/nvme.md has the picture): file `<path>/strata-rank<r>.state`
-// per path; a 4 KiB superblock (JSON: geometry) then 2 * num_extents slots.
+// per path; a 4 KiB superblock (JSON: geometry) padded to block_bytes, then
+// 2 * num_extents slots, each file's share of a slot padded to whole blocks
+// (every chunk starts on a block boundary).
 // A slot is a 4 KiB header (magic, extent id, generation, payload size, XXH3-64
 // of the payload, XXH3-64 of the header) followed by the payload rounded up
 // to 4 KiB, i.e. exactly the caller's buffer. A slot is cut into block_bytes
@@ -176,6 +178,7 @@ class StateStore {
   StateStoreOptions options_;
   uint64_t slot_bytes_ = 0;
   uint64_t per_file_slot_bytes_ = 0;
+  uint64_t data_offset_ = kSuperblockBytes;  // the first slot: a block boundary
   std::vector<std::string> file_paths_;
   // One lock per path (strata-rank<r>.lock, runtime/file_lock.h), held for
   // the store's life: a second store of this rank on a path fails to open.

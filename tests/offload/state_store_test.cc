@@ -102,20 +102,21 @@ TEST_F(StoreTest, RoundTripOverEveryBackendPathCountAndShape) {
 TEST_F(StoreTest, StripingSpreadsOneExtentOverEveryFile) {
   auto storage = CreatePosixStorage();
   auto store = StateStore::Create(*storage, Options(3, 3 * kMiB - 4096, 2, kMiB)).value();
-  // A slot is 3 MiB: one 1 MiB chunk per file.
+  // A slot is 3 MiB: one 1 MiB chunk per file, after a superblock padded
+  // to one block (every chunk on a block boundary).
   for (const std::string& p : store->file_paths()) {
-    EXPECT_EQ(std::filesystem::file_size(p), 4096 + 2 * 2 * kMiB) << p;
+    EXPECT_EQ(std::filesystem::file_size(p), kMiB + 2 * 2 * kMiB) << p;
   }
   AlignedBuffer buf(store->ExtentBufferBytes());
   FillPattern(store->Payload(buf.span()), 3);
   ASSERT_TRUE(WriteWait(*store, 1, buf.span()).ok());
   ASSERT_TRUE(store->Sync().ok());
-  // The slot of generation 1 of extent 1 is slot 1: per-file offset 4096 + 3 MiB.
+  // The slot of generation 1 of extent 1 is slot 1: per-file offset 1 MiB + 3 MiB.
   for (size_t f = 0; f < 3; ++f) {
     int fd = ::open(store->file_paths()[f].c_str(), O_RDONLY);
     ASSERT_GE(fd, 0);
     std::vector<std::byte> chunk(kMiB);
-    ASSERT_EQ(::pread(fd, chunk.data(), kMiB, 4096 + 3 * kMiB), static_cast<ssize_t>(kMiB));
+    ASSERT_EQ(::pread(fd, chunk.data(), kMiB, kMiB + 3 * kMiB), static_cast<ssize_t>(kMiB));
     ::close(fd);
     EXPECT_EQ(std::memcmp(chunk.data(), buf.data() + f * kMiB, kMiB), 0) << "file " << f;
   }
@@ -290,8 +291,11 @@ TEST_F(StoreTest, FlippedBitIsDataLoss) {
   FillPattern(store->Payload(a.span()), 1);
   ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
   ASSERT_TRUE(store->Sync().ok());
-  // Generation 1 is slot 1 of extent 0: file offset 4096 + slot size.
-  const off_t pos = 4096 + static_cast<off_t>(store->ExtentBufferBytes()) + 4096 + 777;
+  // Generation 1 is slot 1 of extent 0: after the superblock's block and
+  // slot 0 (57344 bytes, rounded up to the 64 KiB block), past its header.
+  const off_t block = 65536;
+  ASSERT_LE(store->ExtentBufferBytes(), static_cast<uint64_t>(block));
+  const off_t pos = block + block + 4096 + 777;
   int fd = ::open(store->file_paths()[0].c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
   std::byte x;

@@ -174,8 +174,10 @@ static void FlipSlots(Corruption* c, int restore) {
     char sb[4097] = {0};
     EXPECT(fread(sb, 1, 4096, f) == 4096);
     const long extent = JsonInt(sb, "\"extent_bytes\":"), n = JsonInt(sb, "\"num_extents\":");
-    const long slot = 4096 + (extent + 4095) / 4096 * 4096;
-    c->offsets[0] = 4096 + (2 * n - 2) * slot;
+    const long block = JsonInt(sb, "\"block_bytes\":");
+    /* The superblock and every slot take whole blocks. */
+    const long slot = (4096 + (extent + 4095) / 4096 * 4096 + block - 1) / block * block;
+    c->offsets[0] = block + (2 * n - 2) * slot;
     c->offsets[1] = c->offsets[0] + slot;
   }
   for (int k = 0; k < 2; ++k) {

@@ -65,9 +65,10 @@ class Corrupt:
         self.path = path
         with open(path, "rb") as f:
             sb = json.loads(f.read(4096).rstrip(b"\0"))
-        slot = 4096 + (sb["extent_bytes"] + 4095) // 4096 * 4096
+        block = sb["block_bytes"]  # the superblock and every slot are padded to blocks
+        slot = (4096 + (sb["extent_bytes"] + 4095) // 4096 * 4096 + block - 1) // block * block
         assert sb["num_extents"] > 4, "extent 0 must be read, not still in a buffer"
-        first = 4096
+        first = block
         self.ranges = [(first, 64), (first + slot, 64)]
         self.saved = []
         with open(path, "r+b") as f:
