@@ -739,7 +739,7 @@ Status RunStep(const StepArgs& a) {
         {"sub_groups", sub_groups},
         {"nvme_sub_groups", nvme_sub_groups},
         {"device_sub_groups", device_sub_groups},
-        {"gpu_fraction", plan0.gpu_fraction()},
+        {"gpu_fraction", opts[0]->plan().gpu_fraction()},
         {"buffer_count", config.buffer_count},
         {"threads", config.threads},
         {"block_bytes", config.aio.block_bytes},
@@ -918,7 +918,7 @@ Status RunStep(const StepArgs& a) {
         "  partial offload: gpu_fraction %.3f (%u sub-groups, %s of state on the device); "
         "cpu side busy %s, device side busy %s (bound %s at %s, kernels::AdamStep alone); "
         "step %s\n",
-        plan0.gpu_fraction(), device_sub_groups, FormatBytes(device_state).c_str(),
+        opts[0]->plan().gpu_fraction(), device_sub_groups, FormatBytes(device_state).c_str(),
         FormatSeconds(over.adam).c_str(), FormatSeconds(over.device_adam).c_str(),
         FormatSeconds(bound.device_adam).c_str(),
         FormatRate(rates.device_adam_bytes_per_sec).c_str(), FormatSeconds(over.step).c_str());
@@ -956,7 +956,8 @@ void AddBenchStepCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_option("--gpu-fraction", a->gpu_fraction,
                   "Partial offload: the share of the state updated on the device "
-                  "(strata.gpu_fraction), 0 to 1, or auto (what fits --device-budget)")
+                  "(strata.gpu_fraction), 0 to 1, or auto (the device and the CPU side finish together, "
+                  "at most what fits --device-budget)")
       ->capture_default_str();
   cmd->add_option("--nvme-dir", a->nvme_dirs,
                   "Directory for the state files; repeat to stripe over drives (default: a "
