@@ -344,8 +344,10 @@ Status OffloadOptimizer::Impl::OtherRankFailed() const {
 // second.
 Status OffloadOptimizer::Impl::ProbeRates() {
   PlanRates& r = config.rates;
+  // A config InitPlan refuses is not worth measuring for.
   if (config.gpu_fraction != kGpuFractionAuto ||
-      (r.cpu_adam_elems_per_sec > 0 && r.device_adam_elems_per_sec > 0)) {
+      (r.cpu_adam_elems_per_sec > 0 && r.device_adam_elems_per_sec > 0) ||
+      !ValidateConfig(config).ok()) {
     return OkStatus();
   }
   constexpr uint64_t kProbeElems = uint64_t{8} << 20;

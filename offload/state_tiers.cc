@@ -155,7 +155,7 @@ std::future<Status> StateTiers::Job(IoOp op, uint32_t i, uint64_t payload_hash) 
 }
 
 void StateTiers::StartRead(uint32_t i) {
-  if (!on_nvme(i) || reads_[extent_[i]].valid() || holds_[BufferIndex(i)] == extent_[i]) return;
+  if (!on_nvme(i) || reads_[extent_[i]].valid() || Resident(i)) return;
   Release(i);
   reads_[extent_[i]] = Job(IoOp::kRead, i);
 }
@@ -165,8 +165,7 @@ Result<std::span<float>> StateTiers::Acquire(uint32_t i) {
     return InternalError(fmt::format("state tiers: {} has no host state to acquire", Name(i)));
   }
   if (!on_nvme(i)) return HostState(i);
-  if (holds_[BufferIndex(i)] == extent_[i] && !reads_[extent_[i]].valid()) {
-    // Still in its buffer from its last write: no read.
+  if (Resident(i)) {  // no read
     Release(i);
     std::lock_guard<std::mutex> lock(mu_);
     figures_.resident_bytes += Buffer(i).size();
@@ -235,8 +234,8 @@ void StateTiers::DrainReads() {
 Status StateTiers::Read(uint32_t i, std::span<float> out) {
   if (on_device(i)) return CopyDeviceState(out.data(), DeviceState(i), out.size_bytes(),
                                             CopyKind::kDeviceToHost);
-  if (on_nvme(i) && holds_[BufferIndex(i)] == extent_[i] && !reads_[extent_[i]].valid()) {
-    const std::span<const float> s = NvmeState(i);  // still in its buffer
+  if (Resident(i)) {
+    const std::span<const float> s = NvmeState(i);
     std::copy(s.begin(), s.end(), out.begin());
     return OkStatus();
   }

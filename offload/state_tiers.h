@@ -128,6 +128,10 @@ class StateTiers {
   uint32_t BufferIndex(uint32_t i) const {
     return static_cast<uint32_t>(extent_[i]) % static_cast<uint32_t>(buffers_.size());
   }
+  // i's buffer holds i's committed copy (a read of i queued since cleared it).
+  bool Resident(uint32_t i) const {
+    return on_nvme(i) && holds_[BufferIndex(i)] == extent_[i];
+  }
   // The buffer of i is about to change (a read of i, an update, a fill).
   void Release(uint32_t i) {
     holds_[BufferIndex(i)] = -1;
