@@ -33,8 +33,9 @@
 //   3. Otherwise buffer_count NVMe buffers are added (one extent each: the
 //      largest sub-group's state rounded up to 4 KiB plus the store's 4 KiB
 //      header), and the *last* k sub-groups, with k as large as fits, stay in
-//      DRAM; the first n - k go to NVMe. Sub-groups are updated in index
-//      order, so the NVMe reads of the first ones can start before the
+//      DRAM; the first n - k go to NVMe. The NVMe sub-groups are updated
+//      before the DRAM ones (alternately first to last and last to first:
+//      offload/step_plan.h), so the NVMe reads can start before the
 //      gradients are ready (state reads do not depend on them), and the write-
 //      behind of the last NVMe sub-groups overlaps the updates of the
 //      host-resident ones at the end instead of trailing the step.
