@@ -543,6 +543,9 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
                                                              .param_dtype = config.param_dtype,
                                                              .slots = slots,
                                                              .trace = &trace}));
+  if (!cpu) {
+    STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
+  }
   STRATA_ASSIGN_OR_RETURN(tiers, StateTiers::Create({.device = device,
                                                      .storage = context.storage,
                                                      .config = &config,
@@ -552,10 +555,8 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
                                                      .arrays = arrays,
                                                      .nvme_buffers = plan.nvme_buffers,
                                                      .trace = &trace,
-                                                     .device_stream = device_stream}));
-  if (!cpu) {
-    STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
-  }
+                                                     .device_stream = device_stream,
+                                                     .cpu = cpu.get()}));
   STRATA_ASSIGN_OR_RETURN(LossScaler s, LossScaler::Create(config.loss_scaler));
   scaler.emplace(std::move(s));
   ready_count.assign(sub_groups.size(), 0);

@@ -20,9 +20,11 @@
 // per path; a 4 KiB superblock (JSON: geometry) padded to block_bytes, then
 // 2 * num_extents slots, each file's share of a slot padded to whole blocks
 // (every chunk starts on a block boundary).
-// A slot is a 4 KiB header (magic, extent id, generation, payload size, XXH3-64
-// of the payload, XXH3-64 of the header) followed by the payload rounded up
-// to 4 KiB, i.e. exactly the caller's buffer. A slot is cut into block_bytes
+// A slot is a 4 KiB header (magic, extent id, generation, payload size, the
+// payload's checksum, XXH3-64 of the header) followed by the payload rounded
+// up to 4 KiB, i.e. exactly the caller's buffer. The payload's checksum is
+// the XXH3-64 of the XXH3-64s of its 1 MiB pieces (kHashPieceBytes), in
+// order: the pieces hash on every thread at once. A slot is cut into block_bytes
 // chunks dealt round-robin over the paths, so one extent read uses every
 // drive. Every chunk is one IoRequest; queue_depth of them are in flight per
 // file: reads and writes take turns chunk by chunk (a read and a write in
@@ -56,6 +58,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -82,6 +85,11 @@ struct StateStoreOptions {
   uint32_t queue_depth = 8;        // requests in flight per file
   DirectIo direct = DirectIo::kAuto;
   StoreOpen open = StoreOpen::kCreate;
+  // Runs body(begin, count) over [0, n) in pieces on any threads and returns
+  // when all ran: PayloadHash and VerifyPayload hash an extent's 1 MiB
+  // pieces with it (the engine passes its CPU optimizer's threads). Empty:
+  // the calling thread.
+  std::function<void(size_t n, const std::function<void(size_t, size_t)>& body)> parallel_for;
 };
 
 enum class PayloadCheck : uint8_t { kStore, kCaller };
@@ -93,6 +101,7 @@ class StateStore {
   };
   static constexpr uint64_t kHeaderBytes = 4096;
   static constexpr uint64_t kSuperblockBytes = 4096;
+  static constexpr uint64_t kHashPieceBytes = uint64_t{1} << 20;
 
   static Result<std::unique_ptr<StateStore>> Create(Storage& storage,
                                                     const StateStoreOptions& options);
@@ -127,7 +136,8 @@ class StateStore {
   // PayloadHash(buffer) computed by the caller (the store hashes otherwise).
   Result<Ticket> WriteExtent(uint32_t id, std::span<std::byte> buffer,
                              std::optional<uint64_t> payload_hash = std::nullopt);
-  // XXH3-64 of Payload(buffer). Thread-safe.
+  // The checksum of Payload(buffer) (see the layout above), on
+  // options.parallel_for's threads. Thread-safe.
   uint64_t PayloadHash(std::span<const std::byte> extent_buffer) const;
   // After a kCaller read of `id` completed: DataLoss unless the payload
   // matches the checksum in its (verified) header. Thread-safe.
@@ -153,6 +163,8 @@ class StateStore {
   size_t InFlight() const { return ops_.size(); }
 
  private:
+  // PayloadHash's checksum; `parallel`: on options.parallel_for's threads.
+  uint64_t Hash(std::span<const std::byte> extent_buffer, bool parallel) const;
   struct Op;
   struct Placement {
     uint32_t file;

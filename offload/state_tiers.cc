@@ -75,7 +75,8 @@ Status StateTiers::Init() {
                                                         .extent_bytes = max_elems * o_.arrays * 4,
                                                         .num_extents = nvme_count(),
                                                         .block_bytes = c.aio.block_bytes,
-                                                        .queue_depth = c.aio.queue_depth}));
+                                                        .queue_depth = c.aio.queue_depth,
+                                                        .parallel_for = ParallelFor()}));
   const uint32_t k = std::max<uint32_t>(1, std::min(o_.nvme_buffers, nvme_count()));
   std::vector<std::span<std::byte>> spans;
   for (uint32_t b = 0; b < k; ++b) {
@@ -91,6 +92,15 @@ Status StateTiers::Init() {
   holds_.assign(buffers_.size(), -1);
   writing_.assign(buffers_.size(), -1);
   return OkStatus();
+}
+
+std::function<void(size_t, const std::function<void(size_t, size_t)>&)> StateTiers::ParallelFor()
+    const {
+  if (o_.cpu == nullptr) return {};
+  CpuAdam* cpu = o_.cpu;
+  return [cpu](size_t n, const std::function<void(size_t, size_t)>& body) {
+    cpu->ParallelFor(n, 1, body);
+  };
 }
 
 std::string StateTiers::Name(uint32_t i) const {

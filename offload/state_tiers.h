@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_adam/cpu_adam.h"
 #include "offload/config.h"
 #include "offload/engine_internal.h"
 #include "offload/engine_io.h"
@@ -62,6 +63,7 @@ struct StateTiersOptions {
   uint32_t nvme_buffers = 2;
   TraceContext* trace = nullptr;
   StreamRef device_stream;  // device state: its copies (and the engine's updates of it)
+  CpuAdam* cpu = nullptr;   // its threads hash the NVMe payloads (null: the calling thread)
 };
 
 struct TierFigures {
@@ -125,6 +127,8 @@ class StateTiers {
   explicit StateTiers(const StateTiersOptions& options) : o_(options) {}
   Status Init();
   std::span<std::byte> Buffer(uint32_t i) const;
+  // The store's parallel_for: the CPU optimizer's threads.
+  std::function<void(size_t, const std::function<void(size_t, size_t)>&)> ParallelFor() const;
   uint32_t BufferIndex(uint32_t i) const {
     return static_cast<uint32_t>(extent_[i]) % static_cast<uint32_t>(buffers_.size());
   }

@@ -6,11 +6,15 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
+#include <xxhash.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "runtime/testing/fault_storage.h"
 #include "runtime/testing/manual_storage.h"
@@ -324,6 +328,48 @@ TEST_F(StoreTest, FlippedBitIsDataLoss) {
   EXPECT_TRUE(store->VerifyPayload(0, back.span()).ok());
   EXPECT_TRUE(ReadWait(*store, 0, back.span()).ok());
   EXPECT_NE(s.message().find(store->file_paths()[0]), std::string_view::npos) << s;
+}
+
+// The payload checksum: XXH3-64 over the XXH3-64s of the 1 MiB pieces, the
+// same whichever threads (and in whatever order) the pieces are hashed on;
+// a store that hashes on threads and one that does not read each other's
+// extents, and a flipped byte in the short last piece is found.
+TEST_F(StoreTest, PayloadHashIsPiecewiseAndTheSameOnAnyThreads) {
+  auto storage = CreatePosixStorage();
+  constexpr uint64_t kExtent = 3 * kMiB + 12345 * 4;  // three whole pieces and a short one
+  StateStoreOptions threaded = Options(1, kExtent, 1, kMiB);
+  std::atomic<int> calls{0};
+  threaded.parallel_for = [&](size_t n, const std::function<void(size_t, size_t)>& body) {
+    ++calls;
+    std::vector<std::thread> threads;
+    for (size_t k = n; k-- > 0;) threads.emplace_back([&, k] { body(k, 1); });  // last first
+    for (auto& t : threads) t.join();
+  };
+  auto store = StateStore::Create(*storage, threaded).value();
+  AlignedBuffer a(store->ExtentBufferBytes()), back(store->ExtentBufferBytes());
+  FillPattern(store->Payload(a.span()), 7);
+  const uint64_t hash = store->PayloadHash(a.span());
+  EXPECT_EQ(calls.load(), 1);
+  // The definition, by hand.
+  const std::byte* p = store->Payload(a.span()).data();
+  std::vector<XXH64_hash_t> pieces;
+  for (uint64_t at = 0; at < kExtent; at += StateStore::kHashPieceBytes) {
+    pieces.push_back(XXH3_64bits(p + at, std::min(StateStore::kHashPieceBytes, kExtent - at)));
+  }
+  ASSERT_EQ(pieces.size(), 4u);
+  EXPECT_EQ(hash, XXH3_64bits(pieces.data(), pieces.size() * sizeof(XXH64_hash_t)));
+  // Written by the threaded store, read by a plain one (and back).
+  ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
+  store.reset();
+  StateStoreOptions plain = Options(1, kExtent, 1, kMiB);
+  plain.open = StoreOpen::kOpenExisting;
+  auto reopened = StateStore::Create(*storage, plain).value();
+  ASSERT_TRUE(ReadWait(*reopened, 0, back.span()).ok());
+  EXPECT_EQ(reopened->PayloadHash(back.span()), hash);
+  // A flipped byte in the short last piece.
+  reopened->Payload(back.span())[kExtent - 1] ^= std::byte{1};
+  EXPECT_NE(reopened->PayloadHash(back.span()), hash);
+  EXPECT_EQ(reopened->VerifyPayload(0, back.span()).code(), StatusCode::kDataLoss);
 }
 
 TEST_F(StoreTest, ReopenAfterRestartScansGenerations) {
