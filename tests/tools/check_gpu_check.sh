@@ -24,7 +24,7 @@ case $mode in
     [ $rc = 77 ] || fail "exit code $rc, wanted 77"
     grep -q "NO GPU on this machine" <<<"$out" || fail "does not say there is no GPU"
     jq_py "assert r['status'] == 'no_gpu', r['status']; \
-assert [s['name'] for s in r['steps']] == ['build','info','ctest-gpu','import-order','pytest-cuda','bench-pcie','demo']; \
+assert [s['name'] for s in r['steps']] == ['build','info','ctest-gpu','import-order','pytest-cuda','bench-pcie','bench-step','demo']; \
 assert all(s['status'] == 'skipped' and s['summary'] == 'no GPU' for s in r['steps'])" ||
       fail "report.json does not list every step as skipped"
     [ -s "$work/out/report.txt" ] || fail "no report.txt"
@@ -42,7 +42,7 @@ assert all(s['status'] == 'skipped' and s['summary'] == 'no GPU' for s in r['ste
     [ $rc = 1 ] || fail "exit code $rc, wanted 1"
     jq_py "st = {s['name']: s['status'] for s in r['steps']}; print(st); \
 assert r['status'] == 'failed'; \
-assert all(st[n] == 'failed' for n in ['info','ctest-gpu','import-order','pytest-cuda','bench-pcie','demo']), st" ||
+assert all(st[n] == 'failed' for n in ['info','ctest-gpu','import-order','pytest-cuda','bench-pcie','bench-step','demo']), st" ||
       fail "a GPU step passed without a GPU"
     ;;
   *) fail "mode $mode?" ;;
