@@ -420,8 +420,8 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   if (auto_fraction) {
     k = most_that_fit();
     if (in.rates.cpu_adam_elems_per_sec > 0 && in.rates.device_adam_elems_per_sec > 0) {
-      // The device side grows with c and the CPU side shrinks: the best c is
-      // where they cross (a plan that does not fit counts as endless).
+      // The device side grows with c and the CPU side shrinks (a plan that
+      // does not fit counts as endless).
       auto sides = [&](size_t c) {
         const double device =
             static_cast<double>(sh.cum_elems[c]) / in.rates.device_adam_elems_per_sec;
@@ -430,42 +430,37 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
                                   : std::numeric_limits<double>::infinity();
         return std::pair<double, double>(device, cpu);
       };
-      auto device_slower = [&](size_t c) {
+      auto step = [&](size_t c) {
         const auto [device, cpu] = sides(c);
-        return device >= cpu;
+        return std::max(device, cpu);
       };
-      if (device_slower(k)) {
-        size_t lo = 0, hi = k;  // the smallest c with the device side the slower one
+      // The smallest c in [lo, hi] where `holds` does (it holds from there
+      // on), else hi.
+      auto first_where = [](size_t lo, size_t hi, const auto& holds) {
         while (lo < hi) {
           const size_t mid = lo + (hi - lo) / 2;
-          if (device_slower(mid)) {
+          if (holds(mid)) {
             hi = mid;
           } else {
             lo = mid + 1;
           }
         }
-        auto step = [&](size_t c) {
-          const auto [device, cpu] = sides(c);
-          return std::max(device, cpu);
-        };
-        // The step is the CPU side (non-increasing) below lo and the device
-        // side (non-decreasing) from lo on: its least value is at lo - 1 or
-        // lo. The fewest sub-groups that reach it (the CPU side may be flat,
-        // e.g. bound by NVMe), to spare device memory.
-        const double at_lo = step(lo);
-        const double least = lo > 0 ? std::min(step(lo - 1), at_lo) : at_lo;
-        size_t first = 0, last = at_lo == least ? lo : lo - 1;
-        while (first < last) {
-          const size_t mid = first + (last - first) / 2;
-          if (step(mid) <= least) {
-            last = mid;
-          } else {
-            first = mid + 1;
-          }
-        }
-        balanced = first < k;
-        k = first;
-      }
+        return lo;
+      };
+      // Below `cross` the step is the CPU side (non-increasing), from it on
+      // the device side (non-decreasing): its least is at cross - 1 or
+      // cross. Then the fewest sub-groups that reach it (the CPU side may
+      // be flat, e.g. bound by NVMe), to spare device memory.
+      const size_t cross = first_where(0, k, [&](size_t c) {
+        const auto [device, cpu] = sides(c);
+        return device >= cpu;
+      });
+      const double at_cross = step(cross);
+      const double least = cross > 0 ? std::min(step(cross - 1), at_cross) : at_cross;
+      const size_t fewest = first_where(0, at_cross == least ? cross : cross - 1,
+                                        [&](size_t c) { return step(c) <= least; });
+      balanced = fewest < k;
+      k = fewest;
     }
   } else if (in.gpu_fraction > 0) {
     // The count whose elements come closest to the fraction (ties: fewer).
@@ -560,8 +555,8 @@ std::string FormatPlan(const PlacementPlan& plan) {
   if (plan.device_sub_groups > 0) {
     out += fmt::format("  gpu_fraction: {:.3g} of the shard's elements updated on the device{}\n",
                        plan.gpu_fraction(),
-                       plan.auto_balanced ? " (auto: fewer than fit, as more would make the "
-                                            "device side the slower one)"
+                       plan.auto_balanced ? " (auto: fewer than fit, as more would not make "
+                                            "the step shorter)"
                                           : "");
   }
   const PlanRates& r = plan.rates;

@@ -201,7 +201,8 @@ struct PlacementPlan {
   PlanRates rates{};       // as given
   StepEstimate estimate{};  // step 6
   // gpu_fraction "auto" chose fewer device sub-groups than fit the budget:
-  // more would make the device side the slower one.
+  // more would not make the step shorter (the device side would be the
+  // slower one, or the CPU side would not shrink).
   bool auto_balanced = false;
   std::vector<std::string> warnings;  // the preflight's: fine to run, worth knowing
   uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }

@@ -421,7 +421,8 @@ TEST(PlacementTest, GpuFractionAutoWithRatesLetsBothSidesFinishTogether) {
 TEST(PlacementTest, GpuFractionAutoBalanceMatchesBruteForce) {
   const uint64_t seed = testing::TestSeed();
   std::mt19937_64 rng(seed);
-  for (int iter = 0; iter < 200; ++iter) {
+  int compared = 0, between = 0;  // plans checked; of those, 0 < k < n
+  for (int iter = 0; iter < 1000; ++iter) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed << " iter " << iter);
     PlacementInputs in;
     const size_t n = 1 + rng() % 12;
@@ -464,7 +465,12 @@ TEST(PlacementTest, GpuFractionAutoBalanceMatchesBruteForce) {
     ASSERT_FALSE(std::isinf(least));
     EXPECT_EQ(p->estimate.bound(), least);
     EXPECT_EQ(p->device_sub_groups, best);
+    ++compared;
+    between += best > 0 && best < n;
   }
+  // The draw reaches the interesting cases, not only refusals and extremes.
+  EXPECT_GT(compared, 300) << between;
+  EXPECT_GT(between, 100) << compared;
 }
 
 // ---- Preflight: the plan against the machine ------------------------------
