@@ -838,9 +838,7 @@ internal::PipelineSchedule OffloadOptimizer::Impl::Schedule(int64_t update_step)
 Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   const uint32_t n = static_cast<uint32_t>(sub_groups.size());
   const bool serial = mode == PipelineMode::kSerial;
-  // The CPU side: the sub-groups after the device ones (schedule positions
-  // and sub-groups are relative to the first of them, k).
-  const uint32_t k = device_count;
+  const uint32_t k = device_count;  // the first CPU-side sub-group (see Schedule)
   const internal::PipelineSchedule schedule = Schedule(d.step);
   Status first_error;
   auto fail = [&](Status s) {

@@ -132,9 +132,14 @@ std::string_view TierName(Tier tier) {
   return "?";
 }
 
-double PlacementPlan::gpu_fraction() const {
+uint64_t PlacementPlan::shard_elems() const {
   uint64_t all = 0;
   for (const SubGroupPlacement& g : sub_groups) all += g.elems;
+  return all;
+}
+
+double PlacementPlan::gpu_fraction() const {
+  const uint64_t all = shard_elems();
   return all == 0 ? 0.0 : static_cast<double>(device_elems) / static_cast<double>(all);
 }
 
@@ -177,9 +182,7 @@ Status CheckRate(double rate, std::string_view name) {
 // Step 6.
 StepEstimate Estimate(const PlacementInputs& in, const PlacementPlan& plan) {
   const PlanRates& r = in.rates;
-  uint64_t shard = 0;
-  for (const SubGroupPlacement& g : plan.sub_groups) shard += g.elems;
-  const uint64_t host_elems = shard - plan.device_elems;
+  const uint64_t host_elems = plan.shard_elems() - plan.device_elems;
   StepEstimate e;
   e.d2h_bytes = host_elems * in.grad_bytes_per_elem;
   e.h2d_bytes = host_elems * in.param_bytes_per_elem;
@@ -569,11 +572,9 @@ std::string FormatPlan(const PlacementPlan& plan) {
     };
     auto elems_rate = [](double rate) { return fmt::format("{:.3g} G elems/s", rate * 1e-9); };
     out += "  per step at these rates (busy time of each; the step costs at least the largest):\n";
-    uint64_t shard = 0;
-    for (const SubGroupPlacement& g : plan.sub_groups) shard += g.elems;
     out += fmt::format("    cpu adam     {:>10}  {} elems at {}\n",
                        secs(r.cpu_adam_elems_per_sec, e.cpu_adam),
-                       FormatCount(shard - plan.device_elems),
+                       FormatCount(plan.shard_elems() - plan.device_elems),
                        elems_rate(r.cpu_adam_elems_per_sec));
     if (plan.device_sub_groups > 0) {
       out += fmt::format("    device adam  {:>10}  {} elems at {}\n",

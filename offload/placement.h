@@ -207,6 +207,7 @@ struct PlacementPlan {
   std::vector<std::string> warnings;  // the preflight's: fine to run, worth knowing
   uint64_t host_total_bytes() const { return host_state_bytes + host_staging_bytes; }
   uint64_t device_total_bytes() const { return device_state_bytes + device_staging_bytes; }
+  uint64_t shard_elems() const;  // every sub-group's elements
   // The share of the shard's elements updated on the device.
   double gpu_fraction() const;
 };

@@ -85,15 +85,13 @@ Status RunPlan(const PlanArgs& args) {
     inputs.rates.nvme_write_bytes_per_sec = drive->write_bytes_per_sec;
     STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
   }
+  const StepEstimate& e = plan.estimate;
   // Both ways at the rate of reads and writes at once (what a step asks).
   const double ranks = std::max<uint32_t>(inputs.machine.ranks_per_node, 1);
   const double nvme_mixed_sec =
-      drive ? ranks *
-                  static_cast<double>(plan.estimate.nvme_read_bytes +
-                                      plan.estimate.nvme_write_bytes) /
+      drive ? ranks * static_cast<double>(e.nvme_read_bytes + e.nvme_write_bytes) /
                   drive->mixed_bytes_per_sec
             : 0.0;
-  const StepEstimate& e = plan.estimate;
   if (args.json) {
     nlohmann::json tiers = nlohmann::json::array();
     for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));
