@@ -119,7 +119,15 @@ def main():
     ap.add_argument("--sub-group-size", type=parse_count, default=parse_count("1M"))
     ap.add_argument("--threads", type=int, default=None, help="torch and CPU Adam threads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-fraction", default=None,
+                    help="share of the optimizer state kept on the device, [0, 1] or auto")
+    ap.add_argument("--device-budget", default=None,
+                    help="device memory the optimizer may use, e.g. 60GiB (with auto)")
+    ap.add_argument("--overlap-backward", action="store_true",
+                    help="hand each gradient to the engine during backward")
     args = ap.parse_args()
+    if args.gpu_fraction not in (None, "auto"):
+        args.gpu_fraction = float(args.gpu_fraction)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,7 +170,9 @@ def main():
                            {"params": no_decay, "weight_decay": 0.0}],
                           lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0, offload=args.offload,
                           nvme_path=nvme_dir, host_budget=args.host_budget,
-                          sub_group_size=args.sub_group_size, threads=args.threads)
+                          sub_group_size=args.sub_group_size, threads=args.threads,
+                          gpu_fraction=args.gpu_fraction, device_budget=args.device_budget,
+                          overlap_backward=args.overlap_backward)
     except ResourceExhaustedError as e:
         sys.exit(f"train_gpt: {e}")
     plan = opt.plan()

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -201,6 +202,15 @@ class _TorchDistributedComm:
         dist.barrier(group=self.group)
 
 
+def _grad_hook(ref, k):
+    """overlap_backward's hook for registered param k; holds the optimizer weakly."""
+    def hook(*_):
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._grad_accumulated(k)
+    return hook
+
+
 class _Registered:
     """A param the engine holds pointers to, as it was when registered (or rebound)."""
     __slots__ = ("param", "name", "where", "ptr", "grad_ptr", "shape", "dtype", "device")
@@ -278,6 +288,16 @@ class OffloadAdam(torch.optim.Optimizer):
             from construction on, keeping the newest N steps;
             ``write_trace(path)`` writes them. For one stretch of steps use
             the ``trace(path)`` context manager instead (docs/pytorch.md).
+        overlap_backward: False (default), or True: a hook on every param
+            reports its gradient to the engine as soon as autograd has
+            accumulated it, so the statistics (and with several ranks the
+            reduce-scatter and the copy to host memory) of each sub-group
+            start while backward goes on. It needs every backward's gradients
+            to be final: run the earlier backwards of a gradient accumulation
+            inside ``with optimizer.no_sync():``, and do not change ``.grad``
+            between backward and ``step()`` (clip with ``max_grad_norm``). A
+            second gradient for a param before ``step()`` raises during
+            backward (see "Overlap with backward" in docs/pytorch.md).
 
     Registration: the engine holds each param's memory. Before every
     ``step()`` the params are compared (pointers, shapes, dtypes, devices,
@@ -338,7 +358,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  adamw=True, max_grad_norm=None, offload="cpu", nvme_path=None, host_budget=None,
                  config=None, sub_group_size=None, threads=None, process_group=None,
-                 state_dict_dir=None, trace=None, gpu_fraction=None, device_budget=None):
+                 state_dict_dir=None, trace=None, gpu_fraction=None, device_budget=None,
+                 overlap_backward=False):
         if isinstance(lr, (int, float)) and math.isfinite(lr) and lr < 0.0:
             raise ValueError(f"OffloadAdam: invalid learning rate {lr}; lr must be >= 0")
         _check_hyper("", lr, betas, eps, weight_decay)
@@ -356,6 +377,9 @@ class OffloadAdam(torch.optim.Optimizer):
         if gpu_fraction == "auto" and device_budget is None:
             raise ValueError("OffloadAdam: gpu_fraction='auto' needs device_budget (the device "
                              "memory the optimizer may use, e.g. '60GiB')")
+        if not isinstance(overlap_backward, bool):
+            raise ValueError(f"OffloadAdam: overlap_backward={overlap_backward!r}; use True or "
+                             "False")
         if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"OffloadAdam: max_grad_norm={max_grad_norm}; use a positive, finite "
                              "value or None")
@@ -517,6 +541,14 @@ class OffloadAdam(torch.optim.Optimizer):
         self._trace_block = False
         if trace_steps:
             self._engine.trace_start(trace_steps)
+        # overlap_backward: the params reported ready since the last step()/zero_grad(),
+        # the no_sync() depth, a misuse that refuses step() until zero_grad(), the hooks.
+        self._reported = bytearray(len(self._reg))
+        self._no_sync = 0
+        self._overlap_error = None
+        self._hooks = {}
+        if overlap_backward:
+            self._install_grad_hooks(range(len(self._reg)))
 
     # --- torch.optim.Optimizer interface ---
 
@@ -623,6 +655,71 @@ class OffloadAdam(torch.optim.Optimizer):
             r, buf = self._reg[k], self._grad_bufs[k]
             self._engine.rebind_param(k, r.param.data_ptr(), buf.data_ptr())
             r.ptr, r.grad_ptr = r.param.data_ptr(), buf.data_ptr()
+        self._install_grad_hooks([k for k in moved if k in self._hooks])
+
+    # --- overlap_backward ---
+
+    def _install_grad_hooks(self, indices):
+        """Hooks params `indices` so each reports its gradient once autograd has
+        accumulated it (replacing a hook they had)."""
+        ref = weakref.ref(self)
+        with torch.enable_grad():
+            for k in indices:
+                old = self._hooks.pop(k, None)
+                if old is not None:
+                    old[0].remove()
+                p, hook = self._reg[k].param, _grad_hook(ref, k)
+                if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+                    self._hooks[k] = (p.register_post_accumulate_grad_hook(hook), None)
+                else:
+                    # A post hook on the param's AccumulateGrad node, which autograd holds
+                    # weakly: kept alive here, or the next backward makes a new one.
+                    node = p.expand_as(p).grad_fn.next_functions[0][0]
+                    self._hooks[k] = (node.register_hook(hook), node)
+
+    @torch.no_grad()
+    def _grad_accumulated(self, k):
+        """overlap_backward: param k's .grad holds this backward's gradient."""
+        if self._no_sync or self._engine.step_failed:
+            return  # an earlier micro-step; or retry_step() will not read .grad
+        r = self._reg[k]
+        if self._reported[k]:
+            self._overlap_error = (
+                f"OffloadAdam(overlap_backward=True): {r.describe(k)} got a second gradient "
+                "before step(), after the engine took its first as final. For gradient "
+                "accumulation run the earlier backwards inside `with optimizer.no_sync():`; "
+                "a param whose gradient arrives in several pieces in one backward (weights "
+                "shared across reentrant activation-checkpoint segments) needs "
+                "overlap_backward=False")
+            raise RuntimeError(self._overlap_error)
+        p, buf, g = r.param, self._grad_bufs[k], r.param.grad
+        if (g is None or g.is_sparse or tuple(g.shape) != r.shape or p.dtype != r.dtype
+                or p.data_ptr() != r.ptr or buf.data_ptr() != r.grad_ptr):
+            return  # step() checks it (and re-registers a moved param)
+        if g.data_ptr() != buf.data_ptr():
+            buf.copy_(g)
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self._device)
+            if current != self._stream:
+                self._stream.wait_stream(current)
+        self._engine.grad_ready(k)
+        self._reported[k] = 1
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """For gradient accumulation with overlap_backward=True: the backwards inside
+        are not the last micro-step, so their gradients are not handed to the engine
+        (as DistributedDataParallel.no_sync()). Run the last backward outside. Without
+        overlap_backward it changes nothing."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
+
+    def __del__(self):
+        for handle, _ in getattr(self, "_hooks", {}).values():
+            handle.remove()
 
     def _registered_ids(self):
         ids = getattr(self, "_reg_ids", None)
@@ -667,9 +764,14 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._overlap_error:
+            raise RuntimeError(f"{self._overlap_error}. Call zero_grad() and run the backward "
+                               "again")
         self._check_params("step")
         self._sync_hypers()
         for k, (r, buf) in enumerate(zip(self._reg, self._grad_bufs)):
+            if self._reported[k]:
+                continue  # in its buffer, handed to the engine during backward
             g = r.param.grad
             if g is None:
                 buf.zero_()
@@ -682,7 +784,15 @@ class OffloadAdam(torch.optim.Optimizer):
                                    f"{tuple(g.shape)}")
             elif g.data_ptr() != buf.data_ptr():
                 buf.copy_(g)
-        self._run(self._engine.step)
+        try:
+            self._run(self._engine.step)
+        except BaseException:
+            # Failed part way: retry_step() applies the gradients it kept. Failed before
+            # the update (the engine keeps the hand-over): the next step() takes them.
+            if self._engine.step_failed:
+                self._reported = bytearray(len(self._reg))
+            raise
+        self._reported = bytearray(len(self._reg))
         return loss
 
     @torch.no_grad()
@@ -701,6 +811,8 @@ class OffloadAdam(torch.optim.Optimizer):
         """Zeroes the grads. set_to_none=False (default) points each param's .grad
         at the engine's zeroed buffer, so the next backward accumulates in place."""
         self._engine.zero_grad()
+        self._reported = bytearray(len(self._reg))
+        self._overlap_error = None
         for r, buf in zip(self._reg, self._grad_bufs):
             p = r.param
             compatible = (p.dtype == buf.dtype and p.device == buf.device and

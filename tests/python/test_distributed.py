@@ -8,7 +8,9 @@ params agree within atol 2e-6 + rtol 1e-5 (rounding, not algorithm), and the
 two ranks' params are bitwise equal. With bf16 params (all-gathered as raw
 bytes) half-batch gradients would be bf16 roundings of other sums, so there
 both ranks train on the whole batch: the average of two equal gradients is
-exact, and 2 ranks must equal 1 rank bitwise.
+exact, and 2 ranks must equal 1 rank bitwise. With overlap_backward=True the
+ranks reduce-scatter each sub-group from a backward hook, with the same
+results.
 """
 import os
 
@@ -42,8 +44,9 @@ def train(model, opt, x, y):
         opt.zero_grad()
 
 
-def make_opt(model, offload, nvme_dir):
-    kwargs = dict(lr=3e-3, weight_decay=0.05, max_grad_norm=1.0, sub_group_size=2048)
+def make_opt(model, offload, nvme_dir, overlap=False):
+    kwargs = dict(lr=3e-3, weight_decay=0.05, max_grad_norm=1.0, sub_group_size=2048,
+                  overlap_backward=overlap)
     if offload == "nvme":
         kwargs.update(offload="nvme", nvme_path=nvme_dir)
     return OffloadAdam(model.parameters(), **kwargs)
@@ -52,13 +55,13 @@ def make_opt(model, offload, nvme_dir):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def worker(rank, init_file, out_dir, offload, nvme_dir, dtype):
+def worker(rank, init_file, out_dir, offload, nvme_dir, dtype, overlap):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     try:
         model = make_model(DTYPES[dtype])
-        opt = make_opt(model, offload, nvme_dir)
+        opt = make_opt(model, offload, nvme_dir, overlap)
         assert opt._engine.world_size == WORLD and opt._engine.rank == rank
         x, y = batch()
         if dtype == "fp32":
@@ -73,11 +76,16 @@ def worker(rank, init_file, out_dir, offload, nvme_dir, dtype):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("offload,dtype", [("cpu", "fp32"), ("nvme", "fp32"), ("cpu", "bf16")])
-def test_two_gloo_ranks_match_one_rank(offload, dtype, tmp_path):
+# overlap: the ranks reduce-scatter each sub-group from a backward hook
+# (overlap_backward=True) instead of in step().
+@pytest.mark.parametrize("offload,dtype,overlap", [
+    ("cpu", "fp32", False), ("nvme", "fp32", False), ("cpu", "bf16", False),
+    ("nvme", "fp32", True), ("cpu", "bf16", True)])
+def test_two_gloo_ranks_match_one_rank(offload, dtype, overlap, tmp_path):
     nvme_dir = tmp_path / "nvme"
     nvme_dir.mkdir()
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), offload, str(nvme_dir), dtype),
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path), offload, str(nvme_dir), dtype,
+                           overlap),
              nprocs=WORLD, join=True)
 
     model = make_model(DTYPES[dtype])
