@@ -330,7 +330,12 @@ Status ParseZero(const Json& z, OffloadConfig& c) {
   const std::string p = "zero_optimization";
   STRATA_RETURN_IF_ERROR(CheckKeys(z, p, {"stage", "sub_group_size", "offload_optimizer"}));
   STRATA_CONFIG_SET(c.zero_stage, GetUint(z, p, "stage", 0, 3));
-  STRATA_CONFIG_SET(c.sub_group_elems, GetUint(z, p, "sub_group_size", 1, kMaxElems));
+  if (const Json* v = Find(z, "sub_group_size");
+      v != nullptr && v->is_string() && Lower(v->get<std::string>()) == "auto") {
+    c.sub_group_elems = kSubGroupAuto;
+  } else {
+    STRATA_CONFIG_SET(c.sub_group_elems, GetUint(z, p, "sub_group_size", 1, kMaxElems));
+  }
   STRATA_ASSIGN_OR_RETURN(const Json* off, Section(z, p, "offload_optimizer"));
   if (off != nullptr) STRATA_RETURN_IF_ERROR(ParseOffloadOptimizer(*off, c));
   return OkStatus();
@@ -664,6 +669,18 @@ PlacementInputs PlacementInputsFor(const OffloadConfig& c,
           .rates = c.rates};
 }
 
+uint64_t SubGroupElemsFor(const OffloadConfig& c, uint64_t shard_elems, uint32_t world_size) {
+  if (c.sub_group_elems != kSubGroupAuto) return c.sub_group_elems;
+  const PlacementInputs in = PlacementInputsFor(c, {}, world_size);
+  return AutoSubGroupElems(
+      {.shard_elems = shard_elems,
+       .staging_bytes_per_elem = uint64_t{in.state_bytes_per_elem} + in.param_bytes_per_elem +
+                                 (world_size == 1 ? in.grad_bytes_per_elem : 0),
+       .buffer_count = c.buffer_count,
+       .host_budget_bytes = c.host_budget_bytes,
+       .nvme = in.nvme == NvmeTier::kAvailable});
+}
+
 std::span<const std::string_view> IgnoredConfigKeys() { return kIgnoredKeys; }
 
 Result<OffloadConfig> ParseConfigJson(std::string_view text) {
@@ -770,9 +787,6 @@ Status ValidateConfig(const OffloadConfig& c) {
         "gpu_fraction a number");
   }
   if (c.buffer_count < 1) return InvalidArgumentError(off + ".buffer_count = 0: must be >= 1");
-  if (c.sub_group_elems < 1) {
-    return InvalidArgumentError("zero_optimization.sub_group_size = 0: must be >= 1");
-  }
   if (c.aio.block_bytes < 4096 || c.aio.block_bytes % 4096 != 0) {
     return InvalidArgumentError(fmt::format(
         "aio.block_size = {}: must be a positive multiple of 4096 (O_DIRECT)", c.aio.block_bytes));
@@ -842,7 +856,9 @@ std::string ConfigToJson(const OffloadConfig& c) {
   const LossScalerOptions& s = c.loss_scaler;
   Json doc = {{"zero_optimization",
                {{"stage", c.zero_stage},
-                {"sub_group_size", c.sub_group_elems},
+                {"sub_group_size", c.sub_group_elems == kSubGroupAuto
+                                       ? Json("auto")
+                                       : Json(c.sub_group_elems)},
                 {"offload_optimizer", off}}},
               {"aio",
                {{"block_size", c.aio.block_bytes},

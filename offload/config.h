@@ -72,7 +72,8 @@ struct AioConfig {
 struct OffloadConfig {
   // zero_optimization
   int zero_stage = 2;                        // stage: 1, 2 or 3 (0 has no sharded state)
-  uint64_t sub_group_elems = 1'000'000'000;  // sub_group_size
+  // sub_group_size; kSubGroupAuto ("auto"): SubGroupElemsFor picks it
+  uint64_t sub_group_elems = 1'000'000'000;
   // zero_optimization.offload_optimizer
   OffloadDevice device = OffloadDevice::kCpu;
   std::vector<std::string> nvme_paths;  // nvme_path: one directory or a list (striped)
@@ -137,6 +138,12 @@ std::string ConfigToJson(const OffloadConfig& config);
 PlacementInputs PlacementInputsFor(const OffloadConfig& config,
                                    std::span<const uint64_t> sub_group_elems,
                                    uint32_t world_size = 1);
+
+// Elements per sub-group for a rank's shard of `shard_elems`:
+// config.sub_group_elems, or with kSubGroupAuto AutoSubGroupElems over the
+// config's budget, buffer_count, NVMe tier and dtypes.
+uint64_t SubGroupElemsFor(const OffloadConfig& config, uint64_t shard_elems,
+                          uint32_t world_size = 1);
 
 // Full key paths of the DeepSpeed keys that are accepted and ignored (a
 // section listed here is ignored with everything under it).

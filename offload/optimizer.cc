@@ -426,7 +426,9 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
     return InvalidArgumentError(fmt::format("{}: every registered tensor has 0 elems", kOp));
   }
   STRATA_ASSIGN_OR_RETURN(shard, ShardRange(layout, static_cast<uint32_t>(rank)));
-  STRATA_ASSIGN_OR_RETURN(sub_groups, CutSubGroups(shard, config.sub_group_elems));
+  const uint64_t sub_group_elems =
+      SubGroupElemsFor(config, shard.elems(), static_cast<uint32_t>(world));
+  STRATA_ASSIGN_OR_RETURN(sub_groups, CutSubGroups(shard, sub_group_elems));
   std::vector<uint64_t> sizes;
   for (const ElemRange& r : sub_groups) sizes.push_back(r.elems());
   PlacementInputs inputs = PlacementInputsFor(config, sizes, static_cast<uint32_t>(world));
@@ -438,8 +440,10 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world)));
   STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
   for (const std::string& w : plan.warnings) LogWarning(fmt::format("rank {}: {}", rank, w));
-  LogInfo(fmt::format("rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups)\n{}", rank,
-                      world, params.size(), layout.tensor_elems, shard.elems(), sub_groups.size(),
+  LogInfo(fmt::format("rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups of {}{})\n{}",
+                      rank, world, params.size(), layout.tensor_elems, shard.elems(),
+                      sub_groups.size(), sub_group_elems,
+                      config.sub_group_elems == kSubGroupAuto ? ", sub_group_size auto" : "",
                       FormatPlan(plan)));
   slots = inputs.buffer_count;  // config.buffer_count, at most one per sub-group
   return OkStatus();

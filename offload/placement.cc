@@ -52,7 +52,7 @@ Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
       const bool shard_buffer = in.world_size > 1;
       knob = fmt::format(
           "the pinned staging alone needs {} ({}: {}); lower zero_optimization.sub_group_size "
-          "or offload_optimizer.buffer_count{}",
+          "(\"auto\" sizes it to the budget) or offload_optimizer.buffer_count{}",
           FormatBytes(plan.host_staging_bytes), plan.buffers[0].name,
           FormatBytes(plan.buffers[0].total_bytes()),
           shard_buffer ? ", or shard over more ranks (the grad shard holds the rank's reduced "
@@ -277,7 +277,8 @@ Result<PlacementPlan> PlaceRest(const PlacementInputs& in, const Shape& sh, size
     return ResourceExhaustedError(fmt::format(
         "{}: with all state on NVMe the pinned staging alone needs {} ({} {}, param {} x "
         "{}, nvme {} x {}) but strata.host_budget is {}; raise strata.host_budget to {}, or "
-        "lower zero_optimization.sub_group_size or offload_optimizer.buffer_count{}",
+        "lower zero_optimization.sub_group_size (\"auto\" sizes it to the budget) or "
+        "offload_optimizer.buffer_count{}",
         kOp, FormatBytes(staging), plan.buffers[0].name, FormatBytes(plan.buffers[0].total_bytes()),
         in.buffer_count,
         FormatBytes(plan.buffers[1].bytes_each), in.buffer_count,
@@ -491,6 +492,20 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
 }
 
 }  // namespace
+
+uint64_t AutoSubGroupElems(const AutoSubGroupInputs& in) {
+  constexpr uint64_t kMi = uint64_t{1} << 20;
+  const uint64_t shard = std::max<uint64_t>(in.shard_elems, 1);
+  uint64_t elems = std::max(CeilDiv(shard, kAutoSubGroups), kAutoMinSubGroupElems);
+  elems = CeilDiv(elems, kMi) * kMi;
+  if (in.nvme && in.host_budget_bytes > 0 && in.staging_bytes_per_elem > 0) {
+    const uint64_t cap = in.host_budget_bytes / 4 /
+                         (std::max<uint32_t>(in.buffer_count, 1) * in.staging_bytes_per_elem);
+    elems = std::min(elems, std::max(cap / kMi * kMi, kMi));
+  }
+  elems = std::min(elems, shard);
+  return std::max(elems, CeilDiv(shard, kMaxSubGroups));
+}
 
 Result<PlacementPlan> PlanPlacement(const PlacementInputs& inputs) {
   STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanTiers(inputs));

@@ -102,6 +102,35 @@ inline constexpr double kGpuFractionAuto = -1.0;
 // check ran.
 inline constexpr uint64_t kMaxSubGroups = kMaxSubGroupCount;
 
+// sub_group_size "auto" (kSubGroupAuto): the elements per sub-group for a
+// rank's shard, from what the size trades off:
+//   - the step's head (the first sub-group's copy down and update, before
+//     anything overlaps) and its tail (the last one's upload and NVMe write)
+//     are one sub-group each: kAutoSubGroups sub-groups keep each near
+//     1/32 of the step;
+//   - each sub-group costs fixed work (events, IO ops, a hand-over): at
+//     least kAutoMinSubGroupElems elements;
+//   - with NVMe and a host budget, the staging (buffer_count buffers of
+//     `staging_bytes_per_elem` per element) takes at most a quarter of the
+//     budget, so the rest keeps sub-groups in DRAM (each saves a read and a
+//     write per step).
+// Rounded up to whole Mi elements, at most the shard, and large enough that
+// the shard has at most kMaxSubGroups. Pure.
+inline constexpr uint64_t kSubGroupAuto = 0;
+inline constexpr uint64_t kAutoSubGroups = 32;
+inline constexpr uint64_t kAutoMinSubGroupElems = uint64_t{4} << 20;
+
+struct AutoSubGroupInputs {
+  uint64_t shard_elems = 0;
+  // Per element of one pipeline buffer: state (NVMe extent), param slot and,
+  // with one rank, gradient slot bytes.
+  uint64_t staging_bytes_per_elem = 0;
+  uint32_t buffer_count = 4;
+  uint64_t host_budget_bytes = 0;  // 0: not limited (or staging only)
+  bool nvme = false;
+};
+uint64_t AutoSubGroupElems(const AutoSubGroupInputs& in);
+
 // One nvme_path as the preflight sees it.
 struct NvmePathSpace {
   std::string path{};

@@ -353,8 +353,12 @@ Status RunStep(const StepArgs& a) {
     }
   }
   if (Use(a, "--sub-group")) {
-    STRATA_ASSIGN_OR_RETURN(config.sub_group_elems, ParseCount(a.sub_group));
-    if (config.sub_group_elems == 0) return InvalidArgumentError("--sub-group 0: must be > 0");
+    if (a.sub_group == "auto") {
+      config.sub_group_elems = kSubGroupAuto;
+    } else {
+      STRATA_ASSIGN_OR_RETURN(config.sub_group_elems, ParseCount(a.sub_group));
+      if (config.sub_group_elems == 0) return InvalidArgumentError("--sub-group 0: must be > 0");
+    }
   }
   if (Use(a, "--buffer-count")) config.buffer_count = a.buffer_count;
   if (Use(a, "--threads")) config.threads = a.threads;
@@ -419,6 +423,10 @@ Status RunStep(const StepArgs& a) {
                           PlanFlatLayout(specs, {.align_elems = config.align_elems,
                                                  .world_size = static_cast<uint32_t>(a.ranks)}));
   STRATA_ASSIGN_OR_RETURN(ElemRange shard0, ShardRange(layout, 0));
+  // "auto" resolved once, from the config's budget: the bench's own default
+  // budget below follows the sub-groups.
+  config.sub_group_elems =
+      SubGroupElemsFor(config, shard0.elems(), static_cast<uint32_t>(a.ranks));
   STRATA_ASSIGN_OR_RETURN(std::vector<ElemRange> sgs, CutSubGroups(shard0, config.sub_group_elems));
   std::vector<uint64_t> sg_sizes;
   for (const ElemRange& r : sgs) sg_sizes.push_back(r.elems());
@@ -971,7 +979,7 @@ void AddBenchStepCommand(Cli& cli) {
   cmd->add_option("--warmup", a->warmup, "Untimed rounds first")
       ->capture_default_str()
       ->check(CLI::Range(0, 100));
-  cmd->add_option("--sub-group", a->sub_group, "Sub-group size in elements (sub_group_size)")
+  cmd->add_option("--sub-group", a->sub_group, "Sub-group size in elements (sub_group_size), or auto (the planner's choice)")
       ->capture_default_str();
   cmd->add_option("--buffer-count", a->buffer_count, "Pipeline depth (buffer_count)")
       ->capture_default_str()

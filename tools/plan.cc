@@ -58,7 +58,8 @@ Status RunPlan(const PlanArgs& args) {
       PlanFlatLayout(model, {.align_elems = config.align_elems, .world_size = args.world_size}));
   STRATA_ASSIGN_OR_RETURN(ElemRange shard, ShardRange(layout, args.rank));
   STRATA_ASSIGN_OR_RETURN(std::vector<ElemRange> groups,
-                          CutSubGroups(shard, config.sub_group_elems));
+                          CutSubGroups(shard, SubGroupElemsFor(config, shard.elems(),
+                                                               args.world_size)));
   std::vector<uint64_t> sizes;
   for (const ElemRange& g : groups) sizes.push_back(g.elems());
   PlacementInputs inputs = PlacementInputsFor(config, sizes, args.world_size);

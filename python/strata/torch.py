@@ -265,7 +265,10 @@ class OffloadAdam(torch.optim.Optimizer):
             the state it keeps there), bytes or "60GiB"; needed by
             ``gpu_fraction="auto"``. None: not limited.
         sub_group_size: elements per pipelined sub-group (default 1e9; smaller
-            values overlap NVMe IO with the update at a finer grain).
+            values overlap NVMe IO with the update at a finer grain), or
+            ``"auto"``: the planner's choice (about 32 per rank, at least 4 Mi
+            elements, with NVMe staging at most a quarter of ``host_budget``).
+            ``state_dict()`` arrays load only into the same sub-groups.
         threads: CPU optimizer threads (None: all hardware threads).
         config: a DeepSpeed-style dict or JSON string (docs/config.md), merged
             over what the arguments above produce (its keys win). ``"auto"``
@@ -437,7 +440,8 @@ class OffloadAdam(torch.optim.Optimizer):
                                      "directory; give a directory (it is created if missing)")
             base["zero_optimization"]["offload_optimizer"]["nvme_path"] = [str(p) for p in paths]
         if sub_group_size is not None:
-            base["zero_optimization"]["sub_group_size"] = int(sub_group_size)
+            base["zero_optimization"]["sub_group_size"] = (
+                "auto" if sub_group_size == "auto" else int(sub_group_size))
         if threads is not None:
             base["strata"]["threads"] = int(threads)
         if gpu_fraction is not None:
@@ -456,7 +460,9 @@ class OffloadAdam(torch.optim.Optimizer):
             "gradient_clipping": float(max_grad_norm or 0.0),
             "fp16.enabled": self._dtype == torch.float16,
             "bf16.enabled": self._dtype == torch.bfloat16,
-            "zero_optimization.sub_group_size": sub_group_size})
+            # "auto" stays "auto": the engine's planner picks the size.
+            "zero_optimization.sub_group_size": (
+                "auto" if sub_group_size is None else sub_group_size)})
         bad = _non_finite(base)
         if bad:
             raise ValueError(f"OffloadAdam: config {bad}; every number must be finite")

@@ -158,7 +158,9 @@ TEST(ConfigTest, WrongTypesAndRangesNameKeyValueAndRange) {
       {R"({"aio": {"queue_depth": 2.5}})", "aio.queue_depth = 2.5: must be an integer"},
       {R"({"aio": {"block_size": "lots"}})", "aio.block_size = \"lots\": expected a byte count"},
       {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage = 4: must be"},
-      {R"({"zero_optimization": {"sub_group_size": "auto"}})", "filled in by the Hugging Face"},
+      {R"({"zero_optimization": {"stage": "auto"}})", "filled in by the Hugging Face"},
+      {R"({"zero_optimization": {"sub_group_size": "lots"}})",
+       "sub_group_size = \"lots\": expected an integer"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
        "device = \"gpu\": must be \"cpu\", \"nvme\" or \"none\""},
       {R"({"zero_optimization": {"offload_optimizer": {"pin_memory": 1}}})",
@@ -295,6 +297,7 @@ TEST(ConfigTest, ConfigToJsonRoundTrips) {
       R"({"optimizer": {"type": "Lion", "params": {"lr": 0.001, "weight_decay": 0.3}},
           "bf16": {"enabled": true}, "gradient_clipping": 0})",
       R"({"optimizer": {"type": "Adagrad", "params": {"eps": 1e-7}}})",
+      R"({"zero_optimization": {"sub_group_size": "auto"}})",
   };
   for (std::string_view doc : docs) {
     Result<OffloadConfig> a = ParseConfigJson(doc);
@@ -310,7 +313,35 @@ TEST(ConfigTest, ConfigToJsonRoundTrips) {
     EXPECT_EQ(b->adam.bias_correction, a->adam.bias_correction);
     EXPECT_EQ(b->host_budget_bytes, a->host_budget_bytes);
     EXPECT_EQ(b->aio.block_bytes, a->aio.block_bytes);
+    EXPECT_EQ(b->sub_group_elems, a->sub_group_elems);
   }
+}
+
+TEST(ConfigTest, SubGroupSizeAutoIsThePlannersChoiceForTheShard) {
+  Result<OffloadConfig> fixed = ParseConfigJson(R"({"zero_optimization": {"sub_group_size": 7}})");
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  EXPECT_EQ(SubGroupElemsFor(*fixed, 1'000'000'000), 7u);
+
+  Result<OffloadConfig> c = ParseConfigJson(R"({
+    "zero_optimization": {"sub_group_size": "AUTO",
+                          "offload_optimizer": {"device": "nvme", "nvme_path": "/n",
+                                                "buffer_count": 2}},
+    "bf16": {"enabled": true}, "strata": {"host_budget": "16GiB"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sub_group_elems, kSubGroupAuto);
+  ASSERT_TRUE(ValidateConfig(*c).ok());
+  // Adam state 12 + bf16 param 2 + bf16 grad 2 (one rank) per element and buffer.
+  EXPECT_EQ(SubGroupElemsFor(*c, 6'000'000'000),
+            AutoSubGroupElems({.shard_elems = 6'000'000'000, .staging_bytes_per_elem = 16,
+                               .buffer_count = 2, .host_budget_bytes = 16 * kGiB, .nvme = true}));
+  // With several ranks the gradient is not a per-buffer slot (it is the shard buffer).
+  EXPECT_EQ(SubGroupElemsFor(*c, 6'000'000'000, 4),
+            AutoSubGroupElems({.shard_elems = 6'000'000'000, .staging_bytes_per_elem = 14,
+                               .buffer_count = 2, .host_budget_bytes = 16 * kGiB, .nvme = true}));
+  // No NVMe: the budget caps nothing.
+  c->device = OffloadDevice::kCpu;
+  EXPECT_EQ(SubGroupElemsFor(*c, 6'000'000'000),
+            AutoSubGroupElems({.shard_elems = 6'000'000'000}));
 }
 
 TEST(ConfigTest, PlacementInputsFollowTheConfig) {

@@ -641,4 +641,67 @@ TEST(PreflightTest, RanksPerNode) {
 }
 
 }  // namespace
+TEST(AutoSubGroupTest, AboutThirtyTwoSubGroupsOfWholeMiElements) {
+  constexpr uint64_t kMi = uint64_t{1} << 20;
+  // 2e9 / 32 = 62.5M, rounded up to 60 Mi.
+  const uint64_t e = AutoSubGroupElems({.shard_elems = 2'000'000'000});
+  EXPECT_EQ(e, 60 * kMi);
+  EXPECT_EQ((2'000'000'000 + e - 1) / e, 32u);
+  // Small shards: sub-groups of at least 4 Mi elements, one when smaller.
+  EXPECT_EQ(AutoSubGroupElems({.shard_elems = 10'000'000}), kAutoMinSubGroupElems);
+  EXPECT_EQ(AutoSubGroupElems({.shard_elems = 1000}), 1000u);
+  EXPECT_EQ(AutoSubGroupElems({.shard_elems = 0}), 1u);
+}
+
+TEST(AutoSubGroupTest, WithNvmeTheStagingTakesAtMostAQuarterOfTheHostBudget) {
+  constexpr uint64_t kMi = uint64_t{1} << 20;
+  const AutoSubGroupInputs in{.shard_elems = 6'000'000'000, .staging_bytes_per_elem = 16,
+                              .buffer_count = 4, .host_budget_bytes = 16 * kGiB, .nvme = true};
+  const uint64_t e = AutoSubGroupElems(in);
+  EXPECT_EQ(e, 64 * kMi);  // 16 GiB / 4 / (4 x 16 B)
+  EXPECT_LE(in.buffer_count * in.staging_bytes_per_elem * e, in.host_budget_bytes / 4);
+  // The same shard without NVMe, or with a budget of 0 (staging only): no cap.
+  AutoSubGroupInputs dram = in;
+  dram.nvme = false;
+  EXPECT_EQ(AutoSubGroupElems(dram), 179 * kMi);  // 6e9 / 32 = 187.5M = 178.8 Mi
+  AutoSubGroupInputs staging_only = in;
+  staging_only.host_budget_bytes = 0;
+  EXPECT_EQ(AutoSubGroupElems(staging_only), 179 * kMi);
+  // A budget too small for even 1 Mi elements per buffer still gives 1 Mi
+  // (the planner then names the budget needed).
+  AutoSubGroupInputs tiny = in;
+  tiny.host_budget_bytes = kMi;
+  EXPECT_EQ(AutoSubGroupElems(tiny), kMi);
+}
+
+TEST(AutoSubGroupTest, InvariantsOverRandomInputs) {
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 2000; ++i) {
+    const AutoSubGroupInputs in{
+        .shard_elems = rng() >> (rng() % 64),
+        .staging_bytes_per_elem = 1 + rng() % 32,
+        .buffer_count = static_cast<uint32_t>(1 + rng() % 16),
+        .host_budget_bytes = rng() % 3 == 0 ? 0 : rng() >> (rng() % 64),
+        .nvme = rng() % 2 == 0};
+    const uint64_t shard = std::max<uint64_t>(in.shard_elems, 1);
+    const uint64_t e = AutoSubGroupElems(in);
+    SCOPED_TRACE(::testing::Message() << "shard " << in.shard_elems << " budget "
+                                      << in.host_budget_bytes << " nvme " << in.nvme);
+    ASSERT_GE(e, 1u);
+    ASSERT_LE(e, shard);
+    const uint64_t count = shard / e + (shard % e != 0);
+    ASSERT_LE(count, kMaxSubGroups);
+    ASSERT_TRUE(CutSubGroups({0, shard}, e).ok());
+    const bool capped = in.nvme && in.host_budget_bytes > 0;
+    if (!capped && shard >= kAutoSubGroups * kAutoMinSubGroupElems) {
+      // Rounding up to whole Mi costs at most a quarter here (sub-groups >= 4 Mi).
+      ASSERT_LE(count, kAutoSubGroups);
+      ASSERT_GE(count, kAutoSubGroups * 4 / 5);
+    }
+    if (capped && e > (uint64_t{1} << 20) && e < shard && count < kMaxSubGroups) {
+      ASSERT_LE(e * in.buffer_count * in.staging_bytes_per_elem, in.host_budget_bytes / 4);
+    }
+  }
+}
+
 }  // namespace strata

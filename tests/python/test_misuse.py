@@ -318,10 +318,20 @@ def test_hugging_face_auto_values_are_filled_from_the_arguments():
     assert cfg["optimizer"]["params"]["weight_decay"] == 0.1
     assert cfg["gradient_clipping"] == 1.0
     assert cfg["bf16"]["enabled"] is True
+    assert cfg["zero_optimization"]["sub_group_size"] == "auto", "the planner picks it"
     assert config["optimizer"]["params"]["lr"] == "auto", "the caller's dict is not changed"
     train(model, opt, 1)
     with pytest.raises(strata.InvalidArgumentError, match="auto"):
         OffloadAdam(Net().parameters(), config={"aio": {"queue_depth": "auto"}})
+
+
+def test_sub_group_size_auto_is_the_planners_choice():
+    w = torch.zeros(9 << 20, requires_grad=True)
+    opt = OffloadAdam([w], sub_group_size="auto")
+    sizes = [end - begin for begin, end in opt._engine.sub_groups()]
+    assert sizes[:2] == [4 << 20, 4 << 20] and len(sizes) == 3, sizes  # at least 4 Mi each
+    assert opt.engine_config["zero_optimization"]["sub_group_size"] == "auto"
+    assert opt.plan()["host_sub_groups"] == 3
 
 
 def test_add_param_group_is_refused_with_a_way_out():
