@@ -725,7 +725,10 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def __del__(self):
         for handle, _ in getattr(self, "_hooks", {}).values():
-            handle.remove()
+            try:
+                handle.remove()
+            except Exception:  # torch torn down first at interpreter exit
+                pass
 
     def _registered_ids(self):
         ids = getattr(self, "_reg_ids", None)
