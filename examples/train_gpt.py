@@ -116,7 +116,9 @@ def main():
     ap.add_argument("--host-budget", default=None,
                     help="pinned DRAM for state + staging (default: the staging plus a quarter "
                          "of the state)")
-    ap.add_argument("--sub-group-size", type=parse_count, default=parse_count("1M"))
+    ap.add_argument("--sub-group-size", default=parse_count("1M"),
+                    type=lambda s: s if s == "auto" else parse_count(s),
+                    help="elements per sub-group, or auto (the planner's choice)")
     ap.add_argument("--threads", type=int, default=None, help="torch and CPU Adam threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu-fraction", default=None,
@@ -149,13 +151,18 @@ def main():
     if args.offload == "nvme" and nvme_dir is None:
         nvme_dir, made_dir = tempfile.mkdtemp(prefix="strata_demo_", dir="/var/tmp"), True
     if args.host_budget is None and args.offload == "nvme":
-        # What the planner needs for staging (docs/offload.md): the fp32 grad
-        # of the shard, 4 param and 4 NVMe buffers of one sub-group; plus a
-        # quarter of the state, so most of it goes to NVMe.
-        sg = min(args.sub_group_size, n_params)
-        staging = (4 * (n_params + 64 * 256) + 4 * sg * param_bytes
-                   + 4 * (12 * sg + 8192))
-        args.host_budget = staging + state_bytes // 4
+        # What the planner needs for staging (docs/offload.md): 4 grad, 4 param
+        # and 4 NVMe buffers of one sub-group (and 4 B per param of headroom);
+        # plus a quarter of the state, so most of it goes to NVMe. With "auto"
+        # sub-groups the planner keeps the staging within a quarter of the
+        # budget, so a third of the state leaves a quarter of it in DRAM.
+        if args.sub_group_size == "auto":
+            args.host_budget = state_bytes // 3
+        else:
+            sg = min(args.sub_group_size, n_params)
+            staging = (4 * (n_params + 64 * 256) + 4 * sg * param_bytes
+                       + 4 * (12 * sg + 8192))
+            args.host_budget = staging + state_bytes // 4
     print(f"model: GPT {args.layers} layers x d_model {args.d_model}, {args.heads} heads, "
           f"vocab {args.vocab}, seq {args.seq}: {n_params / 1e6:.1f}M params ({args.dtype}) on "
           f"{device}; optimizer state {fmt_bytes(state_bytes)}", flush=True)

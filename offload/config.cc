@@ -666,7 +666,8 @@ PlacementInputs PlacementInputsFor(const OffloadConfig& c,
           .block_bytes = c.aio.block_bytes,
           .world_size = world_size,
           .gpu_fraction = c.gpu_fraction,
-          .rates = c.rates};
+          .rates = c.rates,
+          .auto_sub_groups = c.sub_group_elems == kSubGroupAuto};
 }
 
 uint64_t SubGroupElemsFor(const OffloadConfig& c, uint64_t shard_elems, uint32_t world_size) {

@@ -20,6 +20,15 @@ constexpr uint64_t kExtentHeaderBytes = 4096;  // StateStore::kHeaderBytes
 uint64_t RoundUpPage(uint64_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
+// The knobs that shrink the per-buffer staging.
+std::string_view StagingKnob(const PlacementInputs& in) {
+  return in.auto_sub_groups
+             ? "lower offload_optimizer.buffer_count (sub_group_size \"auto\" already sized the "
+               "sub-groups to the budget)"
+             : "lower zero_optimization.sub_group_size (\"auto\" sizes it to the budget) or "
+               "offload_optimizer.buffer_count";
+}
+
 // Bytes of one rank's state file per nvme_path: a superblock, then two slots
 // per NVMe sub-group, each slot (one NVMe buffer) cut into block_bytes chunks
 // dealt round-robin over the paths (offload/state_store.h); the superblock
@@ -51,10 +60,9 @@ Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
       // One rank: a ring of sub-group slots; several: the reduced shard.
       const bool shard_buffer = in.world_size > 1;
       knob = fmt::format(
-          "the pinned staging alone needs {} ({}: {}); lower zero_optimization.sub_group_size "
-          "(\"auto\" sizes it to the budget) or offload_optimizer.buffer_count{}",
+          "the pinned staging alone needs {} ({}: {}); {}{}",
           FormatBytes(plan.host_staging_bytes), plan.buffers[0].name,
-          FormatBytes(plan.buffers[0].total_bytes()),
+          FormatBytes(plan.buffers[0].total_bytes()), StagingKnob(in),
           shard_buffer ? ", or shard over more ranks (the grad shard holds the rank's reduced "
                          "gradient)"
                        : "");
@@ -277,13 +285,12 @@ Result<PlacementPlan> PlaceRest(const PlacementInputs& in, const Shape& sh, size
     return ResourceExhaustedError(fmt::format(
         "{}: with all state on NVMe the pinned staging alone needs {} ({} {}, param {} x "
         "{}, nvme {} x {}) but strata.host_budget is {}; raise strata.host_budget to {}, or "
-        "lower zero_optimization.sub_group_size (\"auto\" sizes it to the budget) or "
-        "offload_optimizer.buffer_count{}",
+        "{}{}",
         kOp, FormatBytes(staging), plan.buffers[0].name, FormatBytes(plan.buffers[0].total_bytes()),
         in.buffer_count,
         FormatBytes(plan.buffers[1].bytes_each), in.buffer_count,
         FormatBytes(plan.nvme_buffer_bytes), FormatBytes(in.host_budget_bytes),
-        FormatBytes(staging),
+        FormatBytes(staging), StagingKnob(in),
         one_rank ? "" : ", or shard over more ranks (the grad shard holds the rank's reduced "
                         "gradient)"));
   }
@@ -499,9 +506,10 @@ uint64_t AutoSubGroupElems(const AutoSubGroupInputs& in) {
   uint64_t elems = std::max(CeilDiv(shard, kAutoSubGroups), kAutoMinSubGroupElems);
   elems = CeilDiv(elems, kMi) * kMi;
   if (in.nvme && in.host_budget_bytes > 0 && in.staging_bytes_per_elem > 0) {
+    constexpr uint64_t k64Ki = uint64_t{1} << 16;
     const uint64_t cap = in.host_budget_bytes / 4 /
                          (std::max<uint32_t>(in.buffer_count, 1) * in.staging_bytes_per_elem);
-    elems = std::min(elems, std::max(cap / kMi * kMi, kMi));
+    elems = std::min(elems, std::max(cap / k64Ki * k64Ki, k64Ki));
   }
   elems = std::min(elems, shard);
   return std::max(elems, CeilDiv(shard, kMaxSubGroups));

@@ -114,8 +114,9 @@ inline constexpr uint64_t kMaxSubGroups = kMaxSubGroupCount;
 //     `staging_bytes_per_elem` per element) takes at most a quarter of the
 //     budget, so the rest keeps sub-groups in DRAM (each saves a read and a
 //     write per step).
-// Rounded up to whole Mi elements, at most the shard, and large enough that
-// the shard has at most kMaxSubGroups. Pure.
+// Rounded up to whole Mi elements (down to whole 64 Ki where the budget caps
+// it, at least 64 Ki), at most the shard, and large enough that the shard
+// has at most kMaxSubGroups. Pure.
 inline constexpr uint64_t kSubGroupAuto = 0;
 inline constexpr uint64_t kAutoSubGroups = 32;
 inline constexpr uint64_t kAutoMinSubGroupElems = uint64_t{4} << 20;
@@ -193,6 +194,9 @@ struct PlacementInputs {
   // or kGpuFractionAuto (needs device_budget_bytes). Step 0.
   double gpu_fraction = 0.0;
   PlanRates rates{};               // step 6, and "auto" balancing in step 0
+  // The sub-groups were sized by AutoSubGroupElems (the errors then do not
+  // suggest a smaller sub_group_size: "auto" already took the smallest).
+  bool auto_sub_groups = false;
   MachineLimits machine{};         // the preflight's view of the machine (step 5)
 };
 

@@ -533,6 +533,15 @@ TEST(PreflightTest, StagingLargerThanMemoryPointsAtSubGroupsAndWithRanksAtTheSha
   m = std::string(p.status().message());
   EXPECT_TRUE(Contains(m, "(grad shard: ")) << m;
   EXPECT_TRUE(Contains(m, "shard over more ranks")) << m;
+  // Sub-groups sized by "auto": the knob left is buffer_count.
+  in.world_size = 1;
+  in.auto_sub_groups = true;
+  p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
+  m = std::string(p.status().message());
+  EXPECT_TRUE(Contains(m, "lower offload_optimizer.buffer_count (sub_group_size \"auto\" already"))
+      << m;
+  EXPECT_FALSE(Contains(m, "lower zero_optimization.sub_group_size")) << m;
 }
 
 TEST(PreflightTest, RanksOnOneNodeShareItsMemory) {
@@ -667,11 +676,14 @@ TEST(AutoSubGroupTest, WithNvmeTheStagingTakesAtMostAQuarterOfTheHostBudget) {
   AutoSubGroupInputs staging_only = in;
   staging_only.host_budget_bytes = 0;
   EXPECT_EQ(AutoSubGroupElems(staging_only), 179 * kMi);
-  // A budget too small for even 1 Mi elements per buffer still gives 1 Mi
-  // (the planner then names the budget needed).
+  // Capped, whole 64 Ki elements; a budget too small for even 64 Ki per
+  // buffer still gives 64 Ki (the planner then names the budget needed).
+  AutoSubGroupInputs small = in;
+  small.host_budget_bytes = 100 * kMi;  // 100 Mi / 4 / 64 = 409600 -> 393216
+  EXPECT_EQ(AutoSubGroupElems(small), 6 * (kMi / 16));
   AutoSubGroupInputs tiny = in;
   tiny.host_budget_bytes = kMi;
-  EXPECT_EQ(AutoSubGroupElems(tiny), kMi);
+  EXPECT_EQ(AutoSubGroupElems(tiny), kMi / 16);
 }
 
 TEST(AutoSubGroupTest, InvariantsOverRandomInputs) {
@@ -698,7 +710,10 @@ TEST(AutoSubGroupTest, InvariantsOverRandomInputs) {
       ASSERT_LE(count, kAutoSubGroups);
       ASSERT_GE(count, kAutoSubGroups * 4 / 5);
     }
-    if (capped && e > (uint64_t{1} << 20) && e < shard && count < kMaxSubGroups) {
+    // Unless held up by the floors (64 Ki; at most kMaxSubGroups) or the shard.
+    const uint64_t floor = std::max<uint64_t>(uint64_t{1} << 16,
+                                              (shard + kMaxSubGroups - 1) / kMaxSubGroups);
+    if (capped && e > floor && e < shard) {
       ASSERT_LE(e * in.buffer_count * in.staging_bytes_per_elem, in.host_budget_bytes / 4);
     }
   }
