@@ -194,8 +194,9 @@ struct PlacementInputs {
   // or kGpuFractionAuto (needs device_budget_bytes). Step 0.
   double gpu_fraction = 0.0;
   PlanRates rates{};               // step 6, and "auto" balancing in step 0
-  // The sub-groups were sized by AutoSubGroupElems (the errors then do not
-  // suggest a smaller sub_group_size: "auto" already took the smallest).
+  // The sub-groups were sized by AutoSubGroupElems (the staging errors then
+  // name buffer_count, not sub_group_size: "auto" already sized them to the
+  // budget).
   bool auto_sub_groups = false;
   MachineLimits machine{};         // the preflight's view of the machine (step 5)
 };
