@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "cpu_adam/cpu_adam_internal.h"
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "runtime/dtype-inl.h"
 
@@ -43,21 +44,25 @@ HWY_INLINE VF LoadGrad(const void* HWY_RESTRICT base, size_t i) {
 }
 
 template <cai::OutKind O>
-HWY_INLINE void StoreOut(VF p, void* HWY_RESTRICT base, size_t i) {
-  const DF df;
-  if constexpr (O == cai::OutKind::kF32) {
-    StoreFromF32<DType::kF32>(df, p, base, i);
-  } else if constexpr (O == cai::OutKind::kBF16) {
-    StoreFromF32<DType::kBF16>(df, p, base, i);
-  } else if constexpr (O == cai::OutKind::kF16) {
-    StoreFromF32<DType::kF16>(df, p, base, i);
+constexpr DType kOutDType = O == cai::OutKind::kF32    ? DType::kF32
+                            : O == cai::OutKind::kBF16 ? DType::kBF16
+                                                       : DType::kF16;
+
+template <cai::OutKind O>
+using OutElem = std::conditional_t<O == cai::OutKind::kF32, float, uint16_t>;
+
+// Stores the params' copy of lanes [i, i + N) as `kind` (see ForEachVector),
+// converted as runtime/dtype.h does.
+template <cai::OutKind O>
+HWY_INLINE void StoreOut(StoreKind kind, VF p, void* HWY_RESTRICT base, size_t i) {
+  if constexpr (O != cai::OutKind::kNone) {
+    const hn::Rebind<OutElem<O>, DF> d;
+    StoreAs(kind, ConvertFromF32<kOutDType<O>>(DF(), p), d, static_cast<OutElem<O>*>(base) + i);
   }
 }
 
 template <DType G>
 using GradElem = StoredElem<G>;
-template <cai::OutKind O>
-using OutElem = std::conditional_t<O == cai::OutKind::kF32, float, uint16_t>;
 
 // Runs `vec(args, i)` over [begin, begin + count) in whole vectors; `vec`
 // updates the state of lanes [i, i + N) and returns the new params, which
@@ -69,6 +74,12 @@ using OutElem = std::conditional_t<O == cai::OutKind::kF32, float, uint16_t>;
 // (software pipelining): the conversion's integer ops then do not queue
 // behind the long sqrt/div chain, which otherwise fills the scheduler and
 // makes fp16/bf16 output cost ~2x on one core.
+//
+// The output is write-only here and is next read by another stage (a copy to
+// the device, or the trainer): where the whole vectors of this range start
+// aligned it is streamed (runtime/dtype-inl.h, StoreKind), which spares the
+// DRAM the reads of its lines before they are written. `vec` gets that
+// decision as its third argument.
 // kConvertOut = false: `vec` writes the output itself (the baseline).
 template <DType G, cai::OutKind O, int kStates, bool kConvertOut = true, class VecFn>
 HWY_INLINE void ForEachVector(const cai::KernelArgs& a, size_t begin, size_t count,
@@ -81,13 +92,18 @@ HWY_INLINE void ForEachVector(const cai::KernelArgs& a, size_t begin, size_t cou
     // A local copy: stores through the float pointers cannot alias it, so the
     // pointers stay in registers.
     const cai::KernelArgs local = a;
-    VF prev = vec(local, i);
+    StoreKind out_store = StoreKind::kCached;
+    if constexpr (O != cai::OutKind::kNone) {
+      out_store = StoreKindFrom(hn::Rebind<OutElem<O>, DF>(), static_cast<OutElem<O>*>(a.out) + i);
+    }
+    VF prev = vec(local, i, out_store);
     for (i += N; i + N <= end; i += N) {
-      const VF p = vec(local, i);
-      if constexpr (kConvertOut) StoreOut<O>(prev, local.out, i - N);
+      const VF p = vec(local, i, out_store);
+      if constexpr (kConvertOut) StoreOut<O>(out_store, prev, local.out, i - N);
       prev = p;
     }
-    if constexpr (kConvertOut) StoreOut<O>(prev, local.out, i - N);
+    if constexpr (kConvertOut) StoreOut<O>(out_store, prev, local.out, i - N);
+    if (out_store == StoreKind::kStream) hwy::FlushStream();
   }
   const size_t rem = end - i;
   if (rem == 0) return;
@@ -106,8 +122,8 @@ HWY_INLINE void ForEachVector(const cai::KernelArgs& a, size_t begin, size_t cou
   std::memcpy(g_buf, static_cast<const GE*>(a.grad) + i, rem * sizeof(GE));
   t.grad = g_buf;
   t.out = o_buf;
-  const VF p = vec(t, 0);
-  if constexpr (kConvertOut) StoreOut<O>(p, t.out, 0);
+  const VF p = vec(t, 0, StoreKind::kCached);
+  if constexpr (kConvertOut) StoreOut<O>(StoreKind::kCached, p, t.out, 0);
   for (int s = 0; s < kStates; ++s) std::memcpy(states[s] + i, s_buf[s], rem * sizeof(float));
   if constexpr (O != cai::OutKind::kNone) {
     std::memcpy(static_cast<OE*>(a.out) + i, o_buf, rem * sizeof(OE));
@@ -127,7 +143,7 @@ HWY_NOINLINE void AdamLoop(const cai::AdamCoeffs& c, const cai::KernelArgs& args
   const VF neg_step = hn::Set(df, c.neg_step_size);
   const VF l2 = hn::Set(df, c.l2_decay), decay = hn::Set(df, c.decay_factor);
   const cai::Decay mode = c.decay;
-  ForEachVector<G, O, 3>(args, begin, count, [&](const cai::KernelArgs& a, size_t i) {
+  ForEachVector<G, O, 3>(args, begin, count, [&](const cai::KernelArgs& a, size_t i, StoreKind) {
     VF g = hn::Mul(LoadGrad<G>(a.grad, i), scale);
     VF p = hn::LoadU(df, a.s0 + i);
     if (mode == cai::Decay::kL2) g = hn::Add(g, hn::Mul(l2, p));
@@ -153,7 +169,7 @@ HWY_NOINLINE void AdagradLoop(const cai::AdagradCoeffs& c, const cai::KernelArgs
   const VF eps = hn::Set(df, c.eps), neg_clr = hn::Set(df, c.neg_clr);
   const VF l2 = hn::Set(df, c.l2_decay);
   const cai::Decay mode = c.decay;
-  ForEachVector<G, O, 2>(args, begin, count, [&](const cai::KernelArgs& a, size_t i) {
+  ForEachVector<G, O, 2>(args, begin, count, [&](const cai::KernelArgs& a, size_t i, StoreKind) {
     VF g = hn::Mul(LoadGrad<G>(a.grad, i), scale);
     VF p = hn::LoadU(df, a.s0 + i);
     if (mode == cai::Decay::kL2) g = hn::Add(g, hn::Mul(l2, p));
@@ -178,7 +194,7 @@ HWY_NOINLINE void LionLoop(const cai::LionCoeffs& c, const cai::KernelArgs& args
   const VF neg_lr = hn::Set(df, c.neg_lr), decay = hn::Set(df, c.decay_factor);
   const VF zero = hn::Zero(df), one = hn::Set(df, 1.0f), minus_one = hn::Set(df, -1.0f);
   const cai::Decay mode = c.decay;
-  ForEachVector<G, O, 2>(args, begin, count, [&](const cai::KernelArgs& a, size_t i) {
+  ForEachVector<G, O, 2>(args, begin, count, [&](const cai::KernelArgs& a, size_t i, StoreKind) {
     const VF g = hn::Mul(LoadGrad<G>(a.grad, i), scale);
     VF p = hn::LoadU(df, a.s0 + i);
     if (mode == cai::Decay::kDecoupled) p = hn::Mul(p, decay);
@@ -204,17 +220,22 @@ HWY_NOINLINE void BaselineLoop(float coeff, const cai::KernelArgs& args, size_t 
   const DF df;
   const DU du;
   const VF k = hn::Set(df, coeff);
-  ForEachVector<G, O, 3, false>(args, begin, count, [&](const cai::KernelArgs& a, size_t i) {
+  ForEachVector<G, O, 3, false>(args, begin, count, [&](const cai::KernelArgs& a, size_t i,
+                                                         StoreKind out_store) {
     const VF g = hn::Mul(LoadGrad<G>(a.grad, i), k);
     const VF p = hn::Add(hn::LoadU(df, a.s0 + i), g);
     hn::StoreU(p, df, a.s0 + i);
     hn::StoreU(hn::Add(hn::LoadU(df, a.s1 + i), g), df, a.s1 + i);
     hn::StoreU(hn::Add(hn::LoadU(df, a.s2 + i), g), df, a.s2 + i);
     if constexpr (O == cai::OutKind::kF32) {
-      hn::StoreU(p, df, static_cast<float*>(a.out) + i);
+      StoreAs(out_store, p, df, static_cast<float*>(a.out) + i);
     } else if constexpr (O != cai::OutKind::kNone) {
       // Truncation: same bytes as the rounded conversion, less arithmetic.
-      StoreU16(du, hn::ShiftRight<16>(hn::BitCast(du, p)), static_cast<uint16_t*>(a.out) + i);
+      const hn::Rebind<uint16_t, DF> du16;
+      const hn::RebindToSigned<DF> di;
+      StoreAs(out_store,
+              hn::DemoteTo(du16, hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(du, p)))), du16,
+              static_cast<uint16_t*>(a.out) + i);
     }
     return p;
   });

@@ -44,4 +44,26 @@ struct AdamShape {
 Result<double> MeasureCpuAdamRate(CpuAdam& cpu, const AdamShape& shape, uint64_t elems);
 Result<double> MeasureDeviceAdamRate(Device& device, const AdamShape& shape, uint64_t elems);
 
+// The device side of MeasureDeviceAdamRate as a value, for callers that run
+// it beside other work (`strata bench step` runs it together with the link
+// and the CPU): `elems` fresh elements on the device and a stream of its own.
+// Launch() queues one update on that stream and returns; Wait() waits for it.
+// Not thread-safe; the device must outlive it.
+class DeviceAdamProbe {
+ public:
+  static Result<DeviceAdamProbe> Create(Device& device, const AdamShape& shape, uint64_t elems);
+  Status Launch();
+  Status Wait();
+  uint64_t elems() const { return n_; }
+
+ private:
+  DeviceAdamProbe(Device& device, const AdamShape& shape, uint64_t n) : device_(&device), shape_(shape), n_(n) {}
+  Device* device_;
+  AdamShape shape_;
+  uint64_t n_;
+  DeviceBuffer state_, grad_, out_;
+  Stream stream_;
+  uint64_t step_ = 0;
+};
+
 }  // namespace strata

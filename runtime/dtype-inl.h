@@ -135,30 +135,73 @@ HWY_INLINE hn::Vec<DF> LoadAsF32(DF df, const void* HWY_RESTRICT base, size_t i)
   }
 }
 
-// Stores fp32 lanes `v` at [i, i + Lanes(df)) of a `T` array, converted as
-// dtype.h does.
+// fp32 lanes -> the lanes of a `T` array, converted as dtype.h does: fp32
+// itself, or fp16/bf16 bits in as many u16 lanes. `df` may be any float tag.
 template <DType T, class DF>
-HWY_INLINE void StoreFromF32(DF df, hn::Vec<DF> v, void* HWY_RESTRICT base, size_t i) {
+HWY_INLINE auto ConvertFromF32(DF df, hn::Vec<DF> v) {
   if constexpr (T == DType::kF32) {
-    hn::StoreU(v, df, static_cast<float*>(base) + i);
+    return v;
   } else {
     const hn::RebindToUnsigned<DF> du;
+    const hn::RebindToSigned<DF> di;
+    const hn::Rebind<uint16_t, DF> du16;
     const auto u = hn::BitCast(du, v);
-    auto* dst = static_cast<uint16_t*>(base) + i;
     if constexpr (T == DType::kBF16) {
-      StoreU16(du, F32BitsToBF16(du, u), dst);
+      return hn::DemoteTo(du16, hn::BitCast(di, F32BitsToBF16(du, u)));
     } else {
 #if STRATA_DTYPE_HW_F16
       if (HWY_LIKELY(hn::AllFalse(df, hn::IsNaN(v)))) {
         const hn::Rebind<hwy::float16_t, DF> df16;
-        const hn::Rebind<uint16_t, DF> du16;
-        hn::StoreU(hn::BitCast(du16, hn::DemoteTo(df16, v)), du16, dst);
-        return;
+        return hn::BitCast(du16, hn::DemoteTo(df16, v));
       }
 #endif
-      StoreU16(du, F32BitsToF16(du, u), dst);
+      return hn::DemoteTo(du16, hn::BitCast(di, F32BitsToF16(du, u)));
     }
   }
+}
+
+// Stores fp32 lanes `v` at [i, i + Lanes(df)) of a `T` array, converted as
+// dtype.h does.
+template <DType T, class DF>
+HWY_INLINE void StoreFromF32(DF df, hn::Vec<DF> v, void* HWY_RESTRICT base, size_t i) {
+  const hn::Rebind<StoredElem<T>, DF> d;
+  hn::StoreU(ConvertFromF32<T>(df, v), d, static_cast<StoredElem<T>*>(base) + i);
+}
+
+// How a vector goes to memory. kStream: a non-temporal store, which writes
+// the line without reading it first, so write-only output that nobody reads
+// soon costs one byte of DRAM traffic per byte instead of two. Only on x86,
+// only whole vectors of 16 bytes or more (narrower ones would store 16), at
+// an address aligned to the vector; the writer calls hwy::FlushStream()
+// before another thread may read what it wrote.
+enum class StoreKind : uint8_t { kCached, kStream };
+
+template <class D>
+constexpr bool kCanStream = HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128 &&
+                            HWY_TARGET != HWY_SCALAR &&
+                            hn::MaxLanes(D()) * sizeof(hn::TFromD<D>) >= 16;
+
+// kStream where vectors of `d` stored from `dst` on, in whole-vector steps,
+// may all be streamed; else kCached.
+template <class D>
+HWY_INLINE StoreKind StoreKindFrom(D d, const void* dst) {
+  if constexpr (kCanStream<D>) {
+    const size_t vector_bytes = hn::MaxLanes(d) * sizeof(hn::TFromD<D>);
+    if (reinterpret_cast<uintptr_t>(dst) % vector_bytes == 0) return StoreKind::kStream;
+  }
+  return StoreKind::kCached;
+}
+
+// Stores `v` at `dst` as `kind` says (kStream only as StoreKindFrom allows).
+template <class D>
+HWY_INLINE void StoreAs(StoreKind kind, hn::Vec<D> v, D d, hn::TFromD<D>* HWY_RESTRICT dst) {
+  if constexpr (kCanStream<D>) {
+    if (kind == StoreKind::kStream) {
+      hn::Stream(v, d, dst);
+      return;
+    }
+  }
+  hn::StoreU(v, d, dst);
 }
 
 }  // namespace HWY_NAMESPACE

@@ -2,14 +2,39 @@
 // machine's link and drive do alone, measured the way the engine uses them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "runtime/device.h"
 #include "runtime/status.h"
 
 namespace strata::cli {
+
+// A 2 MiB-aligned host array advised for transparent huge pages: what the
+// CPU-side baselines and `bench adam` run on, so that the kernel and its
+// baseline get the same TLB and the same alignment (the optimizer streams its
+// output where the output is aligned, as the engine's pinned slots are).
+class HostArray {
+ public:
+  static Result<HostArray> Create(size_t bytes, std::string_view name);
+  template <class T>
+  std::span<T> As() const {
+    return {reinterpret_cast<T*>(data_.get()), bytes_ / sizeof(T)};
+  }
+  std::byte* data() const { return data_.get(); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte, Free> data_;
+  size_t bytes_ = 0;
+};
 
 // The link between host and device, each direction alone: Device::CopyAsync
 // of pinned host memory (AllocateHost) in `bytes` copies, best of a few

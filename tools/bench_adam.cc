@@ -16,42 +16,29 @@
 #include "cpu_adam/cpu_adam.h"
 #include "runtime/dtype.h"
 #include "runtime/units.h"
+#include "tools/baselines.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
+
+Result<HostArray> HostArray::Create(size_t bytes, std::string_view name) {
+  constexpr size_t kAlign = 2 * kMiB;
+  const size_t rounded = std::max(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  void* p = std::aligned_alloc(kAlign, rounded);
+  if (p == nullptr) {
+    return ResourceExhaustedError(
+        fmt::format("allocate {} ({}): out of memory; lower --params", name, FormatBytes(bytes)));
+  }
+  madvise(p, rounded, MADV_HUGEPAGE);  // advisory: failure only costs TLB misses
+  HostArray a;
+  a.data_.reset(static_cast<std::byte*>(p));
+  a.bytes_ = bytes;
+  return a;
+}
+
+void HostArray::Free::operator()(std::byte* p) const { std::free(p); }
+
 namespace {
-
-// A 2 MiB-aligned host array, advised for transparent huge pages (both the
-// kernel and the baseline run on the same arrays, so both get the same TLB).
-class HostArray {
- public:
-  static Result<HostArray> Create(size_t bytes, std::string_view name) {
-    constexpr size_t kAlign = 2 * kMiB;
-    const size_t rounded = std::max(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
-    void* p = std::aligned_alloc(kAlign, rounded);
-    if (p == nullptr) {
-      return ResourceExhaustedError(
-          fmt::format("allocate {} ({}): out of memory; lower --params", name, FormatBytes(bytes)));
-    }
-    madvise(p, rounded, MADV_HUGEPAGE);  // advisory: failure only costs TLB misses
-    HostArray a;
-    a.data_.reset(static_cast<std::byte*>(p));
-    a.bytes_ = bytes;
-    return a;
-  }
-  template <class T>
-  std::span<T> As() const {
-    return {reinterpret_cast<T*>(data_.get()), bytes_ / sizeof(T)};
-  }
-  std::byte* data() const { return data_.get(); }
-
- private:
-  struct Free {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
-  std::unique_ptr<std::byte, Free> data_;
-  size_t bytes_ = 0;
-};
 
 struct Options {
   std::string params = "256M";

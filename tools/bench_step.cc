@@ -45,6 +45,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -245,48 +246,158 @@ struct Rates {
   double device_adam_bytes_per_sec = 0;  // kernels::AdamStep alone (partial offload only)
 };
 
+// `together` is measured, not computed: MeasureTogether below.
 struct Bound {
-  double d2h = 0, h2d = 0, cpu = 0, nvme = 0, device_adam = 0;
-  static Bound Of(const StepSample& s, const Rates& r) {
+  double d2h = 0, h2d = 0, cpu = 0, nvme = 0, device_adam = 0, together = 0;
+  static Bound Of(const StepSample& s, const Rates& r, double together_sec) {
     auto t = [](uint64_t bytes, double rate) { return rate > 0 ? bytes / rate : 0.0; };
-    return {t(s.d2h_bytes, r.link.d2h_bytes_per_sec), t(s.h2d_bytes, r.link.h2d_bytes_per_sec),
+    return {t(s.d2h_bytes, r.link.d2h_bytes_per_sec),
+            t(s.h2d_bytes, r.link.h2d_bytes_per_sec),
             t(s.host_dram_bytes, r.adam_bytes_per_sec),
             t(s.read_bytes, r.drive.read_bytes_per_sec) +
                 t(s.write_bytes, r.drive.write_bytes_per_sec),
-            t(s.device_adam_bytes, r.device_adam_bytes_per_sec)};
+            t(s.device_adam_bytes, r.device_adam_bytes_per_sec),
+            together_sec};
   }
-  std::pair<std::string, double> Max() const {
+  // The largest term; with Terms::kAloneOnly, of the rates measured alone
+  // (each resource as if nothing shared it).
+  enum class Terms { kAll, kAloneOnly };
+  std::pair<std::string, double> Max(Terms terms = Terms::kAll) const {
     std::pair<std::string, double> b{"cpu", cpu};
     for (auto [name, v] : {std::pair<const char*, double>{"d2h", d2h}, {"h2d", h2d},
-                           {"nvme", nvme}, {"device adam", device_adam}}) {
+                           {"nvme", nvme}, {"device adam", device_adam},
+                           {"together", terms == Terms::kAll ? together : 0.0}}) {
       if (v > b.second) b = {name, v};
     }
     return b;
   }
 };
 
-// The CPU's stream rate for the optimizer's own traffic: TrafficBaseline (the
-// same reads and writes, dtypes, chunks and threads as the Adam step, trivial
-// arithmetic) over `elems` params, best of three.
-Result<double> MeasureAdamRate(const OffloadConfig& config, uint64_t elems) {
-  STRATA_ASSIGN_OR_RETURN(auto adam, CpuAdam::Create({.threads = config.threads}));
-  const size_t n = static_cast<size_t>(elems);
-  const size_t grad_bytes = DTypeSize(config.grad_dtype);
-  const size_t out_bytes = DTypeSize(config.param_dtype);
-  std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f);
-  std::vector<std::byte> g(n * grad_bytes, std::byte{0}), out(n * out_bytes);
-  const AdamState state{p, m, v};
-  const GradView gv{config.grad_dtype, g.data(), n};
-  const OutView ov{config.param_dtype, out.data(), n};
+// The CPU's stream for the optimizer's own traffic: TrafficBaseline (the same
+// reads and writes, dtypes, chunks and threads as the Adam step, trivial
+// arithmetic) over `elems` fresh params.
+class AdamTraffic {
+ public:
+  static Result<AdamTraffic> Create(const OffloadConfig& config, uint64_t elems) {
+    AdamTraffic t;
+    STRATA_ASSIGN_OR_RETURN(t.adam_, CpuAdam::Create({.threads = config.threads}));
+    t.n_ = static_cast<size_t>(std::max<uint64_t>(elems, 1));
+    t.grad_dtype_ = config.grad_dtype;
+    t.out_dtype_ = config.param_dtype;
+    STRATA_ASSIGN_OR_RETURN(t.state_, HostArray::Create(3 * t.n_ * sizeof(float), "state"));
+    STRATA_ASSIGN_OR_RETURN(t.grad_, HostArray::Create(t.n_ * DTypeSize(t.grad_dtype_), "grad"));
+    STRATA_ASSIGN_OR_RETURN(t.out_, HostArray::Create(t.n_ * DTypeSize(t.out_dtype_), "out"));
+    std::ranges::fill(t.state_.As<float>(), 0.5f);
+    std::memset(t.grad_.data(), 0, t.grad_.bytes());
+    std::memset(t.out_.data(), 0, t.out_.bytes());
+    return t;
+  }
+  uint64_t elems() const { return n_; }
+  uint64_t bytes() const { return n_ * 24 + grad_.bytes() + out_.bytes(); }
+  Status Run() {
+    const std::span<float> s = state_.As<float>();
+    const AdamState state{.params = s.first(n_),
+                          .exp_avg = s.subspan(n_, n_),
+                          .exp_avg_sq = s.subspan(2 * n_, n_)};
+    return adam_->TrafficBaseline(state, GradView{grad_dtype_, grad_.data(), n_},
+                                  OutView{out_dtype_, out_.data(), n_});
+  }
+
+ private:
+  std::unique_ptr<CpuAdam> adam_;
+  size_t n_ = 0;
+  DType grad_dtype_ = DType::kF32, out_dtype_ = DType::kF32;
+  HostArray state_, grad_, out_;
+};
+
+// Seconds of `pass`, best of three after one more that faults the pages in.
+template <typename Pass>
+Result<double> BestOfThree(Pass pass) {
   double best = 1e300;
   for (int i = 0; i < 4; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    STRATA_RETURN_IF_ERROR(adam->TrafficBaseline(state, gv, ov));
+    STRATA_RETURN_IF_ERROR(pass());
     const double sec =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0) best = std::min(best, sec);  // the first one faults the pages in
+    if (i > 0) best = std::min(best, sec);
   }
-  return static_cast<double>(n * (grad_bytes + 24 + out_bytes)) / best;
+  return best;
+}
+
+// The stream rate alone: bytes per second.
+Result<double> MeasureAdamRate(const OffloadConfig& config, uint64_t elems) {
+  STRATA_ASSIGN_OR_RETURN(AdamTraffic cpu, AdamTraffic::Create(config, elems));
+  STRATA_ASSIGN_OR_RETURN(const double sec, BestOfThree([&] { return cpu.Run(); }));
+  return static_cast<double>(cpu.bytes()) / sec;
+}
+
+// The machine doing one step's work at once: the step's link copies each
+// way, its CPU stream and its device Adam, in the step's proportions but
+// scaled down so that the CPU's part is `cpu_elems` params, all started at
+// one instant with no order between them, as a perfect pipeline would run
+// them. The time until the last one ends (best of three), scaled back to the
+// step. Where the resources are independent (a GPU's copy engines, its SMs
+// and the CPU's cores) it is about the largest alone term; where they share
+// what the alone rates cannot see, it is longer, and no schedule of the step
+// can beat it: on the host device the link's copies and the device Adam are
+// memcpy and loops on the same cores and DRAM as the CPU Adam. The drive and
+// the communicator are not in it. 0 when the CPU does no work in the step.
+Result<double> MeasureTogether(Device& device, const OffloadConfig& config,
+                               const AdamShape& shape, const StepSample& step,
+                               uint64_t cpu_elems) {
+  if (step.host_dram_bytes == 0) return 0.0;
+  STRATA_ASSIGN_OR_RETURN(AdamTraffic cpu, AdamTraffic::Create(config, cpu_elems));
+  const double scale = std::min(1.0, static_cast<double>(cpu.bytes()) / step.host_dram_bytes);
+  const auto scaled = [&](uint64_t bytes) {
+    return static_cast<uint64_t>(std::llround(static_cast<double>(bytes) * scale));
+  };
+  std::optional<DeviceAdamProbe> device_adam;
+  if (const uint64_t elems = scaled(step.device_adam_bytes) / shape.device_bytes_per_elem();
+      elems > 0) {
+    STRATA_ASSIGN_OR_RETURN(device_adam, DeviceAdamProbe::Create(device, shape, elems));
+  }
+  // Each direction cycles through a region of its own in 4 MiB copies.
+  constexpr uint64_t kPiece = 4 * kMiB, kRegion = 32 * kMiB;
+  struct Direction {
+    uint64_t bytes;
+    CopyKind kind;
+    HostAllocation host;
+    DeviceBuffer dev;
+    Stream stream;
+  };
+  std::vector<Direction> dirs;
+  for (auto [bytes, kind] : {std::pair{scaled(step.d2h_bytes), CopyKind::kDeviceToHost},
+                             std::pair{scaled(step.h2d_bytes), CopyKind::kHostToDevice}}) {
+    if (bytes == 0) continue;
+    Direction d{.bytes = bytes, .kind = kind, .host = {}, .dev = {}, .stream = {}};
+    const uint64_t region = std::min(bytes, kRegion);
+    STRATA_ASSIGN_OR_RETURN(d.host, device.AllocateHost(region));
+    STRATA_ASSIGN_OR_RETURN(d.dev, device.Allocate(region));
+    STRATA_ASSIGN_OR_RETURN(d.stream, device.CreateStream());
+    std::memset(d.host.data(), 1, region);
+    dirs.push_back(std::move(d));
+  }
+  const auto pass = [&]() -> Status {
+    for (Direction& d : dirs) {
+      const uint64_t region = std::min(d.bytes, kRegion);
+      for (uint64_t done = 0; done < d.bytes;) {
+        const uint64_t off = done % region;
+        const uint64_t n = std::min({kPiece, d.bytes - done, region - off});
+        auto* host = static_cast<std::byte*>(d.host.data()) + off;
+        auto* dev = static_cast<std::byte*>(d.dev.data()) + off;
+        STRATA_RETURN_IF_ERROR(d.kind == CopyKind::kDeviceToHost
+                                   ? device.CopyAsync(host, dev, n, d.kind, d.stream)
+                                   : device.CopyAsync(dev, host, n, d.kind, d.stream));
+        done += n;
+      }
+    }
+    if (device_adam) STRATA_RETURN_IF_ERROR(device_adam->Launch());
+    STRATA_RETURN_IF_ERROR(cpu.Run());
+    for (Direction& d : dirs) STRATA_RETURN_IF_ERROR(device.StreamSynchronize(d.stream));
+    return device_adam ? device_adam->Wait() : OkStatus();
+  };
+  STRATA_ASSIGN_OR_RETURN(const double sec, BestOfThree(pass));
+  return sec / scale;
 }
 
 nlohmann::json StagesJson(const StageTimes& t) {
@@ -457,9 +568,17 @@ Status RunStep(const StepArgs& a) {
   const uint64_t tensor_bytes =
       params * (DTypeSize(config.param_dtype) + DTypeSize(config.grad_dtype));
   constexpr uint64_t kLinkProbeBytes = 64 * kMiB;
+  const AdamShape adam_shape = AdamShape::Of(config, static_cast<uint32_t>(a.ranks));
+  // The device Adam's probes (alone, then together with the rest) run on at
+  // most 32 Mi fresh elements each.
+  const uint64_t device_adam_probe_bytes =
+      plan0.device_sub_groups > 0
+          ? std::min<uint64_t>(plan0.device_elems, uint64_t{32} << 20) *
+                adam_shape.device_bytes_per_elem()
+          : 0;
   const uint64_t device_need =
       a.ranks * (tensor_bytes + plan0.device_total_bytes() + 64 * kMiB) + kLinkProbeBytes +
-      64 * kMiB;
+      device_adam_probe_bytes + 64 * kMiB;
   std::unique_ptr<Device> device;
   if (a.device == "host") {
     STRATA_ASSIGN_OR_RETURN(device,
@@ -523,7 +642,6 @@ Status RunStep(const StepArgs& a) {
   host_fill = {};
 
   // ---- the machine alone: link, CPU stream, drive ----
-  const AdamShape adam_shape = AdamShape::Of(config, static_cast<uint32_t>(a.ranks));
   Rates rates;
   std::fprintf(stderr, "bench step: measuring the link, the CPU stream rate%s ...\n",
                plan0.nvme_sub_groups > 0 ? " and the drive" : "");
@@ -687,8 +805,12 @@ Status RunStep(const StepArgs& a) {
   uint64_t host_state = 0, host_staging = 0, nvme_state = 0, device_staging = 0;
   uint64_t device_state = 0;
   uint32_t sub_groups = 0, nvme_sub_groups = 0, device_sub_groups = 0;
-  for (const auto& opt : opts) {
-    const PlacementPlan& p = opt->plan();
+  // The optimizers are done: their memory goes back for the together probe.
+  std::vector<PlacementPlan> plans;
+  for (const auto& opt : opts) plans.push_back(opt->plan());
+  opts.clear();
+  const double gpu_fraction = plans[0].gpu_fraction();
+  for (const PlacementPlan& p : plans) {
     device_state += p.device_state_bytes;
     device_sub_groups += p.device_sub_groups;
     host_state += p.host_state_bytes;
@@ -700,9 +822,15 @@ Status RunStep(const StepArgs& a) {
   }
   const double nvme_bytes = static_cast<double>(traffic.read_bytes + traffic.write_bytes);
   // The machine's bound for this traffic, and how close the step came.
-  const Bound bound = Bound::Of(traffic, rates);
+  std::fprintf(stderr, "bench step: measuring the step's work together ...\n");
+  STRATA_ASSIGN_OR_RETURN(
+      const double together_sec,
+      MeasureTogether(*device, config, adam_shape, traffic,
+                      std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
+  const Bound bound = Bound::Of(traffic, rates, together_sec);
   const auto [bound_resource, bound_sec] = bound.Max();
   const double bound_efficiency = bound_sec / over.step;
+  const auto [alone_resource, alone_bound_sec] = bound.Max(Bound::Terms::kAloneOnly);
   const double nvme_busy = over.nvme;
   const double nvme_efficiency = nvme_busy > 0 ? bound.nvme / nvme_busy : 0.0;
   // Against the drive's rate with reads and writes at once (what a step asks).
@@ -747,7 +875,7 @@ Status RunStep(const StepArgs& a) {
         {"sub_groups", sub_groups},
         {"nvme_sub_groups", nvme_sub_groups},
         {"device_sub_groups", device_sub_groups},
-        {"gpu_fraction", opts[0]->plan().gpu_fraction()},
+        {"gpu_fraction", gpu_fraction},
         {"buffer_count", config.buffer_count},
         {"threads", config.threads},
         {"block_bytes", config.aio.block_bytes},
@@ -809,10 +937,14 @@ Status RunStep(const StepArgs& a) {
           {"h2d", bound.h2d},
           {"cpu", bound.cpu},
           {"nvme", bound.nvme},
-          {"device_adam", bound.device_adam}}},
+          {"device_adam", bound.device_adam},
+          {"together", bound.together}}},
         {"bound_sec", bound_sec},
         {"bound_resource", bound_resource},
         {"bound_efficiency", bound_efficiency},
+        {"alone_bound_sec", alone_bound_sec},
+        {"alone_bound_resource", alone_resource},
+        {"alone_bound_efficiency", alone_bound_sec / over.step},
         {"nvme_efficiency", nvme_efficiency},
         {"nvme_efficiency_mixed", nvme_efficiency_mixed},
         {"d2h_bytes_per_param", traffic.d2h_bytes / params_d},
@@ -908,13 +1040,15 @@ Status RunStep(const StepArgs& a) {
   for (double e : per_round) std::printf(" %.3f", e);
   std::printf(")\n");
   std::printf(
-      "  bound %s: d2h %s, h2d %s, cpu %s, nvme %s%s; step %s; bound_efficiency %.3f",
+      "  bound %s: d2h %s, h2d %s, cpu %s, nvme %s%s, together %s; step %s; bound_efficiency "
+      "%.3f (%.3f against the largest alone, %s)",
       bound_resource.c_str(), FormatSeconds(bound.d2h).c_str(), FormatSeconds(bound.h2d).c_str(),
       FormatSeconds(bound.cpu).c_str(), FormatSeconds(bound.nvme).c_str(),
       device_sub_groups > 0
           ? fmt::format(", device adam {}", FormatSeconds(bound.device_adam)).c_str()
           : "",
-      FormatSeconds(over.step).c_str(), bound_efficiency);
+      FormatSeconds(bound.together).c_str(), FormatSeconds(over.step).c_str(), bound_efficiency,
+      alone_bound_sec / over.step, alone_resource.c_str());
   if (bound.nvme > 0) {
     std::printf(", nvme_efficiency %.3f (%.3f against the drive reading and writing at once)",
                 nvme_efficiency, nvme_efficiency_mixed);
@@ -926,7 +1060,7 @@ Status RunStep(const StepArgs& a) {
         "  partial offload: gpu_fraction %.3f (%u sub-groups, %s of state on the device); "
         "cpu side busy %s, device side busy %s (bound %s at %s, kernels::AdamStep alone); "
         "step %s\n",
-        opts[0]->plan().gpu_fraction(), device_sub_groups, FormatBytes(device_state).c_str(),
+        gpu_fraction, device_sub_groups, FormatBytes(device_state).c_str(),
         FormatSeconds(over.adam).c_str(), FormatSeconds(over.device_adam).c_str(),
         FormatSeconds(bound.device_adam).c_str(),
         FormatRate(rates.device_adam_bytes_per_sec).c_str(), FormatSeconds(over.step).c_str());

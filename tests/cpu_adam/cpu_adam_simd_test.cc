@@ -2,7 +2,7 @@
 // one test per target and makes the library dispatch to it) against the
 // scalar reference, bit for bit: Adam/AdamW/Adagrad/Lion for every grad and
 // output dtype, odd lengths, unaligned spans, many steps; fp16/bf16 rounding
-// edge cases through the update; the gradient statistic.
+// edge cases through the update; the gradient statistic; the streamed output.
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "tests/cpu_adam/cpu_adam_simd_test.cc"
@@ -24,6 +24,9 @@
 #include "cpu_adam/cpu_adam_reference.h"
 #include "runtime/dtype.h"
 #include "tests/cpu_adam/cpu_adam_test_util.h"
+// clang-format off
+#include "runtime/dtype-inl.h"  // per target: StoreKindFrom
+// clang-format on
 
 HWY_BEFORE_NAMESPACE();
 namespace strata {
@@ -396,6 +399,66 @@ void TestThreadedMatchesSingleThreaded() {
   }
 }
 
+// The params' copy is streamed (non-temporal stores) where the output's
+// vectors start aligned and stored through the caches elsewhere; both give
+// the reference's bits, for every output dtype, at every output offset from
+// 0 to two vectors, through the threaded driver (several chunks and a tail),
+// and the traffic baseline writes its truncated params either way. x86
+// targets from AVX2 up must be able to stream (else the fast path is dead).
+void TestStreamedOutputMatchesReference() {
+  namespace hn = hwy::HWY_NAMESPACE;
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<uint16_t, decltype(df)> d16;
+  alignas(64) static uint16_t probe[64];
+#if HWY_ARCH_X86
+  if (HWY_TARGET <= HWY_AVX2) {
+    EXPECT_EQ(StoreKindFrom(d16, probe), StoreKind::kStream);
+    EXPECT_EQ(StoreKindFrom(df, reinterpret_cast<float*>(probe)), StoreKind::kStream);
+  }
+#endif
+  EXPECT_EQ(StoreKindFrom(d16, probe + 1), StoreKind::kCached);
+
+  std::mt19937_64 rng(cpu_adam_test::TestSeed() ^ 0x5354);
+  const size_t n = 2 * kUpdateChunkElems + 77;
+  auto opt = CpuAdam::Create({.threads = 2});
+  ASSERT_TRUE(opt.ok());
+  std::vector<float> p0(n);
+  for (float& x : p0) x = cpu_adam_test::SmallValue(rng, 1.0f);
+  for (DType od : kOutTypes) {
+    for (size_t offset = 0; offset <= 2 * hn::Lanes(df); ++offset) {
+      const std::string where = std::string(hwy::TargetName(HWY_TARGET)) + " out " +
+                                std::string(DTypeName(od)) + " offset " + std::to_string(offset);
+      Buffer fast_out(n * 4, offset * DTypeSize(od)), ref_out(n * 4, 0);
+      const OutView fo{od, fast_out.As<std::byte>(n).data(), n};
+      const OutView ro{od, ref_out.As<std::byte>(n).data(), n};
+      std::vector<float> fp(p0), fm(n, 0.0f), fv(n, 0.0f), rp(p0), rm(n, 0.0f), rv(n, 0.0f);
+      std::vector<uint16_t> g(n);
+      AdamHyper h{.lr = 1e-3, .weight_decay = 0.01};
+      for (int64_t step = 1; step <= 2; ++step) {
+        cpu_adam_test::FillGrad(rng, DType::kBF16, g.data(), n);
+        h.step = step;
+        ASSERT_TRUE((*opt)->Step(h, {fp, fm, fv}, GradView::BF16(g), fo).ok());
+        ASSERT_TRUE(reference::AdamStep(h, {rp, rm, rv}, GradView::BF16(g), ro).ok());
+        ASSERT_TRUE(FloatsMatch(fp, rp, where + " p"));
+        ASSERT_TRUE(FloatsMatch(fm, rm, where + " m"));
+        ASSERT_TRUE(FloatsMatch(fv, rv, where + " v"));
+        ASSERT_TRUE(OutMatch(fo, ro, n, where));
+      }
+      if (od == DType::kF16) continue;  // the baseline truncates; fp16 is not a truncation
+      ASSERT_TRUE((*opt)->TrafficBaseline({fp, fm, fv}, GradView::BF16(g), fo).ok());
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t bits = std::bit_cast<uint32_t>(fp[i]);
+        if (od == DType::kF32) {
+          ASSERT_EQ(static_cast<const float*>(fo.data)[i], fp[i]) << where << " baseline " << i;
+        } else {
+          ASSERT_EQ(static_cast<const uint16_t*>(fo.data)[i], bits >> 16)
+              << where << " baseline " << i;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
@@ -414,6 +477,7 @@ HWY_EXPORT_AND_TEST_P(CpuAdamSimdTest, TestOutputRoundingEdgeCases);
 HWY_EXPORT_AND_TEST_P(CpuAdamSimdTest, TestEveryHalfGradMatchesReference);
 HWY_EXPORT_AND_TEST_P(CpuAdamSimdTest, TestGradStatsMatchesReference);
 HWY_EXPORT_AND_TEST_P(CpuAdamSimdTest, TestThreadedMatchesSingleThreaded);
+HWY_EXPORT_AND_TEST_P(CpuAdamSimdTest, TestStreamedOutputMatchesReference);
 }  // namespace
 }  // namespace strata
 #endif

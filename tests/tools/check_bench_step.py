@@ -3,7 +3,8 @@
 machine's same-run baselines, the bound and the traffic per param the streamed
 path must have (bf16 in and out: 2 B/param each way over the link, 28 B/param
 of the optimizer's DRAM traffic), and --trace writes a Chrome trace that
-scripts/plot_trace.py --summary reads. Figures, not speeds: nothing here is
+scripts/plot_trace.py --summary reads; the "together" term (the step's link
+and CPU work measured at once) is in the bound. Figures, not speeds: nothing here is
 timed against a target.
 
 usage: check_bench_step.py STRATA PLOT_TRACE SCRATCH_DIR
@@ -44,8 +45,14 @@ for k in ("h2d_bytes_per_sec", "d2h_bytes_per_sec", "adam_stream_bytes_per_sec")
 assert max(b["h2d_bytes_per_sec"], b["d2h_bytes_per_sec"]) <= 4 * 2**30 * 1.02, b  # 4G: GiB
 assert b["drive_read_bytes_per_sec"] == 0  # no NVMe state: no drive probe
 assert j["bound_sec"] == max(j["bound"].values()) > 0, j["bound"]
-assert j["bound_resource"] in ("d2h", "h2d", "cpu", "nvme")
+assert j["bound_resource"] in ("d2h", "h2d", "cpu", "nvme", "together")
 assert near(j["bound_efficiency"], j["bound_sec"] / j["step_sec"]), j
+# The step's link and CPU work run at once (measured), beside each term alone.
+assert j["bound"]["together"] > 0, j["bound"]
+alone = {k: v for k, v in j["bound"].items() if k != "together"}
+assert j["alone_bound_sec"] == max(alone.values()), (j["alone_bound_sec"], alone)
+assert j["bound_sec"] >= j["alone_bound_sec"]
+assert near(j["alone_bound_efficiency"], j["alone_bound_sec"] / j["step_sec"]), j
 assert j["trace_overhead"] is not None
 
 # The trace: the resources of the pipeline, each with its slices.
@@ -79,4 +86,5 @@ assert j["baselines"]["device_adam_bytes_per_sec"] > 0, j["baselines"]
 assert j["bound"]["device_adam"] > 0 and j["stages"]["device_adam"] > 0, j
 assert j["bytes_per_tier"]["device"]["state"] == 2**20 * 12, j["bytes_per_tier"]
 assert j["bound_sec"] == max(j["bound"].values()), j["bound"]
+assert j["bound"]["together"] > 0, j["bound"]
 print("bench step JSON, bound and trace: ok")
