@@ -9,7 +9,10 @@
 // block size and queue depth on the same directories (as `bench nvme`). The
 // step's lower bound bound_sec is the largest of: PCIe bytes each way / the
 // link's rate, the optimizer's DRAM bytes / the stream rate, NVMe read bytes /
-// read rate + write bytes / write rate (one drive serves both);
+// read rate + write bytes / write rate (one drive serves both), and
+// "together": the step's link and CPU work (and device Adam) run at once
+// after the steps, which is longer than each alone where they share the
+// machine (on the host device the link is memcpy in the same DRAM);
 // bound_efficiency = bound_sec / the overlapped step time (medians over
 // rounds), and nvme_efficiency = the NVMe part of the bound / the NVMe busy
 // time in the overlapped step.
@@ -333,7 +336,8 @@ Result<double> MeasureAdamRate(const OffloadConfig& config, uint64_t elems) {
 
 // The machine doing one step's work at once: the step's link copies each
 // way, its CPU stream and its device Adam, in the step's proportions but
-// scaled down so that the CPU's part is `cpu_elems` params, all started at
+// scaled down so that the CPU's part is at most `max_cpu_elems` params (the
+// step's own bytes where they are fewer), all started at
 // one instant with no order between them, as a perfect pipeline would run
 // them. The time until the last one ends (best of three), scaled back to the
 // step. Where the resources are independent (a GPU's copy engines, its SMs
@@ -344,10 +348,14 @@ Result<double> MeasureAdamRate(const OffloadConfig& config, uint64_t elems) {
 // the communicator are not in it. 0 when the CPU does no work in the step.
 Result<double> MeasureTogether(Device& device, const OffloadConfig& config,
                                const AdamShape& shape, const StepSample& step,
-                               uint64_t cpu_elems) {
+                               uint64_t max_cpu_elems) {
   if (step.host_dram_bytes == 0) return 0.0;
-  STRATA_ASSIGN_OR_RETURN(AdamTraffic cpu, AdamTraffic::Create(config, cpu_elems));
-  const double scale = std::min(1.0, static_cast<double>(cpu.bytes()) / step.host_dram_bytes);
+  const uint64_t bytes_per_elem =
+      24 + DTypeSize(config.grad_dtype) + DTypeSize(config.param_dtype);
+  STRATA_ASSIGN_OR_RETURN(
+      AdamTraffic cpu,
+      AdamTraffic::Create(config, std::min(max_cpu_elems, step.host_dram_bytes / bytes_per_elem)));
+  const double scale = static_cast<double>(cpu.bytes()) / step.host_dram_bytes;
   const auto scaled = [&](uint64_t bytes) {
     return static_cast<uint64_t>(std::llround(static_cast<double>(bytes) * scale));
   };
@@ -825,8 +833,7 @@ Status RunStep(const StepArgs& a) {
   std::fprintf(stderr, "bench step: measuring the step's work together ...\n");
   STRATA_ASSIGN_OR_RETURN(
       const double together_sec,
-      MeasureTogether(*device, config, adam_shape, traffic,
-                      std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
+      MeasureTogether(*device, config, adam_shape, traffic, uint64_t{32} << 20));
   const Bound bound = Bound::Of(traffic, rates, together_sec);
   const auto [bound_resource, bound_sec] = bound.Max();
   const double bound_efficiency = bound_sec / over.step;
@@ -1075,7 +1082,7 @@ void AddBenchStepCommand(Cli& cli) {
   CLI::App* cmd = cli.bench->add_subcommand(
       "step",
       "Whole OffloadOptimizer steps: stage times against the machine's bound (link, CPU "
-      "stream, drive measured in the same run)");
+      "stream, drive, and the step's work together, measured in the same run)");
   cmd->add_option("--config", a->config_path,
                   "DeepSpeed-style JSON config to start from (the options below override it)")
       ->check(CLI::ExistingFile);
