@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "runtime/device.h"
+#include "runtime/host_pages_internal.h"
 #include "runtime/log.h"
 #include "runtime/units.h"
 
@@ -32,62 +33,12 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kDeviceAlignment = 256;
 constexpr size_t kHostAlignment = 4096;
-// Host allocations start on a 2 MiB boundary so that the kernel can back them
-// with transparent huge pages: a 1 MiB IO buffer of scattered 4 KiB pages is
-// up to 256 DMA segments (more than many devices take in one request), one
-// or two on a huge page.
-constexpr size_t kHostHugePageBytes = 2 << 20;
-
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // mlock through the raw system call: sanitizer runtimes replace mlock(3) with
 // a no-op that always succeeds, which would hide the refused-lock fallback
 // from the TSan/ASan test runs.
 int Mlock(void* p, size_t bytes) { return static_cast<int>(::syscall(SYS_mlock, p, bytes)); }
-
-// An anonymous private mapping of `bytes` (a multiple of 4096) starting on a
-// kHostHugePageBytes boundary: maps that much more and trims both ends.
-Result<void*> MapHugePageAligned(size_t bytes) {
-  const size_t map_bytes = bytes + kHostHugePageBytes;
-  void* m = ::mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (m == MAP_FAILED) {
-    return ResourceExhaustedError(fmt::format("allocate {} of host memory: {}", FormatBytes(bytes),
-                                              ErrnoError(errno, "mmap").message()));
-  }
-  const auto base = reinterpret_cast<uintptr_t>(m);
-  const uintptr_t aligned = RoundUp(base, kHostHugePageBytes);
-  if (aligned > base) ::munmap(m, aligned - base);
-  const uintptr_t end = aligned + bytes;
-  if (base + map_bytes > end) ::munmap(reinterpret_cast<void*>(end), base + map_bytes - end);
-  return reinterpret_cast<void*>(aligned);
-}
-
-// Faults the pages of a fresh mapping in from several threads. The kernel
-// zeroes every new page (a few GB/s per core); mlock would fault them all in
-// on the calling thread. MADV_POPULATE_WRITE (Linux 5.14) does it without
-// touching from user space; older kernels get one store per page.
-void PrefaultInParallel(void* p, size_t bytes) {
-  constexpr size_t kChunk = 64 << 20;
-  const size_t chunks = (bytes + kChunk - 1) / kChunk;
-  const size_t threads = std::min<size_t>(std::thread::hardware_concurrency(), chunks);
-  if (threads < 2) return;
-#ifndef MADV_POPULATE_WRITE
-  constexpr int MADV_POPULATE_WRITE = 23;
-#endif
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      auto* b = static_cast<volatile char*>(p) + c * kChunk;
-      const size_t n = std::min(kChunk, bytes - c * kChunk);
-      if (::madvise(const_cast<char*>(b), n, MADV_POPULATE_WRITE) == 0) continue;
-      for (size_t o = 0; o < n; o += 4096) b[o] = 0;
-    }
-  };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-}
 
 // One direction of the modeled PCIe link. Copies reserve link time in the
 // order they start, so concurrent copies share the bandwidth; completion is
@@ -303,12 +254,8 @@ class HostDevice final : public Device {
   Result<HostAllocation> AllocateHost(size_t bytes) override {
     if (bytes == 0) return HostAllocation();
     const size_t rounded = RoundUp(bytes, kHostAlignment);
-    STRATA_ASSIGN_OR_RETURN(void* p, MapHugePageAligned(rounded));
-    // Before mlock, which faults every page in: THP (in "madvise" mode, the
-    // common default) applies only to ranges advised before the fault. Where
-    // the kernel has no THP the advice fails harmlessly and 4 KiB pages stay.
-    ::madvise(p, rounded, MADV_HUGEPAGE);
-    PrefaultInParallel(p, rounded);
+    STRATA_ASSIGN_OR_RETURN(void* p, internal::MapHugePageAligned(rounded));
+    internal::PrefaultInParallel(p, rounded);  // mlock would fault them in on this thread
     if (Mlock(p, rounded) == 0) return HostAllocation(this, p, rounded, HostMemoryLock::kLocked);
     const int err = errno;
     if (err == EPERM || err == ENOMEM || err == EAGAIN) {

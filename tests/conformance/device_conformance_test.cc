@@ -113,6 +113,44 @@ TEST_P(DeviceConformance, AllocateHostIsPageAlignedAndRounded) {
   std::memset(h.data(), 0xab, h.bytes());  // writable over the whole rounded size
 }
 
+// The optimizer's state slab is one large host allocation: on CUDA it is
+// mapped, faulted in on every core and registered (cudaHostRegister) rather
+// than cudaHostAlloc'd. Twice in a row (freeing unregisters and unmaps), the
+// whole range copies both ways, and so does a sub-range near its end.
+TEST_P(DeviceConformance, LargeHostAllocationsCopyBothWaysAndFree) {
+  constexpr size_t kBytes = 96 * kMiB + 4096;
+  for (int round = 0; round < 2; ++round) {
+    HostAllocation h = NewHost(kBytes);
+    ASSERT_EQ(h.bytes(), kBytes);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(h.data()) % 4096, 0u);
+    if (GetParam() == "cuda") {
+      EXPECT_TRUE(h.locked());
+    }
+    auto* p = static_cast<uint32_t*>(h.data());
+    for (size_t i = 0; i < kBytes / 4; ++i) p[i] = static_cast<uint32_t>(i * 2654435761u + round);
+    HostAllocation back = NewHost(kBytes);
+    std::memset(back.data(), 0, kBytes);
+    DeviceBuffer d = NewBuffer(kBytes);
+    Stream stream = NewStream();
+    ASSERT_TRUE(
+        device_->CopyAsync(d.data(), h.data(), kBytes, CopyKind::kHostToDevice, stream).ok());
+    ASSERT_TRUE(
+        device_->CopyAsync(back.data(), d.data(), kBytes, CopyKind::kDeviceToHost, stream).ok());
+    ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
+    EXPECT_EQ(std::memcmp(h.data(), back.data(), kBytes), 0) << "round " << round;
+    constexpr size_t kTail = 3 * kMiB + 12;
+    const size_t off = kBytes - kTail - 4096;
+    std::memset(static_cast<std::byte*>(back.data()) + off, 0, kTail);
+    ASSERT_TRUE(device_
+                    ->CopyAsync(static_cast<std::byte*>(back.data()) + off,
+                                static_cast<std::byte*>(d.data()) + off, kTail,
+                                CopyKind::kDeviceToHost, stream)
+                    .ok());
+    ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
+    EXPECT_EQ(std::memcmp(h.data(), back.data(), kBytes), 0) << "round " << round << " tail";
+  }
+}
+
 TEST_P(DeviceConformance, CopiesOfEveryKindRoundTrip) {
   constexpr size_t kBytes = 3 * kMiB + 123;
   HostAllocation src = NewHost(kBytes);
