@@ -257,6 +257,11 @@ class CudaDevice final : public Device {
       Result<void*> mapped = internal::MapHugePageAligned(rounded);
       if (mapped.ok()) {
         internal::PrefaultInParallel(*mapped, rounded);
+        // A forked child (a DataLoader worker) never needs the optimizer's
+        // state, and copy-on-write of pages the device DMAs to is the bug
+        // pinned-memory users guard against; cudaHostAlloc's own memory is
+        // the driver's to handle.
+        ::madvise(*mapped, rounded, MADV_DONTFORK);
         const cudaError_t err = cudaHostRegister(*mapped, rounded, cudaHostRegisterPortable);
         if (err == cudaSuccess) {
           std::lock_guard lock(registered_mu_);
