@@ -654,9 +654,13 @@ Status RunStep(const StepArgs& a) {
   std::fprintf(stderr, "bench step: measuring the link, the CPU stream rate%s ...\n",
                plan0.nvme_sub_groups > 0 ? " and the drive" : "");
   STRATA_ASSIGN_OR_RETURN(rates.link, MeasureLinkRates(*device, kLinkProbeBytes));
+  // The ranks update at once, each on config.threads threads (0: every
+  // hardware thread, shared): the CPU probes run on as many.
+  OffloadConfig cpu_probe = config;
+  cpu_probe.threads = config.threads == 0 ? 0 : config.threads * a.ranks;
   STRATA_ASSIGN_OR_RETURN(
       rates.adam_bytes_per_sec,
-      MeasureAdamRate(config, std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
+      MeasureAdamRate(cpu_probe, std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20)));
   if (plan0.device_sub_groups > 0) {
     STRATA_ASSIGN_OR_RETURN(
         const double device_adam_elems_per_sec,
@@ -833,7 +837,7 @@ Status RunStep(const StepArgs& a) {
   std::fprintf(stderr, "bench step: measuring the step's work together ...\n");
   STRATA_ASSIGN_OR_RETURN(
       const double together_sec,
-      MeasureTogether(*device, config, adam_shape, traffic, uint64_t{32} << 20));
+      MeasureTogether(*device, cpu_probe, adam_shape, traffic, uint64_t{32} << 20));
   const Bound bound = Bound::Of(traffic, rates, together_sec);
   const auto [bound_resource, bound_sec] = bound.Max();
   const double bound_efficiency = bound_sec / over.step;
