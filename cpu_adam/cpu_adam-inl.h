@@ -231,11 +231,8 @@ HWY_NOINLINE void BaselineLoop(float coeff, const cai::KernelArgs& args, size_t 
       StoreAs(out_store, p, df, static_cast<float*>(a.out) + i);
     } else if constexpr (O != cai::OutKind::kNone) {
       // Truncation: same bytes as the rounded conversion, less arithmetic.
-      const hn::Rebind<uint16_t, DF> du16;
-      const hn::RebindToSigned<DF> di;
-      StoreAs(out_store,
-              hn::DemoteTo(du16, hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(du, p)))), du16,
-              static_cast<uint16_t*>(a.out) + i);
+      StoreAs(out_store, NarrowToU16(du, hn::ShiftRight<16>(hn::BitCast(du, p))),
+              hn::Rebind<uint16_t, DF>(), static_cast<uint16_t*>(a.out) + i);
     }
     return p;
   });

@@ -22,8 +22,7 @@ std::vector<std::byte> Gradients(uint64_t n, DType dtype) {
     if (dtype == DType::kF32) {
       reinterpret_cast<float*>(g.data())[i] = x;
     } else {
-      reinterpret_cast<uint16_t*>(g.data())[i] =
-          dtype == DType::kBF16 ? F32ToBF16(x) : F32ToF16(x);
+      reinterpret_cast<uint16_t*>(g.data())[i] = dtype == DType::kBF16 ? F32ToBF16(x) : F32ToF16(x);
     }
   }
   return g;
@@ -93,9 +92,9 @@ Status DeviceAdamProbe::Launch() {
   const size_t out_elems = shape_.device_writes_params ? n : 0;
   float* s = state_.as<float>();
   const AdamHyper hyper{.lr = 1e-3, .step = static_cast<int64_t>(++step_)};
-  return kernels::AdamStep(*device_, stream_, hyper, {s, s + n, s + 2 * n, n},
-                           {grad_.data(), n, shape_.grad},
-                           {shape_.device_writes_params ? out_.data() : nullptr, out_elems, shape_.out});
+  return kernels::AdamStep(
+      *device_, stream_, hyper, {s, s + n, s + 2 * n, n}, {grad_.data(), n, shape_.grad},
+      {shape_.device_writes_params ? out_.data() : nullptr, out_elems, shape_.out});
 }
 
 Status DeviceAdamProbe::Wait() { return device_->StreamSynchronize(stream_); }

@@ -57,7 +57,8 @@ class DeviceAdamProbe {
   uint64_t elems() const { return n_; }
 
  private:
-  DeviceAdamProbe(Device& device, const AdamShape& shape, uint64_t n) : device_(&device), shape_(shape), n_(n) {}
+  DeviceAdamProbe(Device& device, const AdamShape& shape, uint64_t n)
+      : device_(&device), shape_(shape), n_(n) {}
   Device* device_;
   AdamShape shape_;
   uint64_t n_;

@@ -88,12 +88,18 @@ HWY_INLINE hn::Vec<D> F32BitsToF16(D du, hn::Vec<D> x) {
   return hn::Or(r, sign);
 }
 
+// u32 lanes holding values <= 0xffff -> as many u16 lanes.
+template <class D>
+HWY_INLINE auto NarrowToU16(D du, hn::Vec<D> bits) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint16_t, D> du16;
+  return hn::DemoteTo(du16, hn::BitCast(di, bits));
+}
+
 // u32 lanes holding values <= 0xffff -> u16 stored at `dst` (unaligned).
 template <class D>
 HWY_INLINE void StoreU16(D du, hn::Vec<D> bits, uint16_t* HWY_RESTRICT dst) {
-  const hn::RebindToSigned<D> di;
-  const hn::Rebind<uint16_t, D> du16;
-  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, bits)), du16, dst);
+  hn::StoreU(NarrowToU16(du, bits), hn::Rebind<uint16_t, D>(), dst);
 }
 
 // Whether this target converts fp16 in hardware (F16C: AVX2 and up on x86).
@@ -143,19 +149,18 @@ HWY_INLINE auto ConvertFromF32(DF df, hn::Vec<DF> v) {
     return v;
   } else {
     const hn::RebindToUnsigned<DF> du;
-    const hn::RebindToSigned<DF> di;
-    const hn::Rebind<uint16_t, DF> du16;
     const auto u = hn::BitCast(du, v);
     if constexpr (T == DType::kBF16) {
-      return hn::DemoteTo(du16, hn::BitCast(di, F32BitsToBF16(du, u)));
+      return NarrowToU16(du, F32BitsToBF16(du, u));
     } else {
 #if STRATA_DTYPE_HW_F16
       if (HWY_LIKELY(hn::AllFalse(df, hn::IsNaN(v)))) {
+        const hn::Rebind<uint16_t, DF> du16;
         const hn::Rebind<hwy::float16_t, DF> df16;
         return hn::BitCast(du16, hn::DemoteTo(df16, v));
       }
 #endif
-      return hn::DemoteTo(du16, hn::BitCast(di, F32BitsToF16(du, u)));
+      return NarrowToU16(du, F32BitsToF16(du, u));
     }
   }
 }

@@ -21,7 +21,8 @@ Result<void*> MapHugePageAligned(size_t bytes) {
                                               ErrnoError(errno, "mmap").message()));
   }
   const auto base = reinterpret_cast<uintptr_t>(m);
-  const uintptr_t aligned = (base + kHostHugePageBytes - 1) / kHostHugePageBytes * kHostHugePageBytes;
+  const uintptr_t aligned =
+      (base + kHostHugePageBytes - 1) / kHostHugePageBytes * kHostHugePageBytes;
   if (aligned > base) ::munmap(m, aligned - base);
   const uintptr_t end = aligned + bytes;
   if (base + map_bytes > end) ::munmap(reinterpret_cast<void*>(end), base + map_bytes - end);
