@@ -92,11 +92,14 @@ StateStore::~StateStore() {
   // Chunks in flight still point into caller buffers and into ops_; the ones
   // not submitted yet are dropped.
   for (auto& q : feed_) q.clear();
-  for (size_t f = 0; f < files_.size(); ++f) {
+  for (size_t f = 0; f < files_.size() && broken_.ok(); ++f) {
     while (files_[f]->InFlight() > 0) {
       if (!ReapFile(static_cast<uint32_t>(f), 1).ok()) break;
     }
   }
+  // A broken file drains what it still has in flight when it closes, and its
+  // requests live in ops_: close the files first.
+  files_.clear();
 }
 
 Status StateStore::Init(Storage& storage) {
@@ -339,6 +342,7 @@ Result<StateStore::Ticket> StateStore::Start(IoOp kind, uint32_t id, std::span<s
     return InvalidArgumentError(name +
                                 ": buffer is not 4096-aligned; use pinned or aligned_alloc memory");
   }
+  if (!broken_.ok()) return broken_;
   if (busy_[id]) {
     return FailedPreconditionError(
         name + ": the extent already has IO in flight; wait for its ticket first");
@@ -458,8 +462,23 @@ void StateStore::Feed(uint32_t f) {
 }
 
 Status StateStore::ReapFile(uint32_t file, size_t min_completions) {
+  if (!broken_.ok()) return broken_;
   IoRequest* done[64];
-  STRATA_ASSIGN_OR_RETURN(size_t n, files_[file]->Reap(done, min_completions));
+  Result<size_t> reaped = files_[file]->Reap(done, min_completions);
+  if (!reaped.ok()) {
+    // The requests stay where they are (ops_ owns them) until the file closes.
+    broken_ = Status(
+        reaped.status().code(),
+        "state store: the IO queue of " + file_paths_[file] + " failed (" +
+            std::string(reaped.status().message()) + ") with " +
+            std::to_string(files_[file]->InFlight()) +
+            " requests in flight, which may or may not have completed; the store takes no more "
+            "IO (the committed copies on the drive were not touched). This optimizer cannot go "
+            "on: check `dmesg` and the drive, then restart the process and load the last "
+            "checkpoint");
+    return broken_;
+  }
+  const size_t n = *reaped;
   for (size_t i = 0; i < n; ++i) {
     auto it = ops_.find(done[i]->user_data);
     if (it == ops_.end()) continue;
@@ -548,6 +567,7 @@ std::optional<Status> StateStore::Poll(Ticket ticket) {
   if (it == ops_.end())
     return NotFoundError("poll ticket " + std::to_string(ticket.id) +
                          ": unknown or already consumed");
+  if (!broken_.ok() && !it->second->done) return broken_;
   for (uint32_t f = 0; f < files_.size(); ++f) {
     if (files_[f]->InFlight() > 0) {
       Status s = ReapFile(f, 0);
@@ -566,6 +586,7 @@ Status StateStore::Wait(Ticket ticket) {
     return NotFoundError("wait ticket " + std::to_string(ticket.id) +
                          ": unknown or already consumed");
   Op& op = *it->second;
+  if (!broken_.ok() && !op.done) return broken_;
   while (!op.done) {
     for (uint32_t f = 0; f < files_.size(); ++f) {
       if (op.pending_per_file[f] > 0) {
@@ -580,6 +601,7 @@ Status StateStore::Wait(Ticket ticket) {
 }
 
 Status StateStore::WaitSome() {
+  if (!broken_.ok()) return broken_;
   for (uint32_t f = 0; f < files_.size(); ++f) {
     if (files_[f]->InFlight() > 0) return ReapFile(f, 1);
   }
@@ -587,6 +609,7 @@ Status StateStore::WaitSome() {
 }
 
 Status StateStore::Sync() {
+  if (!broken_.ok()) return broken_;
   for (auto& f : files_) STRATA_RETURN_IF_ERROR(f->Sync());
   return OkStatus();
 }

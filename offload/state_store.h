@@ -38,6 +38,13 @@
 // newer one was committed, is DataLoss — the store never returns corrupt or
 // stale data.
 //
+// A file whose Reap fails (its queue broke: an io_uring submit or wait error)
+// can no longer say which of its requests completed. The store then takes no
+// more IO: every later start, Poll of an unfinished ticket, Wait, WaitSome
+// and Sync returns that error, and the requests stay owned by the store until
+// its files are closed (which drains them). Committed copies are never
+// touched by a write in flight, so what was committed stays valid on disk.
+//
 // Exclusive: Create takes `<path>/strata-rank<r>.lock` on every path first
 // (Storage::Lock) and holds it until the store is destroyed, so two stores of
 // one rank on one directory (two runs, two optimizers of one process) never
@@ -204,6 +211,9 @@ class StateStore {
   std::vector<std::deque<uint64_t>> feed_;
   std::vector<IoOp> last_kind_;  // of the last chunk submitted, per file
   uint64_t next_ticket_ = 1;
+  // Set when a file's Reap fails: which of its requests completed is unknown,
+  // so the store takes no more IO and every later call returns this.
+  Status broken_;
 };
 
 }  // namespace strata

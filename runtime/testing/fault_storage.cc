@@ -48,6 +48,10 @@ class FaultFile final : public File {
   }
 
   Result<size_t> Reap(std::span<IoRequest*> completed, size_t min_completions) override {
+    if (in_flight_ > 0 && storage_->Draw(&FaultOptions::queue_fail_one_in)) {
+      storage_->mutable_stats().queue_failures.fetch_add(1);
+      return ErrnoError(EIO, "reap " + info_.path).WithContext("injected queue failure");
+    }
     const size_t want = std::min({min_completions, in_flight_, completed.size()});
     std::vector<IoRequest*> base_done(64);
     for (;;) {

@@ -13,6 +13,11 @@
 //                          reached the file (what a crash mid-write leaves)
 //   latency                the operation is delayed by `latency`
 //   sync_eio               Sync() fails with EIO
+//   queue_fail             Reap() of a file with requests in flight fails with
+//                          EIO, as when the queue itself broke (an io_uring
+//                          wait or submit failed): which requests completed is
+//                          unknown; they stay in flight, and the file drains
+//                          them when it is closed
 // With DropUnsynced::kOn the storage remembers, per path, what was written
 // since the last successful Sync of that file; SimulateCrash() overwrites
 // those ranges with 0xDB bytes, as if the machine lost power (close the files
@@ -51,6 +56,7 @@ struct FaultOptions {
   uint32_t latency_one_in = 0;
   std::chrono::microseconds latency{100};
   uint32_t sync_eio_one_in = 0;
+  uint32_t queue_fail_one_in = 0;
   DropUnsynced drop_unsynced = DropUnsynced::kOff;
 };
 
@@ -60,6 +66,7 @@ struct FaultStats {
   std::atomic<uint64_t> short_io{0};
   std::atomic<uint64_t> torn_writes{0};
   std::atomic<uint64_t> delays{0};
+  std::atomic<uint64_t> queue_failures{0};
 };
 
 class FaultStorage final : public Storage {

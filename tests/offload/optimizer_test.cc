@@ -17,6 +17,7 @@
 
 #include "offload/placement.h"
 #include "runtime/testing/fault_storage.h"
+#include "runtime/testing/test_util.h"
 #include "tests/offload/optimizer_test_util.h"
 #include "tests/offload/test_seed.h"
 
@@ -797,6 +798,49 @@ TEST(EngineFaults, ReadEioMidStepIsRetried) { RunFaultRetry({.read_eio_one_in = 
 // republishes them (into a moved tensor too) and updates only the rest.
 TEST(EngineFaults, WriteEioWithDeviceSubGroupsIsRetried) {
   RunFaultRetry({.write_eio_one_in = 3}, 0.3);
+}
+
+// The NVMe queue itself breaks mid-step (which requests completed is
+// unknown): the step fails with the store's error, the retry says the same
+// instead of "IO already in flight", nothing mixes two steps, and the
+// optimizer is destroyed without hanging.
+TEST(EngineFaults, BrokenQueueStopsTheOptimizerWithAClearError) {
+  const uint64_t seed = TestSeed();
+  auto device = *CreateHostDevice();
+  auto fault = testing::FaultStorage::Create(CreatePosixStorage(), {.seed = seed});
+  Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0};
+  OffloadConfig config = MakeConfig(c);
+  SetMixedBudget(config, 0);
+  testing::TempDir dir;  // posix: worker threads still hold requests when it breaks
+  ASSERT_TRUE(dir.ok());
+  config.nvme_paths = {dir.path()};
+  std::mt19937_64 rng(seed);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, fault.get(), config, model);
+  ASSERT_GT(opt->plan().nvme_sub_groups, 0u);
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->Step().ok());
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  fault->SetOptions({.seed = seed + 1, .queue_fail_one_in = 1});
+  const Status failed = opt->Step();
+  ASSERT_FALSE(failed.ok());
+  std::printf("failed step: %s\n", failed.ToString().c_str());
+  EXPECT_GT(fault->stats().queue_failures.load(), 0u);
+  for (std::string_view part : {"IO queue of", "strata-rank0.state", "load the last checkpoint"}) {
+    EXPECT_NE(failed.message().find(part), std::string_view::npos) << part << ": " << failed;
+  }
+  EXPECT_EQ(opt->step_state(), StepState::kFailed);
+  EXPECT_EQ(opt->step_count(), 1);
+  fault->SetOptions({});
+  const Status retried = opt->RetryStep();
+  ASSERT_FALSE(retried.ok());
+  EXPECT_NE(retried.message().find("IO queue of"), std::string_view::npos) << retried;
+  EXPECT_EQ(retried.message().find("already has IO in flight"), std::string_view::npos) << retried;
+  EXPECT_EQ(opt->step_state(), StepState::kFailed);
+  EXPECT_EQ(opt->step_count(), 1);
+  EXPECT_EQ(opt->Step().code(), StatusCode::kFailedPrecondition);
+  opt.reset();
 }
 
 // A trainer replaces a param's storage between steps (model.to(), p.data =
