@@ -22,6 +22,7 @@ import copy
 import errno
 import json
 import math
+import numbers
 import os
 import re
 import weakref
@@ -68,6 +69,40 @@ def _merge(base, override):
         else:
             out[k] = v
     return out
+
+
+def _config_dict(config):
+    """The config argument as a dict ({} for None): a dict, or a JSON string of one."""
+    if config is None:
+        return {}
+    if isinstance(config, (str, bytes)):
+        try:
+            config = json.loads(config)
+        except ValueError as e:
+            raise ValueError(f"OffloadAdam: config is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise TypeError(f"OffloadAdam: config is a {type(config).__name__}; give a dict or a "
+                        "JSON object string (docs/config.md)")
+    return config
+
+
+def _scalar(value):
+    """A one-element tensor (torch accepts lr=torch.tensor(...)) as a float; else as is."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"OffloadAdam: lr is a tensor of {value.numel()} elements; give "
+                             "a number")
+        return float(value)
+    return value
+
+
+def _is_count(value):
+    """A whole number >= 1 (an int, or a float without a fraction such as 1e8); not a bool."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Integral):
+        return value >= 1
+    return isinstance(value, float) and value.is_integer() and value >= 1
 
 
 def _check_hyper(where, lr, betas, eps, weight_decay):
@@ -363,9 +398,32 @@ class OffloadAdam(torch.optim.Optimizer):
                  config=None, sub_group_size=None, threads=None, process_group=None,
                  state_dict_dir=None, trace=None, gpu_fraction=None, device_budget=None,
                  overlap_backward=False):
+        config = _config_dict(config)
+        bad = _non_finite(config)
+        if bad:
+            raise ValueError(f"OffloadAdam: config {bad}; every number must be finite")
+        lr = _scalar(lr)
         if isinstance(lr, (int, float)) and math.isfinite(lr) and lr < 0.0:
             raise ValueError(f"OffloadAdam: invalid learning rate {lr}; lr must be >= 0")
         _check_hyper("", lr, betas, eps, weight_decay)
+        # The config's optimizer.params win over the arguments (a DeepSpeed config
+        # carries the run's lr): they become the param groups' defaults.
+        given = config.get("optimizer", {}).get("params", {})
+        given = {k: v for k, v in given.items() if v != "auto"} if isinstance(given, dict) else {}
+        if given.keys() & {"lr", "betas", "eps", "weight_decay"}:
+            lr, betas = given.get("lr", lr), given.get("betas", betas)
+            eps, weight_decay = given.get("eps", eps), given.get("weight_decay", weight_decay)
+            _check_hyper("config optimizer.params: ", lr, betas, eps, weight_decay)
+        if not isinstance(adamw, bool):
+            raise ValueError(f"OffloadAdam: adamw={adamw!r}; use True (AdamW: decoupled weight "
+                             "decay) or False (Adam: L2 in the gradient)")
+        if threads is not None and not _is_count(threads):
+            raise ValueError(f"OffloadAdam: threads={threads!r}; give a whole number of CPU "
+                             "threads >= 1, or None for all")
+        if sub_group_size is not None and sub_group_size != "auto" and not _is_count(
+                sub_group_size):
+            raise ValueError(f"OffloadAdam: sub_group_size={sub_group_size!r}; give a whole "
+                             "number of elements >= 1 (e.g. 100_000_000 or 1e8), or 'auto'")
         if offload not in ("cpu", "nvme"):
             raise ValueError(f"OffloadAdam: offload={offload!r}; use 'cpu' or 'nvme'")
         if offload == "nvme" and not nvme_path:
@@ -450,9 +508,7 @@ class OffloadAdam(torch.optim.Optimizer):
             base["strata"]["device_budget"] = device_budget
         if _PARAM_DTYPES[self._dtype]:
             base[_PARAM_DTYPES[self._dtype]] = {"enabled": True}
-        if config is not None:
-            if isinstance(config, str):
-                config = json.loads(config)
+        if config:
             base = _merge(base, copy.deepcopy(config))
         _fill_auto(base, {
             "optimizer.params.lr": lr, "optimizer.params.betas": list(betas),
@@ -912,10 +968,17 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"{bad}saved by rank {s.get('rank')} of {s.get('world_size')}, "
                              f"loading on rank {self._engine.rank} of {self._engine.world_size}; "
                              "use save_checkpoint/load_checkpoint to change the number of ranks")
-        if [tuple(x) for x in s.get("param_shapes", ())] != [r.shape for r in self._reg]:
-            raise ValueError(f"{bad}the saved params have other shapes "
-                             f"({len(s.get('param_shapes', ()))} tensors) than this optimizer's "
-                             f"({len(self._reg)} tensors)")
+        saved = [tuple(x) for x in s.get("param_shapes", ())]
+        if saved != [r.shape for r in self._reg]:
+            if len(saved) != len(self._reg):
+                what = f"{len(saved)} tensors where this optimizer has {len(self._reg)}"
+            else:
+                i = next(i for i, r in enumerate(self._reg) if saved[i] != r.shape)
+                name = f" ({self._reg[i].name})" if self._reg[i].name else ""
+                what = (f"param {i}{name} was {list(saved[i])} where this optimizer's is "
+                        f"{list(self._reg[i].shape)}")
+            raise ValueError(f"{bad}the saved params have other shapes: {what}; load a "
+                             "state_dict saved from the same model")
         self._check_groups_match(saved_groups)
         if s.get("kind") == "checkpoint":
             self.load_checkpoint(s["checkpoint"])

@@ -325,6 +325,51 @@ def test_hugging_face_auto_values_are_filled_from_the_arguments():
         OffloadAdam(Net().parameters(), config={"aio": {"queue_depth": "auto"}})
 
 
+def test_config_hyperparameters_win_over_the_arguments():
+    """A DeepSpeed config's numbers are the run's: they train, they are the groups'
+    defaults (a scheduler sees them), and a group's own value still wins."""
+    config = {"optimizer": {"params": {"lr": 0.05, "weight_decay": 0.3, "betas": [0.8, 0.9],
+                                       "eps": 1e-6}}}
+    runs = []
+    for kwargs in ({"config": config},
+                   {"lr": 0.05, "weight_decay": 0.3, "betas": (0.8, 0.9), "eps": 1e-6}):
+        model = Net()
+        opt = OffloadAdam(model.parameters(), **kwargs)
+        g = opt.param_groups[0]
+        assert (g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"]) == (
+            0.05, 0.3, (0.8, 0.9), 1e-6), g
+        train(model, opt, 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    model = Net()
+    opt = OffloadAdam([{"params": [model.a.weight], "lr": 0.2}, {"params": [model.b.weight]}],
+                      lr=1e-3, config=config)
+    assert [g["lr"] for g in opt.param_groups] == [0.2, 0.05]
+    assert opt.engine_config["optimizer"]["params"]["lr"] == 0.05
+    with pytest.raises(ValueError, match=r"config optimizer.params: lr is -1.0"):
+        OffloadAdam(Net().parameters(), config={"optimizer": {"params": {"lr": -1.0}}})
+
+
+def test_arguments_of_the_wrong_kind_are_refused_naming_them():
+    params = list(Net().parameters())
+    for kwargs, match in [({"sub_group_size": 1.5}, "sub_group_size=1.5"),
+                          ({"sub_group_size": "1M"}, "sub_group_size='1M'"),
+                          ({"sub_group_size": 0}, "sub_group_size=0"),
+                          ({"threads": 1.5}, "threads=1.5"),
+                          ({"threads": True}, "threads=True"),
+                          ({"adamw": "no"}, "adamw='no'"),
+                          ({"config": [1]}, "config is a list"),
+                          ({"config": "{not json"}, "config is not valid JSON"),
+                          ({"lr": torch.tensor([0.1, 0.2])}, "lr is a tensor of 2")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            OffloadAdam(params, **kwargs)
+    # What is whole is taken: 1e3 elements, a numpy-like integer, a one-element lr tensor.
+    opt = OffloadAdam(params, sub_group_size=1e3, threads=1, lr=torch.tensor(0.01))
+    assert opt.engine_config["zero_optimization"]["sub_group_size"] == 1000
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
 def test_sub_group_size_auto_is_the_planners_choice():
     w = torch.zeros(9 << 20, requires_grad=True)
     opt = OffloadAdam([w], sub_group_size="auto")

@@ -282,8 +282,14 @@ def test_load_state_dict_refuses_other_shapes():
     a, b = Net(), torch.nn.Linear(3, 3)
     opt_a = OffloadAdam(a.parameters())
     opt_b = OffloadAdam(b.parameters())
-    with pytest.raises(ValueError, match="other shapes"):
+    with pytest.raises(ValueError, match="other shapes: .* tensors where this optimizer has 2"):
         opt_b.load_state_dict(opt_a.state_dict())
+    # As many tensors: the message names the first that differs.
+    c, d = torch.nn.Linear(4, 3), torch.nn.Linear(3, 4)
+    opt_c, opt_d = OffloadAdam(c.named_parameters()), OffloadAdam(d.named_parameters())
+    with pytest.raises(ValueError, match=r"param 0 \(weight\) was \[3, 4\] where this "
+                                         r"optimizer's is \[4, 3\]"):
+        opt_d.load_state_dict(opt_c.state_dict())
     with pytest.raises(ValueError, match="not an optimizer state_dict"):
         opt_a.load_state_dict({"state": {}})
 
