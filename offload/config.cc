@@ -129,7 +129,8 @@ std::string Join(std::string_view path, std::string_view key) {
 }
 
 std::string Describe(const Json& v) {
-  std::string s = v.dump();
+  // `replace`: a string that is not UTF-8 is shown, not thrown on.
+  std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (s.size() > 60) s = s.substr(0, 57) + "...";
   return s;
 }
@@ -608,6 +609,111 @@ Status ParseStrata(const Json& s, OffloadConfig& c) {
   return OkStatus();
 }
 
+// Walks a document that failed to parse, keeping the key path, to say
+// where it failed. nlohmann reports a syntax error and a number beyond a
+// double (1e400, out_of_range.406) alike through parse_error(); this handler
+// never throws, so neither can escape (a rethrowing re-parse once let the
+// out_of_range one through, aborting the caller).
+class FailureLocator final : public nlohmann::json_sax<Json> {
+ public:
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override { return Push(Frame{.is_array = false, .key = {}, .index = 0}); }
+  bool key(string_t& k) override {
+    if (!frames_.empty()) frames_.back().key = k;
+    return true;
+  }
+  bool end_object() override { return Pop(); }
+  bool start_array(std::size_t) override { return Push(Frame{.is_array = true, .key = {}, .index = 0}); }
+  bool end_array() override { return Pop(); }
+  bool parse_error(std::size_t position, const std::string& last_token,
+                   const nlohmann::detail::exception& ex) override {
+    failed_ = true;
+    position_ = position;
+    token_ = last_token;
+    id_ = ex.id;
+    what_ = ex.what();
+    return false;
+  }
+
+  bool failed() const { return failed_; }
+  std::size_t position() const { return position_; }
+  const std::string& token() const { return token_; }
+  int id() const { return id_; }
+  const std::string& what() const { return what_; }
+
+  // "optimizer.params.lr", "optimizer.params.betas[1]"; empty at the top.
+  std::string Path() const {
+    std::string path;
+    for (const Frame& f : frames_) {
+      if (f.is_array) {
+        path += fmt::format("[{}]", f.index);
+      } else if (!f.key.empty()) {
+        path += path.empty() ? f.key : "." + f.key;
+      }
+    }
+    return path;
+  }
+
+ private:
+  struct Frame {
+    bool is_array = false;
+    std::string key;   // the object's current key
+    size_t index = 0;  // the array's current element
+  };
+  // A value is complete: the next error is past it, at its parent.
+  bool Value() {
+    if (frames_.empty()) return true;
+    if (frames_.back().is_array) {
+      ++frames_.back().index;
+    } else {
+      frames_.back().key.clear();
+    }
+    return true;
+  }
+  bool Push(Frame f) {
+    frames_.push_back(std::move(f));
+    return true;
+  }
+  bool Pop() {
+    if (!frames_.empty()) frames_.pop_back();
+    return Value();
+  }
+
+  std::vector<Frame> frames_;
+  bool failed_ = false;
+  std::size_t position_ = 0;
+  std::string token_;
+  int id_ = 0;
+  std::string what_;
+};
+
+// nlohmann's exception ids (json.exception.<kind>.<id>).
+constexpr int kNumberOverflow = 406;
+
+Status ExplainParseFailure(std::string_view text) {
+  FailureLocator locator;
+  // The document is already known to be malformed; sax_parse only replays
+  // the parse to find where. It reports through the handler, never throws.
+  (void)Json::sax_parse(text.begin(), text.end(), &locator);
+  if (!locator.failed()) return InvalidArgumentError("parse config JSON: malformed document");
+  const std::string path = locator.Path();
+  if (locator.id() == kNumberOverflow) {
+    return InvalidArgumentError(fmt::format(
+        "parse config JSON: {} = {}: the number is beyond the range of a double (about "
+        "1.8e308); give a finite value in the key's range",
+        path.empty() ? std::string("the document") : path, locator.token()));
+  }
+  return InvalidArgumentError(
+      fmt::format("parse config JSON{}: {}", path.empty() ? "" : fmt::format(" in {}", path),
+                  locator.what()));
+}
+
 }  // namespace
 
 std::string_view OffloadDeviceName(OffloadDevice device) {
@@ -686,17 +792,7 @@ std::span<const std::string_view> IgnoredConfigKeys() { return kIgnoredKeys; }
 
 Result<OffloadConfig> ParseConfigJson(std::string_view text) {
   Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) {
-    // Parse again with exceptions to get the parser's position; the exception
-    // stays inside this function.
-    try {
-      const Json again = Json::parse(text.begin(), text.end());
-      (void)again;
-    } catch (const Json::parse_error& e) {
-      return InvalidArgumentError(fmt::format("parse config JSON: {}", e.what()));
-    }
-    return InvalidArgumentError("parse config JSON: malformed document");
-  }
+  if (doc.is_discarded()) return ExplainParseFailure(text);
   if (!doc.is_object()) return TypeError("config", doc, "a JSON object");
   OffloadConfig c;
   STRATA_RETURN_IF_ERROR(CheckKeys(
@@ -896,7 +992,9 @@ std::string ConfigToJson(const OffloadConfig& c) {
                 {"grad_dtype", DTypeName(c.grad_dtype)},
                 {"min_scale_overflow",
                  s.min_scale_overflow == MinScaleOverflow::kError ? "error" : "skip"}}}};
-  return doc.dump(2);
+  // `replace`: a path that is not UTF-8 (a struct filled in by code, not
+  // parsed) is written with U+FFFD rather than thrown on.
+  return doc.dump(2, ' ', false, Json::error_handler_t::replace);
 }
 
 }  // namespace strata

@@ -116,8 +116,9 @@ struct OffloadConfig {
 };
 
 // Parses a DeepSpeed-style JSON document (see above). InvalidArgument for
-// malformed JSON (with the parser's position), unknown keys, wrong types and
-// out-of-range values.
+// malformed JSON (with the parser's position and the key it was in), a
+// number beyond a double (1e400, naming the key), unknown keys, wrong types
+// and out-of-range values. Never throws.
 Result<OffloadConfig> ParseConfigJson(std::string_view json);
 
 // Cross-field checks; InvalidArgument naming the keys involved and the fix.
@@ -126,7 +127,8 @@ Status ValidateConfig(const OffloadConfig& config);
 // The effective config as a JSON document (pretty, 2-space indent) in the
 // same form ParseConfigJson reads. For a config that passes ValidateConfig,
 // ParseConfigJson(ConfigToJson(c)) gives back every field in use; the
-// hyperparameters of the optimizer types not selected are not written.
+// hyperparameters of the optimizer types not selected are not written. A
+// path that is not UTF-8 is written with U+FFFD in place of its bad bytes.
 std::string ConfigToJson(const OffloadConfig& config);
 
 // The planner's inputs for a rank of `world_size` whose shard is cut into

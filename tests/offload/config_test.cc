@@ -284,6 +284,46 @@ TEST(ConfigTest, RatesTakeNumbersCountsAndRatesAndNameWhatIsWrong) {
   }
 }
 
+// A number beyond a double (1e400) is a Status naming the key, never an
+// exception: the parser's out_of_range once escaped and aborted the caller.
+TEST(ConfigTest, NumbersBeyondADoubleNameTheKeyAndDoNotThrow) {
+  struct Case {
+    std::string_view json;
+    std::string_view want;
+  };
+  const Case cases[] = {
+      {R"({"optimizer": {"params": {"lr": 1e400}}})", "optimizer.params.lr = 1e400"},
+      {R"({"zero_optimization": {"sub_group_size": 1e400}})",
+       "zero_optimization.sub_group_size = 1e400"},
+      {R"({"optimizer": {"params": {"betas": [0.9, -2E+999]}}})",
+       "optimizer.params.betas[1] = -2E+999"},
+      {R"({"strata": {"rates": {"pcie": 1e309}}, "aio": {}})", "strata.rates.pcie = 1e309"},
+      {"1e400", "the document = 1e400"},
+  };
+  for (const Case& c : cases) {
+    // An exception here fails the test (gtest catches it) rather than passing.
+    Result<OffloadConfig> r = ParseConfigJson(c.json);
+    ASSERT_FALSE(r.ok()) << c.json;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << c.json;
+    EXPECT_TRUE(Contains(r.status().message(), c.want)) << c.json << " -> " << r.status();
+    EXPECT_TRUE(Contains(r.status().message(), "beyond the range of a double"))
+        << r.status();
+  }
+  // A syntax error names where it happened too.
+  Status s = ParseError(R"({"aio": {"queue_depth": 8,}})");
+  EXPECT_TRUE(Contains(s.message(), "parse config JSON in aio:")) << s;
+}
+
+// A path that is not UTF-8 (set by code, not parsed) is written, not thrown on.
+TEST(ConfigTest, ConfigToJsonWritesAPathThatIsNotUtf8) {
+  OffloadConfig c;
+  c.device = OffloadDevice::kNvme;
+  c.nvme_paths = {"/tmp/bad\xff" "dir"};
+  const std::string json = ConfigToJson(c);
+  EXPECT_TRUE(Contains(json, "/tmp/bad\xef\xbf\xbd" "dir")) << json;  // U+FFFD
+  EXPECT_TRUE(ParseConfigJson(json).ok());
+}
+
 TEST(ConfigTest, ConfigToJsonRoundTrips) {
   const std::string_view docs[] = {
       "{}",
