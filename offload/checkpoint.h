@@ -27,7 +27,9 @@
 // so a second job saving into DIR fails at once with the holder's pid.
 // Retention: after publishing, rank 0 keeps the newest `keep_checkpoints`
 // saves (at least 2: the new one and the one before it) and removes every
-// other step-* directory, including the leftovers of saves that crashed.
+// other save directory of its own (named step-<10 digits>-<12 hex digits>
+// and holding only a save's files), including the leftovers of saves that
+// crashed; anything else in DIR, the user's step-* files included, stays.
 //
 // Every reader (load, export, `strata inspect --verify`) applies one
 // validator to the manifests: format version, one save, a consistent layout,

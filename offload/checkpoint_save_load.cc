@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <random>
+#include <regex>
 #include <set>
 
 #include "offload/checkpoint_internal.h"
@@ -185,6 +187,61 @@ std::optional<std::vector<std::string>> ReadHistory(Storage& storage, const std:
   return out;
 }
 
+// What retention may remove is only what Strata itself writes into DIR: the
+// names below (SaveCheckpoint's save id, RankName's files, AtomicFileWriter's
+// temporaries), and a save directory only when everything in it is one of
+// its files. Anything else, however it is named, is the user's.
+const std::regex kSaveDirName("step-[0-9]{10,}-[0-9a-f]{12}");
+const std::regex kSaveFileName(
+    "\\.?rank[0-9]{5,}\\.(json|[A-Za-z0-9_]+\\.f32)(\\.tmp-[0-9]+-[0-9a-f]+)?");
+const std::regex kManifestName("rank[0-9]{5,}\\.json");
+const std::regex kLatestTemporaryName("\\.latest\\.json\\.tmp-[0-9]+-[0-9a-f]+");
+
+bool IsRegularFile(const fs::path& p) {
+  std::error_code ec;
+  return fs::symlink_status(p, ec).type() == fs::file_type::regular;
+}
+
+// A ".latest.json.tmp-<pid>-<n>" file that a crashed publish left.
+bool IsStaleLatestTemporary(const fs::path& p) {
+  return std::regex_match(p.filename().string(), kLatestTemporaryName) && IsRegularFile(p);
+}
+
+// A directory (not a symlink) named as Strata names a save, holding only a
+// save's data files, manifests (of this save id) and their temporaries: a
+// published save, or what a crashed one left. A lookalike is logged and kept.
+bool IsStrataSaveDir(const fs::path& p) {
+  const std::string name = p.filename().string();
+  if (name.rfind("step-", 0) != 0) return false;
+  auto keep = [&](std::string_view why) {
+    LogDebug(fmt::format("checkpoint retention: {} is not removed: {}", p.string(), why));
+    return false;
+  };
+  std::error_code ec;
+  if (!std::regex_match(name, kSaveDirName)) {
+    return keep("not a name Strata gives a save (step-<10 digits>-<12 hex digits>)");
+  }
+  if (fs::symlink_status(p, ec).type() != fs::file_type::directory) {
+    return keep("not a directory");
+  }
+  for (const auto& e : fs::directory_iterator(p, ec)) {
+    const std::string file = e.path().filename().string();
+    if (!std::regex_match(file, kSaveFileName) || !IsRegularFile(e.path())) {
+      return keep(fmt::format("it holds {}, which is not a file Strata writes into a save", file));
+    }
+    if (std::regex_match(file, kManifestName)) {
+      std::ifstream in(e.path());
+      const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_object() || j.value("format", "") != kCheckpointFormatName ||
+          j.value("save_id", "") != name) {
+        return keep(fmt::format("{} is not a manifest of save {}", file, name));
+      }
+    }
+  }
+  if (ec) return keep(fmt::format("cannot list it ({})", ec.message()));
+  return true;
+}
+
 // Rank 0, after every rank wrote its part, holding the save lock: point
 // latest.json at the save, then apply retention.
 Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& info,
@@ -207,15 +264,15 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
                     dir, kLatest));
     return OkStatus();
   }
-  const std::string stale_tmp = "." + std::string(kLatest) + ".tmp-";
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     // A crashed save's directory, or a latest.json temporary it left (no
-    // other save runs: we hold the lock).
-    const bool old_save = name.rfind("step-", 0) == 0 &&
-                          std::find(history.begin(), history.end(), name) == history.end();
-    if (!old_save && name.rfind(stale_tmp, 0) != 0) continue;
+    // other save runs: we hold the lock). Nothing else: DIR may hold the
+    // user's own files, named step-* or not.
+    const bool remove = std::find(history.begin(), history.end(), name) == history.end() &&
+                        (IsStaleLatestTemporary(entry.path()) || IsStrataSaveDir(entry.path()));
+    if (!remove) continue;
     std::error_code rm;
     fs::remove_all(entry.path(), rm);
     if (rm) {

@@ -695,5 +695,60 @@ TEST(RetentionTest, KeepsTheNewestSavesAndRemovesLeftovers) {
   ASSERT_TRUE(other.opt(0).Load(dir.path()).ok());
 }
 
+// Retention removes only what Strata wrote: a directory named exactly as a
+// save is named (step-<10 digits>-<12 hex digits>) that holds nothing but a
+// save's files. A user's files and directories that merely start with
+// "step-" survive every save, the first one into the directory included.
+TEST(RetentionTest, UserFilesNamedLikeSavesSurviveAndOnlyStrataSavesAreRemoved) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  auto write = [](const std::string& path, const std::string& text) {
+    fs::create_directories(fs::path(path).parent_path());
+    std::ofstream(path) << text;
+  };
+  // The user's: none of these may be touched.
+  const std::map<std::string, std::string> user_files = {
+      {"step-1000.pt", "weights at step 1000"},
+      {"step-500/model.pt", "weights at step 500"},
+      {"step-0000000001-abcdefabcdef", "a file, named exactly like a save"},
+      {"step-0000000002-abcdefabcdef/notes.txt", "a save directory the user wrote into"},
+      {"step-0000000003-ABCDEFABCDEF/rank00000.json", "upper-case hex: not Strata's name"},
+      {"step-0000000004-abcdefabcdef-old/rank00000.master.f32", "a suffix: not Strata's name"},
+      {"step-0000000005-abcdefabcdef/rank00000.json", "{\"format\": \"something else\"}"},
+      {".latest.json.tmp-notes", "not a temporary Strata writes"},
+      {"elsewhere/data.bin", "what a symlink named like a save points to"},
+  };
+  for (const auto& [name, text] : user_files) write(dir.File(name), text);
+  fs::create_directory_symlink(dir.File("elsewhere"), dir.File("step-0000000006-abcdefabcdef"));
+  // Strata's: the leftovers of a save that crashed (a data file and a
+  // temporary of another), and an empty save directory.
+  const std::string crashed = dir.File("step-0000000000-deadbeef0000");
+  write(crashed + "/rank00000.master.f32", std::string(4096, '\0'));
+  write(crashed + "/.rank00000.exp_avg.f32.tmp-4242-1f", "partial");
+  fs::create_directories(dir.File("step-0000000000-000000000001"));
+
+  std::vector<std::string> published;
+  for (int s = 0; s < 4; ++s) {
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    published.push_back((*CheckpointReader::Open(dir.path()))->info().save_dir);
+    for (const auto& [name, text] : user_files) {
+      ASSERT_TRUE(fs::exists(dir.File(name))) << name << " removed by save " << s;
+      EXPECT_EQ(testing::ReadFileBytes(dir.File(name)), text) << name;
+    }
+    ASSERT_TRUE(fs::is_symlink(dir.File("step-0000000006-abcdefabcdef")));
+    EXPECT_FALSE(fs::exists(crashed)) << "a crashed save's leftovers are removed";
+    EXPECT_FALSE(fs::exists(dir.File("step-0000000000-000000000001")));
+  }
+  // Strata's own older saves are still pruned: the newest two remain.
+  EXPECT_FALSE(fs::exists(published[0]));
+  EXPECT_FALSE(fs::exists(published[1]));
+  EXPECT_TRUE(fs::exists(published[2]));
+  EXPECT_TRUE(fs::exists(published[3]));
+}
+
 }  // namespace
 }  // namespace strata
