@@ -623,18 +623,21 @@ class FailureLocator final : public nlohmann::json_sax<Json> {
   bool number_float(number_float_t, const string_t&) override { return Value(); }
   bool string(string_t&) override { return Value(); }
   bool binary(binary_t&) override { return Value(); }
-  bool start_object(std::size_t) override { return Push(Frame{.is_array = false, .key = {}, .index = 0}); }
+  bool start_object(std::size_t) override {
+    return Push(Frame{.is_array = false, .key = {}, .index = 0});
+  }
   bool key(string_t& k) override {
     if (!frames_.empty()) frames_.back().key = k;
     return true;
   }
   bool end_object() override { return Pop(); }
-  bool start_array(std::size_t) override { return Push(Frame{.is_array = true, .key = {}, .index = 0}); }
+  bool start_array(std::size_t) override {
+    return Push(Frame{.is_array = true, .key = {}, .index = 0});
+  }
   bool end_array() override { return Pop(); }
-  bool parse_error(std::size_t position, const std::string& last_token,
+  bool parse_error(std::size_t /*position*/, const std::string& last_token,
                    const nlohmann::detail::exception& ex) override {
     failed_ = true;
-    position_ = position;
     token_ = last_token;
     id_ = ex.id;
     what_ = ex.what();
@@ -642,7 +645,6 @@ class FailureLocator final : public nlohmann::json_sax<Json> {
   }
 
   bool failed() const { return failed_; }
-  std::size_t position() const { return position_; }
   const std::string& token() const { return token_; }
   int id() const { return id_; }
   const std::string& what() const { return what_; }
@@ -687,7 +689,6 @@ class FailureLocator final : public nlohmann::json_sax<Json> {
 
   std::vector<Frame> frames_;
   bool failed_ = false;
-  std::size_t position_ = 0;
   std::string token_;
   int id_ = 0;
   std::string what_;
@@ -704,14 +705,13 @@ Status ExplainParseFailure(std::string_view text) {
   if (!locator.failed()) return InvalidArgumentError("parse config JSON: malformed document");
   const std::string path = locator.Path();
   if (locator.id() == kNumberOverflow) {
-    return InvalidArgumentError(fmt::format(
-        "parse config JSON: {} = {}: the number is beyond the range of a double (about "
-        "1.8e308); give a finite value in the key's range",
-        path.empty() ? std::string("the document") : path, locator.token()));
+    return InvalidArgumentError(
+        fmt::format("parse config JSON: {} = {}: the number is beyond the range of a double (about "
+                    "1.8e308); give a finite value in the key's range",
+                    path.empty() ? std::string("the document") : path, locator.token()));
   }
-  return InvalidArgumentError(
-      fmt::format("parse config JSON{}: {}", path.empty() ? "" : fmt::format(" in {}", path),
-                  locator.what()));
+  return InvalidArgumentError(fmt::format(
+      "parse config JSON{}: {}", path.empty() ? "" : fmt::format(" in {}", path), locator.what()));
 }
 
 }  // namespace
