@@ -175,7 +175,7 @@ Status Run(const Options& o) {
         {"baseline_seconds_median", b_med},
         {"ratio_to_baseline_median", b_med / k_med},
     };
-    std::printf("%s\n", j.dump().c_str());
+    PrintJson(j);
   } else {
     std::printf("cpu adam: %s params, grad %s, out %s, %d threads, target %s\n",
                 FormatCount(n).c_str(), std::string(DTypeName(grad_dtype)).c_str(),

@@ -315,7 +315,16 @@ Result<double> RunFio(const std::string& cmd, const std::string& op) {
     return InternalError("parse fio's JSON output of `" + cmd + "`");
   }
   double bw = 0;
-  for (const auto& job : j["jobs"]) bw += job[op]["bw_bytes"].get<double>();
+  for (const auto& job : j["jobs"]) {
+    // find(), not operator[]: a const lookup of a missing key is undefined.
+    const auto side = job.is_object() ? job.find(op) : job.end();
+    const auto bytes = side != job.end() && side->is_object() ? side->find("bw_bytes") : job.end();
+    if (bytes == job.end() || !bytes->is_number()) {
+      return InternalError(
+          fmt::format("fio's JSON output of `{}` has no jobs[].{}.bw_bytes", cmd, op));
+    }
+    bw += bytes->get<double>();
+  }
   return bw;
 }
 
@@ -459,7 +468,7 @@ Status RunBenchNvme(const NvmeArgs& a) {
       j["ratio_to_fio_median"] = fio_median > 0 ? median / fio_median : 0.0;
       j["fio_command"] = fio_cmd;
     }
-    std::printf("%s\n", j.dump().c_str());
+    PrintJson(j);
   } else {
     std::printf("nvme %s  block %s  qd %u  files %zu: strata %s (best of %d)", a.op.c_str(),
                 FormatBytes(block_bytes).c_str(), a.qd, files.size(), FormatRate(best).c_str(),

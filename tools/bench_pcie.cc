@@ -354,7 +354,7 @@ Status Run(const Options& o) {
                      {"d2h_ratio", engine->d2h / engine->base_d2h},
                      {"h2d_ratio", engine->h2d / engine->base_h2d}};
     }
-    std::printf("%s\n", j.dump().c_str());
+    PrintJson(j);
     return OkStatus();
   }
   std::printf("pcie: %s (%s); baseline: %s, best of %d\n", dev->name().c_str(),

@@ -861,7 +861,7 @@ Status RunStep(const StepArgs& a) {
                             {"bound_resource", bound_resource},
                             {"step_sec", with.step},
                             {"dropped_events", trace->dropped()}};
-    STRATA_RETURN_IF_ERROR(trace->WriteChromeTrace(a.trace_path, other.dump()));
+    STRATA_RETURN_IF_ERROR(trace->WriteChromeTrace(a.trace_path, JsonText(other)));
     std::fprintf(stderr,
                  "bench step: trace of %d step(s) in %s (open it in https://ui.perfetto.dev)\n",
                  a.steps, a.trace_path.c_str());
@@ -977,7 +977,7 @@ Status RunStep(const StepArgs& a) {
           {"h2d", traffic.h2d_bytes}}},
         {"rounds", rounds},
     };
-    std::printf("%s\n", j.dump().c_str());
+    PrintJson(j);
     return OkStatus();
   }
   std::printf(

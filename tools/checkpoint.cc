@@ -69,7 +69,7 @@ Status RunInspect(const InspectArgs& args) {
         {"tensors", tensors},
         {"groups", groups}};
     if (!verified.ok()) out["error"] = verified.ToString();
-    std::printf("%s\n", out.dump(2).c_str());
+    PrintJson(out, 2);
     return verified;
   }
   std::printf("checkpoint %s\n", info.root.c_str());

@@ -7,6 +7,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "runtime/status.h"
@@ -26,6 +28,22 @@ struct Cli {
 // Runs `body` as a subcommand's action: prints a failed Status as
 // "strata <name>: <status>" and records the exit code.
 void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& body);
+
+// The text of a JSON value (compact, or pretty with `indent` >= 0). Every
+// --json output and every JSON the CLI writes goes through here: a string
+// that is not UTF-8 (a path on a filesystem that allows any bytes) has its
+// bad bytes written as U+FFFD instead of throwing nlohmann's type_error.316,
+// so output never aborts. Works for nlohmann::json and ordered_json.
+template <typename JsonType>
+std::string JsonText(const JsonType& j, int indent = -1) {
+  return j.dump(indent, ' ', /*ensure_ascii=*/false, JsonType::error_handler_t::replace);
+}
+
+// Prints JsonText(j, indent) and a newline on stdout.
+template <typename JsonType>
+void PrintJson(const JsonType& j, int indent = -1) {
+  std::printf("%s\n", JsonText(j, indent).c_str());
+}
 
 // The whole text of a config file; NotFound naming it when it cannot be read.
 Result<std::string> ReadConfigFile(const std::string& path);

@@ -338,7 +338,7 @@ Status RunInfo(const InfoArgs& args) {
   j["problems"] = pj;
 
   if (args.json) {
-    std::printf("%s\n", j.dump(2).c_str());
+    PrintJson(j, 2);
     return OkStatus();
   }
 

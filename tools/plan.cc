@@ -139,7 +139,7 @@ Status RunPlan(const PlanArgs& args) {
                       {"mixed_bytes_per_sec", drive->mixed_bytes_per_sec},
                       {"nvme_sec_mixed", nvme_mixed_sec}};
     }
-    std::printf("%s\n", out.dump(2).c_str());
+    PrintJson(out, 2);
     return OkStatus();
   }
   std::printf("effective config:\n%s\n", ConfigToJson(config).c_str());

@@ -260,5 +260,26 @@ TEST(CliTest, InspectAndExport) {
   EXPECT_EQ(r.code, 0) << "export reads only the master weights: " << r.err;
 }
 
+// `inspect --json` of a checkpoint under a directory whose name is not
+// UTF-8 prints the JSON with U+FFFD for the bad byte (it once aborted with
+// nlohmann's type_error.316, exit 134).
+TEST(CliTest, InspectJsonWithAPathThatIsNotUtf8) {
+  const uint64_t seed = TestSeed();
+  TempDir tmp;
+  const std::string dir = tmp.File("bad\xff" "dir");
+  ASSERT_TRUE(std::filesystem::create_directory(dir));
+  Cluster c(1, testing::CkptConfig(testing::Where::kHost, OptimizerType::kAdamW, 512, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  ASSERT_TRUE(c.Save(dir).ok());
+
+  Ran r = RunStrata("inspect --json '" + dir + "'", tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_NE(j.value("dir", "").find("bad\xef\xbf\xbd" "dir"), std::string::npos) << r.out;
+  EXPECT_EQ(j.value("step", -1), 1);
+}
+
 }  // namespace
 }  // namespace strata
