@@ -153,6 +153,37 @@ class Cleanup {
   std::string dir_;
 };
 
+// The checks a file written at the end needs, made before any work so a
+// long run is not lost to a typo: the path is not a directory and its
+// directory exists and takes new files (the trace is written to a temporary
+// file there and renamed).
+Status CheckOutputFile(const std::string& option, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    return InvalidArgumentError(
+        fmt::format("{} {}: is a directory; give a file name in it", option, path));
+  }
+  const fs::path parent = fs::path(path).parent_path();
+  const std::string dir = parent.empty() ? std::string(".") : parent.string();
+  if (!fs::exists(dir, ec)) {
+    return InvalidArgumentError(
+        fmt::format("{} {}: the directory {} does not exist; create it or choose another path",
+                    option, path, dir));
+  }
+  if (!fs::is_directory(dir, ec)) {
+    return InvalidArgumentError(
+        fmt::format("{} {}: {} is not a directory; choose another path", option, path, dir));
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    const int err = errno;
+    return InvalidArgumentError(
+        fmt::format("{} {}: cannot create files in {} ({}); choose a directory this user can write",
+                    option, path, dir, std::strerror(err)));
+  }
+  return OkStatus();
+}
+
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -445,6 +476,43 @@ StageTimes MedianTimes(const std::vector<StepSample>& v) {
 }
 
 Status RunStep(const StepArgs& a) {
+  // ---- the options on their own, before any work ----
+  if (!a.trace_path.empty()) STRATA_RETURN_IF_ERROR(CheckOutputFile("--trace", a.trace_path));
+  std::optional<uint64_t> drive_probe_bytes;  // nullopt: auto
+  if (a.drive_probe != "auto") {
+    Result<uint64_t> b = ParseBytes(a.drive_probe);
+    if (!b.ok()) {
+      return InvalidArgumentError(fmt::format(
+          "--drive-probe {}: give a size (256MiB, 1GiB), 0 to skip the drive baseline, or auto",
+          a.drive_probe));
+    }
+    drive_probe_bytes = *b;
+  }
+  Result<uint64_t> pcie_rate_parsed = ParseBytes(a.pcie_rate);
+  if (!pcie_rate_parsed.ok()) {
+    return InvalidArgumentError(fmt::format(
+        "--pcie-rate {}: give bytes per second (12G, 25GiB) or 0 for memcpy speed", a.pcie_rate));
+  }
+  const uint64_t pcie_rate = *pcie_rate_parsed;
+  int cuda_ordinal = -1;
+  if (a.device != "host") {
+    if (a.device.rfind("cuda:", 0) == 0 && a.device.size() > 5 && a.device.size() < 10 &&
+        a.device.find_first_not_of("0123456789", 5) == std::string::npos) {
+      cuda_ordinal = std::stoi(a.device.substr(5));
+    }
+    if (cuda_ordinal < 0) {
+      return InvalidArgumentError(
+          fmt::format("--device {}: give host or cuda:N (N: the GPU's ordinal)", a.device));
+    }
+    if (pcie_rate != 0) {
+      return InvalidArgumentError("--pcie-rate models a link for --device host; a GPU has its own");
+    }
+    if (a.ranks != 1) {
+      return InvalidArgumentError(
+          "--ranks with --device cuda: one rank per process on a GPU; run one bench per GPU");
+    }
+  }
+
   // ---- configuration ----
   OffloadConfig config;
   if (!a.config_path.empty()) {
@@ -501,7 +569,6 @@ Status RunStep(const StepArgs& a) {
       config.gpu_fraction = f;
     }
   }
-  STRATA_ASSIGN_OR_RETURN(const uint64_t pcie_rate, ParseBytes(a.pcie_rate));
   if (Use(a, "--offload")) {
     config.device = a.offload == "nvme" ? OffloadDevice::kNvme : OffloadDevice::kCpu;
   }
@@ -594,23 +661,7 @@ Status RunStep(const StepArgs& a) {
                                               .h2d_bytes_per_sec = static_cast<double>(pcie_rate),
                                               .d2h_bytes_per_sec = static_cast<double>(pcie_rate)}));
   } else {
-    int ordinal = -1;
-    if (a.device.rfind("cuda:", 0) == 0 && a.device.size() > 5 &&
-        a.device.find_first_not_of("0123456789", 5) == std::string::npos) {
-      ordinal = std::stoi(a.device.substr(5));
-    }
-    if (ordinal < 0) {
-      return InvalidArgumentError(
-          fmt::format("--device {}: give host or cuda:N (N: the GPU's ordinal)", a.device));
-    }
-    if (pcie_rate != 0) {
-      return InvalidArgumentError("--pcie-rate models a link for --device host; a GPU has its own");
-    }
-    if (a.ranks != 1) {
-      return InvalidArgumentError(
-          "--ranks with --device cuda: one rank per process on a GPU; run one bench per GPU");
-    }
-    STRATA_ASSIGN_OR_RETURN(device, CreateCudaDevice(ordinal));
+    STRATA_ASSIGN_OR_RETURN(device, CreateCudaDevice(cuda_ordinal));
   }
   std::vector<std::unique_ptr<Communicator>> comms;
   if (a.ranks > 1) {
@@ -670,10 +721,8 @@ Status RunStep(const StepArgs& a) {
   }
   // auto: as many bytes as one copy of the rank's NVMe state (256 MiB to 4
   // GiB): a small file may sit in a cache (a VM's host) the state does not.
-  uint64_t probe_bytes = std::clamp<uint64_t>(plan0.nvme_state_bytes, 256 * kMiB, 4 * kGiB);
-  if (a.drive_probe != "auto") {
-    STRATA_ASSIGN_OR_RETURN(probe_bytes, ParseBytes(a.drive_probe));
-  }
+  const uint64_t probe_bytes = drive_probe_bytes.value_or(
+      std::clamp<uint64_t>(plan0.nvme_state_bytes, 256 * kMiB, 4 * kGiB));
   if (plan0.nvme_sub_groups > 0 && probe_bytes > 0) {
     STRATA_ASSIGN_OR_RETURN(rates.drive,
                             MeasureDriveRates(config.nvme_paths,
@@ -851,6 +900,9 @@ Status RunStep(const StepArgs& a) {
           : 0.0;
   const double params_d = static_cast<double>(params);
   double trace_overhead = 0;
+  // A trace that cannot be written (its directory removed during the run,
+  // the disk full) fails the command after the results are printed.
+  Status trace_written;
   if (trace) {
     const StageTimes with = MedianTimes(traced);
     trace_overhead = with.step / over.step - 1.0;
@@ -861,10 +913,15 @@ Status RunStep(const StepArgs& a) {
                             {"bound_resource", bound_resource},
                             {"step_sec", with.step},
                             {"dropped_events", trace->dropped()}};
-    STRATA_RETURN_IF_ERROR(trace->WriteChromeTrace(a.trace_path, JsonText(other)));
-    std::fprintf(stderr,
-                 "bench step: trace of %d step(s) in %s (open it in https://ui.perfetto.dev)\n",
-                 a.steps, a.trace_path.c_str());
+    trace_written = trace->WriteChromeTrace(a.trace_path, JsonText(other));
+    if (trace_written.ok()) {
+      std::fprintf(stderr,
+                   "bench step: trace of %d step(s) in %s (open it in https://ui.perfetto.dev)\n",
+                   a.steps, a.trace_path.c_str());
+    } else {
+      trace_written = std::move(trace_written)
+                          .WithContext("the results are printed; the trace is lost (--trace)");
+    }
   }
 
   if (a.json) {
@@ -978,7 +1035,7 @@ Status RunStep(const StepArgs& a) {
         {"rounds", rounds},
     };
     PrintJson(j);
-    return OkStatus();
+    return trace_written;
   }
   std::printf(
       "step: %s params, %d rank(s), %s params / %s grads, %u sub-groups of %s (%u on nvme), "
@@ -1076,7 +1133,7 @@ Status RunStep(const StepArgs& a) {
         FormatSeconds(bound.device_adam).c_str(),
         FormatRate(rates.device_adam_bytes_per_sec).c_str(), FormatSeconds(over.step).c_str());
   }
-  return OkStatus();
+  return trace_written;
 }
 
 }  // namespace
