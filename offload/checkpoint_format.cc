@@ -315,7 +315,8 @@ std::optional<Latest> ParseLatest(const std::string& text) {
 // ---- Small file IO ------------------------------------------------------------------
 
 Result<std::string> ReadSmallFile(Storage& storage, const std::string& path) {
-  STRATA_ASSIGN_OR_RETURN(auto file, storage.Open(path, {.direct = DirectIo::kOff}));
+  STRATA_ASSIGN_OR_RETURN(
+      auto file, storage.Open(path, {.direct = DirectIo::kOff, .access = FileAccess::kReadOnly}));
   STRATA_ASSIGN_OR_RETURN(uint64_t size, file->SizeBytes());
   std::string text(size, '\0');
   if (size == 0) return text;

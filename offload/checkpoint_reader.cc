@@ -73,8 +73,10 @@ Result<File*> CheckpointReader::Impl::FileOf(uint32_t rank, uint32_t array) {
   auto key = std::make_pair(rank, array);
   if (auto it = files.find(key); it != files.end()) return it->second.get();
   const std::string path = PathOf(rank, array);
-  auto opened = storage.storage->Open(
-      path, {.direct = options.direct, .queue_depth = std::max<uint32_t>(options.queue_depth, 1)});
+  auto opened =
+      storage.storage->Open(path, {.direct = options.direct,
+                                   .queue_depth = std::max<uint32_t>(options.queue_depth, 1),
+                                   .access = FileAccess::kReadOnly});
   if (!opened.ok()) {
     if (opened.status().code() == StatusCode::kNotFound) {
       return NotFoundError(fmt::format(

@@ -89,7 +89,7 @@ Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& stor
   }
   STRATA_RETURN_IF_ERROR(CheckOutputPath(path, options.existing));
   if (options.existing == ExistingFile::kRefuse &&
-      storage.Open(path, {.direct = DirectIo::kOff}).ok()) {
+      storage.Open(path, {.direct = DirectIo::kOff, .access = FileAccess::kReadOnly}).ok()) {
     return ExistsError(path);  // a file only the storage knows (the in-memory backend)
   }
   auto w = std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter());

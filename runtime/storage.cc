@@ -97,6 +97,22 @@ CompletionDecision InterpretCompletion(const IoRequest& request, std::string_vie
 
 namespace internal {
 
+Status CheckWritable(const FileInfo& info, std::string_view op) {
+  if (info.access != FileAccess::kReadOnly) return OkStatus();
+  return FailedPreconditionError(std::string(op) +
+                                 ": the file was opened read-only (FileAccess::kReadOnly); "
+                                 "open it with FileAccess::kReadWrite to change it");
+}
+
+Status ValidateOpenOptions(const std::string& path, const FileOptions& options) {
+  if (options.create == FileCreate::kCreate && options.access == FileAccess::kReadOnly) {
+    return InvalidArgumentError("open " + path +
+                                ": FileCreate::kCreate with FileAccess::kReadOnly; a file is "
+                                "created to be written: open it with FileAccess::kReadWrite");
+  }
+  return OkStatus();
+}
+
 Status ValidateBatch(const FileInfo& info, std::span<IoRequest> requests) {
   const uint64_t align = info.alignment_bytes;
   for (const IoRequest& r : requests) {
@@ -104,6 +120,7 @@ Status ValidateBatch(const FileInfo& info, std::span<IoRequest> requests) {
       return std::string(OpName(r.op)) + " " +
              IoObjectName(info.path, r.offset_bytes, r.buffer.size());
     };
+    if (r.op == IoOp::kWrite) STRATA_RETURN_IF_ERROR(CheckWritable(info, object()));
     if (r.buffer.empty() || r.buffer.data() == nullptr) {
       return InvalidArgumentError(object() + ": empty buffer");
     }
@@ -218,7 +235,8 @@ bool ODirectRefusedByEnv() {
 }  // namespace
 
 Result<OpenedFd> OpenBlockFd(const std::string& path, const FileOptions& options) {
-  int flags = O_RDWR | O_CLOEXEC;
+  STRATA_RETURN_IF_ERROR(ValidateOpenOptions(path, options));
+  int flags = (options.access == FileAccess::kReadOnly ? O_RDONLY : O_RDWR) | O_CLOEXEC;
   if (options.create == FileCreate::kCreate) flags |= O_CREAT;
   const bool want_direct = options.direct != DirectIo::kOff;
   int fd = -1;
@@ -401,6 +419,9 @@ class CountingStorage final : public Storage {
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override {
     STRATA_ASSIGN_OR_RETURN(auto file, base_->Open(path, options));
     counters_->opens.fetch_add(1, std::memory_order_relaxed);
+    if (options.access == FileAccess::kReadOnly) {
+      counters_->read_only_opens.fetch_add(1, std::memory_order_relaxed);
+    }
     return std::unique_ptr<File>(std::make_unique<CountingFile>(std::move(file), counters_));
   }
   Status Remove(const std::string& path) override { return base_->Remove(path); }

@@ -111,6 +111,13 @@ CompletionDecision InterpretCompletion(const IoRequest& request, std::string_vie
 std::string IoObjectName(std::string_view path, uint64_t offset_bytes, uint64_t size_bytes);
 
 enum class FileCreate : uint8_t { kOpenExisting, kCreate };  // kCreate: create if missing
+// kReadOnly: opened for reading only (O_RDONLY), so a file this process may
+// not write (mode 0444, a read-only mount, another user's file) opens and
+// reads. A write request or Resize on it fails with FailedPrecondition
+// naming the file; it cannot be combined with FileCreate::kCreate
+// (InvalidArgument). Readers of files they never change (checkpoint
+// readers, strata inspect/export) use it.
+enum class FileAccess : uint8_t { kReadWrite, kReadOnly };
 // kAuto: O_DIRECT, or buffered IO with one warning where the filesystem
 // refuses it (tmpfs). kRequire: fail where refused. kOff: buffered IO.
 enum class DirectIo : uint8_t { kAuto, kRequire, kOff };
@@ -122,13 +129,15 @@ struct FileOptions {
   // Requests in flight in the kernel at most (io_uring SQ size; posix threads
   // are min(queue_depth, 16)). More may be submitted: they wait in the file.
   uint32_t queue_depth = 32;
+  FileAccess access = FileAccess::kReadWrite;
 };
 
 struct FileInfo {
   std::string path;
   std::string backend;  // "uring", "posix", "mem", or a wrapper "counting(uring)"
   IoMode io_mode = IoMode::kBuffered;
-  uint64_t alignment_bytes = 1;  // required alignment of buffer, offset and size
+  FileAccess access = FileAccess::kReadWrite;  // as opened
+  uint64_t alignment_bytes = 1;                // required alignment of buffer, offset and size
   uint32_t queue_depth = 0;
   bool fixed_buffers = false;        // RegisterBuffers() took effect (io_uring)
   uint32_t fixed_buffer_ranges = 0;  // kernel registrations made of them (<= 1 GiB each)
@@ -145,7 +154,8 @@ class File {
   virtual const FileInfo& info() const = 0;
 
   // Starts every request of the batch, or none: a request with a misaligned
-  // or empty buffer gives InvalidArgument and nothing is submitted.
+  // or empty buffer gives InvalidArgument, a write to a file opened
+  // FileAccess::kReadOnly FailedPrecondition, and nothing is submitted.
   virtual Status Submit(std::span<IoRequest> requests) = 0;
 
   // Waits until min(min_completions, InFlight()) requests are complete, then
@@ -161,6 +171,7 @@ class File {
   // Makes completed writes durable (fdatasync).
   virtual Status Sync() = 0;
 
+  // FailedPrecondition on a file opened FileAccess::kReadOnly.
   virtual Status Resize(uint64_t size_bytes) = 0;
   virtual Result<uint64_t> SizeBytes() = 0;
 
@@ -206,7 +217,8 @@ class Storage {
 
   virtual std::string_view name() const = 0;
   // NotFound when missing and options.create is kOpenExisting; InvalidArgument
-  // when O_DIRECT is required and refused.
+  // when O_DIRECT is required and refused, or for kCreate with kReadOnly; the
+  // errno otherwise (EACCES for a file this process may not open as asked).
   virtual Result<std::unique_ptr<File>> Open(const std::string& path,
                                              const FileOptions& options) = 0;
   // Removes a file (NotFound when missing).
@@ -249,6 +261,7 @@ struct IoCounters {
   std::atomic<uint64_t> errors{0};
   std::atomic<uint64_t> syncs{0};
   std::atomic<uint64_t> opens{0};
+  std::atomic<uint64_t> read_only_opens{0};  // of `opens`, those with FileAccess::kReadOnly
 };
 std::unique_ptr<Storage> CreateCountingStorage(std::unique_ptr<Storage> base,
                                                std::shared_ptr<IoCounters> counters);

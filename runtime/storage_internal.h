@@ -18,8 +18,15 @@ namespace strata::internal {
 inline constexpr uint64_t kDirectIoAlignment = 4096;
 
 // InvalidArgument naming the first request of the batch with an empty buffer,
-// or (alignment_bytes > 1) a misaligned address, offset or length.
+// or (alignment_bytes > 1) a misaligned address, offset or length;
+// FailedPrecondition for a write to a file opened FileAccess::kReadOnly.
 Status ValidateBatch(const FileInfo& info, std::span<IoRequest> requests);
+
+// FailedPrecondition naming `op` and the file when it was opened read-only.
+Status CheckWritable(const FileInfo& info, std::string_view op);
+
+// InvalidArgument for options no backend accepts (kCreate with kReadOnly).
+Status ValidateOpenOptions(const std::string& path, const FileOptions& options);
 
 // Clears a request's result before it is submitted.
 inline void ResetResult(IoRequest& r) {
@@ -74,8 +81,9 @@ struct OpenedFd {
   IoMode io_mode;
   uint64_t alignment_bytes;  // 1 when options.direct is kOff
 };
-// Opens `path` read-write with O_DIRECT as options.direct asks, falling back to
-// buffered IO (one warning) where the filesystem refuses O_DIRECT under kAuto.
+// Opens `path` read-write (or read-only: options.access) with O_DIRECT as
+// options.direct asks, falling back to buffered IO (one warning) where the
+// filesystem refuses O_DIRECT under kAuto.
 Result<OpenedFd> OpenBlockFd(const std::string& path, const FileOptions& options);
 
 Status SyncFd(int fd, const std::string& path);

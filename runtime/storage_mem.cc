@@ -27,6 +27,7 @@ class MemFile final : public File {
     info_.path = path;
     info_.backend = "mem";
     info_.io_mode = IoMode::kBuffered;
+    info_.access = options.access;
     // Alignment is enforced as for a real file, so tests on mem catch it too.
     info_.alignment_bytes = options.direct == DirectIo::kOff ? 1 : internal::kDirectIoAlignment;
     info_.queue_depth = options.queue_depth;
@@ -52,6 +53,7 @@ class MemFile final : public File {
   size_t InFlight() const override { return done_.size(); }
   Status Sync() override { return OkStatus(); }
   Status Resize(uint64_t size_bytes) override {
+    STRATA_RETURN_IF_ERROR(internal::CheckWritable(info_, "resize " + info_.path));
     std::lock_guard<std::mutex> lock(data_->mu);
     data_->bytes.resize(size_bytes);
     return OkStatus();
@@ -99,6 +101,7 @@ class MemStorage final : public Storage {
  public:
   std::string_view name() const override { return "mem"; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override {
+    STRATA_RETURN_IF_ERROR(internal::ValidateOpenOptions(path, options));
     std::lock_guard<std::mutex> lock(mu_);
     auto it = files_.find(path);
     if (it == files_.end()) {

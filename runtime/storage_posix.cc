@@ -19,11 +19,13 @@ constexpr uint32_t kMaxPosixThreads = 16;
 
 class PosixFile final : public File {
  public:
-  PosixFile(internal::OpenedFd opened, const std::string& path, uint32_t queue_depth)
+  PosixFile(internal::OpenedFd opened, const std::string& path, const FileOptions& options)
       : fd_(std::move(opened.fd)) {
+    const uint32_t queue_depth = options.queue_depth;
     info_.path = path;
     info_.backend = "posix";
     info_.io_mode = opened.io_mode;
+    info_.access = options.access;
     info_.alignment_bytes = opened.alignment_bytes;
     info_.queue_depth = std::max<uint32_t>(1, queue_depth);
     const uint32_t threads = std::min(info_.queue_depth, kMaxPosixThreads);
@@ -66,6 +68,7 @@ class PosixFile final : public File {
   size_t InFlight() const override { return in_flight_; }
   Status Sync() override { return internal::SyncFd(fd_.get(), info_.path); }
   Status Resize(uint64_t size_bytes) override {
+    STRATA_RETURN_IF_ERROR(internal::CheckWritable(info_, "resize " + info_.path));
     return internal::ResizeFd(fd_.get(), info_.path, size_bytes);
   }
   Result<uint64_t> SizeBytes() override { return internal::FdSizeBytes(fd_.get(), info_.path); }
@@ -121,8 +124,7 @@ class PosixStorage final : public Storage {
   std::string_view name() const override { return "posix"; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& options) override {
     STRATA_ASSIGN_OR_RETURN(auto opened, internal::OpenBlockFd(path, options));
-    return std::unique_ptr<File>(
-        std::make_unique<PosixFile>(std::move(opened), path, options.queue_depth));
+    return std::unique_ptr<File>(std::make_unique<PosixFile>(std::move(opened), path, options));
   }
   Status Remove(const std::string& path) override { return internal::RemovePath(path); }
   Status Rename(const std::string& from, const std::string& to) override {

@@ -68,6 +68,7 @@ class UringFile final : public File {
   size_t InFlight() const override { return in_flight_; }
   Status Sync() override { return internal::SyncFd(fd_.get(), info_.path); }
   Status Resize(uint64_t size_bytes) override {
+    STRATA_RETURN_IF_ERROR(internal::CheckWritable(info_, "resize " + info_.path));
     return internal::ResizeFd(fd_.get(), info_.path, size_bytes);
   }
   Result<uint64_t> SizeBytes() override { return internal::FdSizeBytes(fd_.get(), info_.path); }
@@ -119,6 +120,7 @@ class UringFile final : public File {
     info_.path = path;
     info_.backend = "uring";
     info_.io_mode = opened.io_mode;
+    info_.access = options.access;
     info_.alignment_bytes = opened.alignment_bytes;
     info_.queue_depth = std::clamp<uint32_t>(options.queue_depth, 1, 4096);
   }

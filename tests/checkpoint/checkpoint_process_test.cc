@@ -2,7 +2,9 @@
 // during Save leaves the last complete checkpoint, bitwise; and the `strata
 // inspect` / `strata export` command line (exit codes and output).
 #include <fcntl.h>
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -279,6 +282,111 @@ TEST(CliTest, InspectJsonWithAPathThatIsNotUtf8) {
   ASSERT_TRUE(j.is_object()) << r.out;
   EXPECT_NE(j.value("dir", "").find("bad\xef\xbf\xbd" "dir"), std::string::npos) << r.out;
   EXPECT_EQ(j.value("step", -1), 1);
+}
+
+// ---- Read-only checkpoints ---------------------------------------------------------
+
+// fork, switch to `uid`/`gid` where it is another user (this process is
+// root), run `fn` there and exit with what it returns: only system calls
+// between fork and exit or exec (the parent has threads).
+int RunAs(uid_t uid, gid_t gid, const std::function<int()>& fn) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (uid != ::geteuid() &&
+        (::setgroups(0, nullptr) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0)) {
+      ::_exit(126);
+    }
+    ::_exit(fn());
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// `strata args...` as `uid`, stdout and stderr in files of `tmp`.
+Ran RunStrataAs(uid_t uid, gid_t gid, std::vector<std::string> args, const TempDir& tmp) {
+  const std::string out = tmp.File("cli_as.out"), err = tmp.File("cli_as.err");
+  const int out_fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int err_fd = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  args.insert(args.begin(), Sibling("strata"));
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  Ran r;
+  r.code = RunAs(uid, gid, [&] {
+    ::dup2(out_fd, 1);
+    ::dup2(err_fd, 2);
+    ::execv(argv[0], argv.data());
+    return 127;
+  });
+  ::close(out_fd);
+  ::close(err_fd);
+  r.out = testing::ReadFileBytes(out);
+  r.err = testing::ReadFileBytes(err);
+  return r;
+}
+
+// Sets the mode of everything under `root` (root included): `dirs` for
+// directories, `files` for the rest.
+void ChmodTree(const std::string& root, std::filesystem::perms dirs, std::filesystem::perms files) {
+  namespace fs = std::filesystem;
+  for (const auto& e : fs::recursive_directory_iterator(root)) {
+    fs::permissions(e.path(), e.is_directory() ? dirs : files);
+  }
+  fs::permissions(root, dirs);
+}
+
+// A checkpoint its reader cannot write (chmod -R a-w; a read-only mount and
+// another user's files look the same to open(2)): inspect --verify and
+// export read it. They used to open every file O_RDWR and fail with EACCES.
+// As root the commands run as `nobody`, since root may write anything.
+TEST(CliTest, AReadOnlyCheckpointIsInspectedAndExportedByAUserWhoCannotWriteIt) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir, tmp;
+  Cluster c(2, testing::CkptConfig(testing::Where::kHost, OptimizerType::kAdamW, 512, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  uid_t uid = ::geteuid();
+  gid_t gid = ::getegid();
+  if (uid == 0) {
+    const passwd* nobody = ::getpwnam("nobody");
+    if (nobody == nullptr) GTEST_SKIP() << "running as root and there is no user 'nobody'";
+    uid = nobody->pw_uid;
+    gid = nobody->pw_gid;
+  }
+  const fs::perms read_only_dir = fs::perms::owner_read | fs::perms::owner_exec |
+                                  fs::perms::group_read | fs::perms::group_exec |
+                                  fs::perms::others_read | fs::perms::others_exec;
+  const fs::perms read_only_file =
+      fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read;
+  ChmodTree(dir.path(), read_only_dir, read_only_file);
+  fs::permissions(tmp.path(), fs::perms::all);  // the export goes here
+  // Writable again at the end, so that TempDir can remove it.
+  struct Restore {
+    std::string root;
+    ~Restore() { ChmodTree(root, fs::perms::owner_all, fs::perms::owner_all); }
+  } restore{dir.path()};
+
+  // The premise: this user cannot open the checkpoint's files for writing.
+  const std::string latest = dir.File("latest.json");
+  const int can_write = RunAs(uid, gid, [&] {
+    const int fd = ::open(latest.c_str(), O_RDWR | O_CLOEXEC);
+    return fd >= 0 ? 1 : (errno == EACCES || errno == EROFS) ? 0 : 2;
+  });
+  ASSERT_NE(can_write, 126) << "could not switch to uid " << uid;
+  if (can_write == 1) GTEST_SKIP() << "uid " << uid << " may write 0444 files here (capabilities?)";
+  ASSERT_EQ(can_write, 0);
+
+  Ran r = RunStrataAs(uid, gid, {"inspect", "--verify", dir.path()}, tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("verified: every chunk"), std::string::npos) << r.out << r.err;
+  const std::string out = tmp.File("ro.safetensors");
+  r = RunStrataAs(uid, gid, {"export", dir.path(), out}, tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  ASSERT_TRUE(fs::exists(out)) << r.err;
+  EXPECT_GT(fs::file_size(out), 8u);
 }
 
 }  // namespace

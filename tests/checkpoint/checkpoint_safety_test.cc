@@ -369,6 +369,25 @@ TEST_F(ExportShapedTest, WriteFaultsFailTheExportAndLeaveNothing) {
   }
 }
 
+// Load, export and the reader never ask to write a checkpoint's files: every
+// open is FileAccess::kReadOnly, so a checkpoint the user cannot write (mode
+// 0444, a read-only mount, another user's) reads. CliTest.AReadOnly... runs
+// the command line as a user who cannot write it.
+TEST_F(ExportShapedTest, ReadersOpenEveryCheckpointFileReadOnly) {
+  auto counters = std::make_shared<IoCounters>();
+  auto storage = CreateCountingStorage(CreatePosixStorage(), counters);
+  auto reader = CheckpointReader::Open(ckpt_.path(), {.storage = storage.get()});
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  ASSERT_TRUE((*reader)->Verify().ok());
+  TempDir out;
+  auto exported = ExportSafetensors(ckpt_.path(), out.File("m.safetensors"),
+                                    {.reader = {.storage = storage.get()}});
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_TRUE(cluster_->Load(ckpt_.path(), {.storage = storage.get()}).ok());
+  EXPECT_GT(counters->opens.load(), 2u * 3u);  // the manifests and data files of 2 ranks
+  EXPECT_EQ(counters->read_only_opens.load(), counters->opens.load());
+}
+
 // ---- Saving ---------------------------------------------------------------------------
 
 // Two jobs saving into one directory: the second finds rank 0's save lock,

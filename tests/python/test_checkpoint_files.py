@@ -1,13 +1,20 @@
 """What checkpoints and exports do to the files around them: retention removes
-only Strata's own saves (never the user's files named step-*)."""
+only Strata's own saves (never the user's files named step-*); a checkpoint
+the user cannot write is still read."""
 import json
 import os
 import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
 
-from strata.torch import OffloadAdam
+import strata
+from strata.torch import OffloadAdam, export_checkpoint, state_dict_from_checkpoint
 
 SAVE_NAME = re.compile(r"step-\d{10}-[0-9a-f]{12}")
 
@@ -56,3 +63,62 @@ def test_saves_keep_the_users_step_files_and_prune_their_own(tmp_path, how):
             assert (runs / name).read_bytes() == data, f"{name} was removed by a save"
     # Strata's own older saves are pruned as documented: the newest two stay.
     assert saves_in(runs) == sorted(published[-2:])
+
+
+def chmod_tree(root, dirs, files):
+    for base, subdirs, names in os.walk(root):
+        for n in names:
+            os.chmod(os.path.join(base, n), files)
+        for n in subdirs:
+            os.chmod(os.path.join(base, n), dirs)
+    os.chmod(root, dirs)
+
+
+READ_CHECKPOINT = """
+import sys, torch
+from strata.torch import export_checkpoint, state_dict_from_checkpoint
+ckpt, out = sys.argv[1], sys.argv[2]
+torch.save(state_dict_from_checkpoint(ckpt), out + "/sd.pt")
+export_checkpoint(ckpt, out + "/model.safetensors")
+"""
+
+
+def test_a_checkpoint_the_user_cannot_write_is_read(tmp_path):
+    """chmod -R a-w (like a read-only mount or another user's files): the readers
+    open every file read-only, so state_dict_from_checkpoint and export_checkpoint
+    work (they failed with EACCES). Root may write anything, so as root the reading
+    runs as `nobody` through runuser."""
+    runuser = shutil.which("runuser") if os.geteuid() == 0 else None
+    if os.geteuid() == 0 and runuser is None:
+        pytest.skip("running as root without runuser: cannot read as a user without write access")
+    model, opt = trained()
+    step(model, opt)
+    # Under a directory every user can enter (pytest's tmp_path is private to root).
+    root = tempfile.mkdtemp(prefix="strata-ro-")
+    try:
+        os.chmod(root, 0o755)
+        ckpt, out = os.path.join(root, "ckpt"), os.path.join(root, "out")
+        opt.save_checkpoint(ckpt)
+        os.mkdir(out)
+        os.chmod(out, 0o777)
+        chmod_tree(ckpt, 0o555, 0o444)
+        cmd = [sys.executable, "-c", READ_CHECKPOINT, ckpt, out]
+        if runuser is not None:
+            can_write = subprocess.run(
+                [runuser, "-u", "nobody", "--", sys.executable, "-c",
+                 f"open({os.path.join(ckpt, 'latest.json')!r}, 'r+')"], capture_output=True)
+            assert can_write.returncode != 0, "the premise: nobody cannot write the checkpoint"
+            cmd = [runuser, "-u", "nobody", "--"] + cmd
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(strata.__file__)))
+        ran = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        sd = torch.load(os.path.join(out, "sd.pt"))
+        assert list(sd) == [n for n, _ in model.named_parameters()]
+        for name, p in model.named_parameters():
+            assert torch.equal(sd[name], p.detach()), name
+        assert os.path.getsize(os.path.join(out, "model.safetensors")) > 8
+        # In this process too (as root it shows nothing more, but it must not break).
+        assert all(torch.equal(a, sd[k]) for k, a in state_dict_from_checkpoint(ckpt).items())
+    finally:
+        chmod_tree(root, 0o755, 0o644)
+        shutil.rmtree(root, ignore_errors=True)
