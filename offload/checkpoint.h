@@ -227,8 +227,9 @@ struct ExportResult {
 // buffer_bytes plus the reader's chunks, whatever the model's size.
 // Refuses (FailedPrecondition, before writing anything) an output inside the
 // checkpoint directory, an existing output file unless kReplace, and any
-// output that is not a regular file; InvalidArgument for a dtype other than
-// F32/BF16/F16 or max_shard_bytes with a ".safetensors" file;
+// output that is not a regular file; InvalidArgument for an empty `out`, a
+// dtype other than F32/BF16/F16 or max_shard_bytes with a ".safetensors"
+// file; NotFound when the directory of a ".safetensors" `out` is missing;
 // FailedPrecondition for duplicate names. Each file is written atomically.
 Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string& out,
                                        const ExportOptions& options = {});

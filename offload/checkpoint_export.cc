@@ -26,6 +26,15 @@ bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
+// `dir` + "/" + `name`, one slash however many `dir` ends with ("hf/" and
+// "hf" give "hf/model.safetensors"; "/" gives "/model.safetensors").
+std::string JoinPath(std::string_view dir, std::string_view name) {
+  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
+  std::string out(dir);
+  if (out.empty() || out.back() != '/') out += '/';
+  return out + std::string(name);
+}
+
 // FailedPrecondition when `out` is the checkpoint directory or inside it:
 // an export must never replace what it reads (latest.json, a manifest).
 Status CheckOutsideCheckpoint(const std::string& dir, const std::string& out,
@@ -98,6 +107,12 @@ std::vector<Shard> PlanShards(const CheckpointInfo& info, uint64_t elem_bytes, u
 Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string& out,
                                        const ExportOptions& options) {
   const std::string op = fmt::format("export {} to {}", dir, out);
+  if (out.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "export {} to '': the output path is empty; give OUT.safetensors for one file, or a "
+        "directory that receives model.safetensors (or the shards and their index)",
+        dir));
+  }
   const std::string_view st_dtype = SafetensorsDType(options.dtype);
   if (st_dtype.empty()) {
     return InvalidArgumentError(fmt::format("{}: dtype {}; export writes f32, bf16 or f16", op,
@@ -140,15 +155,31 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
           out_dir));
     }
     for (size_t s = 0; s < shards.size(); ++s) {
-      shards[s].file = out_dir + "/" +
-                       (shards.size() == 1 ? std::string(kSingleFile)
-                                           : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1,
-                                                         shards.size()));
+      shards[s].file = JoinPath(
+          out_dir, shards.size() == 1
+                       ? std::string(kSingleFile)
+                       : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1, shards.size()));
     }
   }
   // Refuse every bad output before the first byte is written.
   for (const Shard& s : shards) STRATA_RETURN_IF_ERROR(CheckOutputPath(s.file, options.existing));
-  const std::string index_path = out_dir + "/" + std::string(kIndexFile);
+  if (one_file) {
+    // A directory output is created; the directory of a one-file output must exist.
+    const std::string parent = fs::path(out).parent_path().string();
+    std::error_code ec;
+    const fs::file_status st = fs::status(parent.empty() ? "." : parent, ec);
+    if (!fs::exists(st)) {
+      return NotFoundError(fmt::format(
+          "{}: write {}: the parent directory {} does not exist; create it first, or give a "
+          "directory as the output (it is created)",
+          op, out, parent));
+    }
+    if (!fs::is_directory(st)) {
+      return FailedPreconditionError(fmt::format(
+          "{}: write {}: {} is not a directory; choose another output", op, out, parent));
+    }
+  }
+  const std::string index_path = JoinPath(out_dir, kIndexFile);
   if (shards.size() > 1) STRATA_RETURN_IF_ERROR(CheckOutputPath(index_path, options.existing));
   if (!out_dir.empty()) {
     std::error_code ec;

@@ -43,6 +43,42 @@ std::string TempPathFor(const std::string& path) {
                      salt + counter.fetch_add(1));
 }
 
+// NotFound when the directory of `path` does not exist, FailedPrecondition
+// when it (or a directory above it) is not a directory, both naming `path`
+// and the directory; OK otherwise.
+Status CheckParentDirectory(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path.substr(0, slash);
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT) {
+      return NotFoundError(fmt::format(
+          "write {}: the parent directory {} does not exist; create it first, or choose another "
+          "path",
+          path, dir));
+    }
+    if (errno == ENOTDIR) {
+      return FailedPreconditionError(fmt::format(
+          "write {}: a component of {} is not a directory; choose another path", path, dir));
+    }
+    return OkStatus();  // the caller's own error says more
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return FailedPreconditionError(
+        fmt::format("write {}: {} is not a directory; choose another path", path, dir));
+  }
+  return OkStatus();
+}
+
+// Why the temporary next to `path` could not be created, in terms of `path`
+// (the temporary's name means nothing to the caller).
+Status OpenTemporaryError(const std::string& path, Status opened) {
+  STRATA_RETURN_IF_ERROR(CheckParentDirectory(path));
+  return std::move(opened).WithContext("write " + path);
+}
+
 Status ExistsError(const std::string& path) {
   return FailedPreconditionError(fmt::format(
       "write {}: the file exists; remove it, choose another path, or allow replacing it "
@@ -55,8 +91,10 @@ Status ExistsError(const std::string& path) {
 Status CheckOutputPath(const std::string& path, ExistingFile existing) {
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return OkStatus();
-    return ErrnoError(errno, "write " + path);
+    const int err = errno;
+    if (err == ENOENT) return OkStatus();
+    if (err == ENOTDIR) STRATA_RETURN_IF_ERROR(CheckParentDirectory(path));
+    return ErrnoError(err, "write " + path);
   }
   if (!S_ISREG(st.st_mode)) {
     return FailedPreconditionError(fmt::format(
@@ -97,10 +135,11 @@ Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& stor
   w->path_ = path;
   w->temp_path_ = TempPathFor(path);
   const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
-  STRATA_ASSIGN_OR_RETURN(w->file_,
-                          storage.Open(w->temp_path_, {.create = FileCreate::kCreate,
-                                                       .direct = options.direct,
-                                                       .queue_depth = depth}));
+  auto opened = storage.Open(w->temp_path_, {.create = FileCreate::kCreate,
+                                             .direct = options.direct,
+                                             .queue_depth = depth});
+  if (!opened.ok()) return OpenTemporaryError(path, std::move(opened).status());
+  w->file_ = std::move(*opened);
   w->align_ = direct ? std::max<uint64_t>(w->file_->info().alignment_bytes, kDirectAlign) : 1;
   if (direct && options.chunk_bytes % w->align_ != 0) {
     const Status bad = InvalidArgumentError(

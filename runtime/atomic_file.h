@@ -26,8 +26,10 @@
 // ".tmp-" file that nothing reads.
 //
 // Errors: FailedPrecondition for a target that exists (with kRefuse) or is
-// not a regular file, naming it and what to do; InvalidArgument for bad
-// options; the storage's IO errors, naming the file, offset and size. After
+// not a regular file, naming it and what to do; NotFound when the target's
+// directory does not exist (FailedPrecondition when it is not a directory),
+// naming the target and its directory, never the temporary; InvalidArgument
+// for bad options; the storage's IO errors, naming the file, offset and size. After
 // an error every later call returns it. Thread-safety: one thread drives a
 // writer; writers are independent.
 #pragma once

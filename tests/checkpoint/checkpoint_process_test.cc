@@ -389,5 +389,37 @@ TEST(CliTest, AReadOnlyCheckpointIsInspectedAndExportedByAUserWhoCannotWriteIt) 
   EXPECT_GT(fs::file_size(out), 8u);
 }
 
+// `strata export DIR ""` is refused (it wrote /model.safetensors), an output
+// directory given with a trailing slash prints clean paths, and a missing
+// parent directory is named, not the hidden temporary.
+TEST(CliTest, ExportOutputPathsAreCheckedAndPrintedAsGiven) {
+  const uint64_t seed = TestSeed();
+  TempDir dir, tmp;
+  Cluster c(1, testing::CkptConfig(testing::Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  const bool root_file_before = std::filesystem::exists("/model.safetensors");
+  Ran r = RunStrata("export " + dir.path() + " ''", tmp);
+  EXPECT_EQ(r.code, 2) << "InvalidArgument is a usage error: " << r.out;
+  EXPECT_NE(r.err.find("InvalidArgument"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the output path is empty"), std::string::npos) << r.err;
+  if (!root_file_before) EXPECT_FALSE(std::filesystem::exists("/model.safetensors"));
+
+  r = RunStrata("export " + dir.path() + " " + tmp.File("ee.safetensors/"), tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("wrote " + tmp.File("ee.safetensors/model.safetensors") + "\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("//"), std::string::npos) << r.out;
+
+  r = RunStrata("export " + dir.path() + " " + tmp.File("nope/x.safetensors"), tmp);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.err.find(tmp.File("nope/x.safetensors") + ": the parent directory " +
+                       tmp.File("nope") + " does not exist"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find(".tmp-"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace strata

@@ -369,6 +369,41 @@ TEST_F(ExportShapedTest, WriteFaultsFailTheExportAndLeaveNothing) {
   }
 }
 
+// The output path as the user gave it: an empty one is refused (it used to
+// write /model.safetensors), a directory with a trailing slash gives clean
+// paths, and a missing parent directory is named as such.
+TEST_F(ExportShapedTest, OutputPathsAreCheckedAndJoinedAsGiven) {
+  const bool root_file_before = fs::exists("/model.safetensors");
+  for (ExistingFile e : {ExistingFile::kRefuse, ExistingFile::kReplace}) {
+    auto r = ExportSafetensors(ckpt_.path(), "", {.existing = e});
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+    ExpectMentions(r.status(), "the output path is empty");
+  }
+  if (!root_file_before) EXPECT_FALSE(fs::exists("/model.safetensors"));
+
+  TempDir out;
+  auto one = ExportSafetensors(ckpt_.path(), out.File("one/"));
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->files, std::vector<std::string>{out.File("one/model.safetensors")});
+  auto hf = ExportSafetensors(ckpt_.path(), out.File("hf//"), {.max_shard_bytes = 8192});
+  ASSERT_TRUE(hf.ok()) << hf.status();
+  ASSERT_GE(hf->files.size(), 3u);
+  for (const std::string& f : hf->files) {
+    EXPECT_EQ(f.find("//"), std::string::npos) << f;
+    EXPECT_EQ(f.rfind(out.File("hf/model"), 0), 0u) << f;
+    EXPECT_TRUE(fs::exists(f)) << f;
+  }
+  EXPECT_EQ(hf->files.back(), out.File("hf/model.safetensors.index.json"));
+
+  const std::string missing = out.File("nope/model.safetensors");
+  auto r = ExportSafetensors(ckpt_.path(), missing);
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << r.status();
+  ExpectMentions(r.status(), missing + ": the parent directory " + out.File("nope") +
+                                 " does not exist");
+  EXPECT_EQ(r.status().message().find(".tmp-"), std::string_view::npos) << r.status();
+  EXPECT_FALSE(fs::exists(out.File("nope")));
+}
+
 // Load, export and the reader never ask to write a checkpoint's files: every
 // open is FileAccess::kReadOnly, so a checkpoint the user cannot write (mode
 // 0444, a read-only mount, another user's) reads. CliTest.AReadOnly... runs

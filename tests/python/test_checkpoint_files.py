@@ -1,6 +1,7 @@
 """What checkpoints and exports do to the files around them: retention removes
 only Strata's own saves (never the user's files named step-*); a checkpoint
-the user cannot write is still read."""
+the user cannot write is still read; export output paths are checked and
+joined as given."""
 import json
 import os
 import re
@@ -122,3 +123,24 @@ def test_a_checkpoint_the_user_cannot_write_is_read(tmp_path):
     finally:
         chmod_tree(root, 0o755, 0o644)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_export_output_paths_are_checked_and_joined_as_given(tmp_path):
+    model, opt = trained()
+    step(model, opt)
+    ckpt = tmp_path / "ckpt"
+    opt.save_checkpoint(ckpt)
+    root_file_before = os.path.exists("/model.safetensors")
+    with pytest.raises(strata.StrataError, match="InvalidArgument.*the output path is empty"):
+        export_checkpoint(ckpt, "")
+    with pytest.raises(strata.StrataError, match="the output path is empty"):
+        export_checkpoint(ckpt, "", force=True)
+    if not root_file_before:
+        assert not os.path.exists("/model.safetensors"), "an empty path wrote into /"
+    files = export_checkpoint(ckpt, str(tmp_path / "ee.safetensors") + "/")
+    assert files == [str(tmp_path / "ee.safetensors" / "model.safetensors")]
+    missing = tmp_path / "nope" / "x.safetensors"
+    with pytest.raises(strata.StrataError) as e:
+        export_checkpoint(ckpt, missing)
+    assert f"{missing}: the parent directory {tmp_path / 'nope'} does not exist" in str(e.value)
+    assert ".tmp-" not in str(e.value)

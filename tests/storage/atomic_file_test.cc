@@ -119,6 +119,34 @@ TEST(AtomicFileTest, NeverWritesOverADirectoryLinkDeviceOrFifo) {
   EXPECT_TRUE(fs::is_character_file("/dev/null"));
 }
 
+// A target whose directory is missing (or is a file) is named as the caller
+// gave it, with the cause; never by the hidden temporary name.
+TEST(AtomicFileTest, AMissingParentDirectoryIsNamedNotTheTemporary) {
+  TempDir dir;
+  std::ofstream(dir.File("file")) << "x";
+  for (const auto& backend : FileBackends()) {
+    SCOPED_TRACE(backend.name);
+    auto storage = backend.make();
+    const std::string missing = dir.File("nope/model.safetensors");
+    Status s = WriteFileAtomically(*storage, missing, "x");
+    EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+    EXPECT_NE(s.message().find("write " + missing + ": the parent directory " + dir.File("nope") +
+                               " does not exist"),
+              std::string_view::npos)
+        << s;
+    EXPECT_EQ(s.message().find(".tmp-"), std::string_view::npos) << s;
+    const std::string under_file = dir.File("file/model.safetensors");
+    s = WriteFileAtomically(*storage, under_file, "x");
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("write " + under_file + ": " + dir.File("file") +
+                               " is not a directory"),
+              std::string_view::npos)
+        << s;
+    EXPECT_EQ(s.message().find(".tmp-"), std::string_view::npos) << s;
+  }
+  EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"file"});
+}
+
 TEST(AtomicFileTest, AnAbandonedWriterLeavesTheOldFileAndNoTemporary) {
   TempDir dir;
   auto storage = CreatePosixStorage();
