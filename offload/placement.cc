@@ -97,6 +97,14 @@ Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
   }
   plan.nvme_file_bytes = NvmeFileBytes(plan, in.block_bytes, std::max<size_t>(m.nvme.size(), 1));
   if (plan.nvme_file_bytes == 0 || m.nvme.empty()) return OkStatus();
+  for (const NvmePathSpace& p : m.nvme) {
+    if (!p.not_a_directory.ok()) {
+      return FailedPreconditionError(fmt::format(
+          "{}: zero_optimization.offload_optimizer.nvme_path {}; give a directory for the "
+          "state files (a path that does not exist yet is created)",
+          kOp, p.not_a_directory.message()));
+    }
+  }
   // Paths on one filesystem share its free space.
   struct Need {
     uint64_t need = 0, free = 0, reclaimable = 0;
@@ -537,12 +545,18 @@ MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32
       m.nvme.clear();
       return m;
     }
+    // Not a directory, and none can be made there (permissions are left to
+    // the engine: with its own Storage the paths need not be real).
+    const bool blocked =
+        d.kind == PathKind::kNotDirectory ||
+        (d.kind == PathKind::kMissing && !d.writable.ok() && d.writable_errno == 0);
     // The state file's name is offload/state_store.h's on-disk layout.
-    m.nvme.push_back({.path = path,
-                      .device_id = d.device_id,
-                      .free_bytes = d.free_bytes,
-                      .reclaimable_bytes = FileAllocatedBytes(
-                          fmt::format("{}/strata-rank{}.state", path, rank))});
+    m.nvme.push_back(
+        {.path = path,
+         .device_id = d.device_id,
+         .free_bytes = d.free_bytes,
+         .reclaimable_bytes = FileAllocatedBytes(fmt::format("{}/strata-rank{}.state", path, rank)),
+         .not_a_directory = blocked ? d.writable : OkStatus()});
   }
   return m;
 }

@@ -61,7 +61,9 @@
 //      (ProbeMachineLimits fills it in; the default checks nothing): a plan
 //      that pins more host memory than the machine has available (shared by
 //      the ranks of one node), or puts more state on a filesystem than it has
-//      free, is ResourceExhausted with the numbers and the knob to turn. A
+//      free, is ResourceExhausted with the numbers and the knob to turn; an
+//      nvme_path that exists and is not a directory (or cannot be made one)
+//      is FailedPrecondition when the plan puts state on NVMe. A
 //      plan that pins more than `ulimit -l` is kept, with a warning in
 //      PlacementPlan::warnings (the pinned pool then falls back to unlocked
 //      memory and io_uring cannot register its buffers).
@@ -138,6 +140,10 @@ struct NvmePathSpace {
   uint64_t device_id = 0;          // paths on one filesystem share its free space
   uint64_t free_bytes = 0;         // available to this user now
   uint64_t reclaimable_bytes = 0;  // this rank's old state file there, replaced on create
+  // OK, or why no directory can be there: the path exists and is not a
+  // directory, or its nearest existing ancestor is not one (so it cannot be
+  // created). A plan with state on NVMe is refused with it.
+  Status not_a_directory{};
 };
 
 // What this machine offers the plan; 0 / empty fields are not checked.

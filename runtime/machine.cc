@@ -145,7 +145,37 @@ Status CheckUring(const std::string& dir) {
   return result;
 }
 
+// Whether this user may create entries in the directory `dir`; `what`
+// names it in the message ("/d", or "/d/new: cannot be created in /d").
+Status CheckWritable(const std::string& dir, const std::string& what, int& err_out) {
+  if (::access(dir.c_str(), W_OK | X_OK) == 0) return OkStatus();
+  const int err = errno;
+  err_out = err;
+  std::string cause;
+  if (err == EROFS) {
+    cause = "on a read-only filesystem";
+  } else if (err == EACCES || err == EPERM) {
+    cause = fmt::format("not writable by this user (uid {})", ::geteuid());
+  } else {
+    cause = "not writable";
+  }
+  return FailedPreconditionError(
+      fmt::format("{}: {}: {} ({})", what, cause, ErrnoName(err), std::strerror(err)));
+}
+
 }  // namespace
+
+std::string_view PathKindName(PathKind kind) {
+  switch (kind) {
+    case PathKind::kMissing:
+      return "missing";
+    case PathKind::kDirectory:
+      return "directory";
+    case PathKind::kNotDirectory:
+      return "not a directory";
+  }
+  return "?";
+}
 
 Result<HostMemory> ProbeHostMemory() {
   std::ifstream in("/proc/meminfo");
@@ -207,13 +237,37 @@ DirectoryProbe ProbeDirectory(const std::string& path, DirectoryChecks checks) {
   DirectoryProbe d;
   d.path = path;
   std::error_code ec;
-  d.exists = fs::is_directory(path, ec);
+  struct stat path_st {};
+  if (::stat(path.c_str(), &path_st) == 0) {
+    d.kind = S_ISDIR(path_st.st_mode) ? PathKind::kDirectory : PathKind::kNotDirectory;
+  }
+  d.exists = d.kind == PathKind::kDirectory;
   // The nearest existing ancestor answers for space when `path` is yet to be made.
   fs::path at = fs::absolute(path, ec);
   while (!at.empty() && !fs::exists(at, ec) && at.has_parent_path() && at != at.parent_path()) {
     at = at.parent_path();
   }
   d.probed_path = at.string();
+  switch (d.kind) {
+    case PathKind::kDirectory:
+      d.writable = CheckWritable(path, path, d.writable_errno);
+      break;
+    case PathKind::kNotDirectory:
+      d.writable =
+          FailedPreconditionError(fmt::format("{}: exists and is not a directory (a {})", path,
+                                              S_ISREG(path_st.st_mode) ? "file" : "special file"));
+      break;
+    case PathKind::kMissing:
+      if (!fs::is_directory(d.probed_path, ec)) {
+        d.writable = FailedPreconditionError(
+            fmt::format("{}: cannot be created: {} is not a directory", path, d.probed_path));
+      } else {
+        d.writable = CheckWritable(d.probed_path,
+                                   fmt::format("{}: cannot be created in {}", path, d.probed_path),
+                                   d.writable_errno);
+      }
+      break;
+  }
   struct statvfs vfs {};
   struct statfs sfs {};
   struct stat st {};
@@ -229,9 +283,19 @@ DirectoryProbe ProbeDirectory(const std::string& path, DirectoryChecks checks) {
   if (checks == DirectoryChecks::kSpace) {
     d.o_direct = UnimplementedError("O_DIRECT: not checked");
     d.io_uring = UnimplementedError("io_uring: not checked");
+  } else if (d.kind == PathKind::kNotDirectory) {
+    d.o_direct = d.writable;
+    d.io_uring = d.writable;
   } else if (!d.exists) {
     d.o_direct = NotFoundError(fmt::format("{}: not a directory (yet)", path));
     d.io_uring = d.o_direct;
+  } else if (!d.writable.ok()) {
+    // Opening a scratch file would fail with the same errno and read as
+    // an O_DIRECT or io_uring problem.
+    d.o_direct =
+        FailedPreconditionError(fmt::format("O_DIRECT not checked: {}", d.writable.message()));
+    d.io_uring =
+        FailedPreconditionError(fmt::format("io_uring not checked: {}", d.writable.message()));
   } else {
     d.o_direct = CheckODirect(path);
     d.io_uring = CheckUring(path);

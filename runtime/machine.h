@@ -59,17 +59,34 @@ enum class DirectoryChecks : uint8_t {
   kIo = 1,     // also write and read a 4 KiB scratch file with O_DIRECT and with io_uring
 };
 
+// What is at a path meant to be a directory.
+enum class PathKind : uint8_t {
+  kMissing = 0,       // nothing yet: the engine creates it (mkdir -p) on first use
+  kDirectory = 1,     // an existing directory
+  kNotDirectory = 2,  // something else (a file, a device): unusable as a directory
+};
+std::string_view PathKindName(PathKind kind);  // "missing", "directory", "not a directory"
+
 struct DirectoryProbe {
   std::string path;         // as given
   std::string probed_path;  // the directory statvfs looked at: `path`, or its
                             // nearest existing ancestor when `path` does not exist yet
-  bool exists = false;      // `path` itself is an existing directory
+  PathKind kind = PathKind::kMissing;
+  bool exists = false;  // `path` itself is an existing directory (kind == kDirectory)
+  // Whether this user can create files in `path` (kDirectory), or create
+  // `path` in probed_path (kMissing): access(W_OK | X_OK), checked with both
+  // kinds of checks. FailedPrecondition naming the cause otherwise: "not
+  // writable by this user (uid 1000): EACCES", "on a read-only filesystem:
+  // EROFS", "exists and is not a directory", "... is not a directory".
+  Status writable;
+  int writable_errno = 0;   // the errno behind `writable` (EACCES, EPERM, EROFS); 0 when none
   uint64_t free_bytes = 0;  // available to this user (f_bavail)
   uint64_t total_bytes = 0;
   uint64_t device_id = 0;   // st_dev: paths with the same id share their free space
   std::string filesystem;   // "ext4", "xfs", "tmpfs", "overlay", ... ("" when unknown)
   Status space;             // statvfs's outcome
-  Status o_direct;          // kIo: a 4 KiB O_DIRECT write and read; Unimplemented with kSpace
+  Status o_direct;          // kIo: a 4 KiB O_DIRECT write and read; Unimplemented with kSpace;
+                            // not tried (the `writable` error) where the user cannot write
   Status io_uring;          // kIo: the same through io_uring; Unimplemented with kSpace
 };
 

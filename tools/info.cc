@@ -5,10 +5,12 @@
 // and each problem found with what to do about it. --json prints the same as
 // one object. Exit code 0 whatever it finds: problems are reported, not fatal.
 #include <fmt/format.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -131,6 +133,15 @@ bool NvidiaDevicePresent() {
 }
 
 std::string Onoff(bool b) { return b ? "compiled in" : "not built"; }
+
+// "alice", or "uid 1000" where the user has no name.
+std::string CurrentUser() {
+  const uid_t uid = ::geteuid();
+  if (const passwd* pw = ::getpwuid(uid); pw != nullptr && pw->pw_name != nullptr) {
+    return pw->pw_name;
+  }
+  return fmt::format("uid {}", uid);
+}
 
 Status RunInfo(const InfoArgs& args) {
   const BuildInfo& b = GetBuildInfo();
@@ -260,23 +271,65 @@ Status RunInfo(const InfoArgs& args) {
   for (const std::string& dir : args.nvme_dirs) {
     const DirectoryProbe d = ProbeDirectory(dir, DirectoryChecks::kIo);
     auto outcome = [](const Status& s) { return s.ok() ? std::string("ok") : s.ToString(); };
+    const bool checked = d.exists && d.writable.ok();
+    const std::string unchecked = d.kind == PathKind::kMissing ? "not checked (no directory)"
+                                  : d.kind == PathKind::kNotDirectory
+                                      ? "not checked (not a directory)"
+                                      : "not checked (not writable)";
     dirs.push_back({{"path", d.path},
                     {"exists", d.exists},
+                    {"kind", PathKindName(d.kind)},
+                    {"writable", outcome(d.writable)},
                     {"filesystem", d.filesystem},
                     {"free_bytes", d.free_bytes},
                     {"total_bytes", d.total_bytes},
-                    {"o_direct", d.exists ? outcome(d.o_direct) : "not checked (no directory)"},
-                    {"io_uring", d.exists ? outcome(d.io_uring) : "not checked (no directory)"}});
+                    {"o_direct", checked ? outcome(d.o_direct) : unchecked},
+                    {"io_uring", checked ? outcome(d.io_uring) : unchecked}});
     if (!d.space.ok()) {
       problems.push_back({"error", d.space.ToString(), "give a directory this user can reach"});
       continue;
     }
+    if (d.kind == PathKind::kNotDirectory) {
+      problems.push_back({"error", fmt::format("{} exists and is not a directory", dir),
+                          "nvme_path names a directory for the state files: give a directory, "
+                          "or a path that does not exist yet (the engine creates it)"});
+      continue;
+    }
+    // Who cannot write here, and what to do about it.
+    const std::string user = CurrentUser();
+    auto write_fix = [&](const std::string& where) {
+      if (d.writable_errno == EROFS) {
+        return fmt::format(
+            "the filesystem of {} is mounted read-only: remount it read-write, "
+            "or choose a directory on another filesystem",
+            where);
+      }
+      return fmt::format(
+          "give this user ({}) write access to {} (e.g. `sudo chown {} {}`), or choose a "
+          "directory this user can write",
+          user, where, user, where);
+    };
     if (!d.exists) {
-      problems.push_back({"warning",
-                          fmt::format("{} does not exist yet (free space is that of {})", dir,
-                                      d.probed_path),
-                          "the engine creates it on first use; run `strata info --nvme-dir` "
-                          "again once it exists to check O_DIRECT and io_uring there"});
+      if (!d.writable.ok()) {
+        problems.push_back({"error", std::string(d.writable.message()),
+                            d.writable_errno != 0
+                                ? fmt::format("create it for this user ({}): `sudo mkdir -p {} "
+                                              "&& sudo chown {} {}`; or {}",
+                                              user, dir, user, dir, write_fix(d.probed_path))
+                                : "give a path under an existing directory"});
+        continue;
+      }
+      problems.push_back(
+          {"warning",
+           fmt::format("{} does not exist yet (free space is that of {})", dir, d.probed_path),
+           "the engine creates it on first use; run `strata info --nvme-dir` "
+           "again once it exists to check O_DIRECT and io_uring there"});
+      continue;
+    }
+    if (!d.writable.ok()) {
+      problems.push_back(
+          {"error", std::string(d.writable.message()),
+           write_fix(dir) + "; O_DIRECT and io_uring are checked once it is writable"});
       continue;
     }
     if (!d.o_direct.ok()) {

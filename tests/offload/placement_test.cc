@@ -599,6 +599,45 @@ TEST(PreflightTest, DiskSpaceIsCheckedPerFilesystem) {
   EXPECT_TRUE(Contains(p.status().message(), "of /a, /b")) << p.status();
 }
 
+// An nvme_path that is a file: a plan with state on NVMe is refused (it once
+// said "fits this machine"); one that keeps the state in DRAM is not.
+TEST(PreflightTest, AnNvmePathThatIsNotADirectoryIsRefused) {
+  PlacementInputs in = Large();
+  in.host_budget_bytes = 0;  // all on NVMe
+  in.machine = {.nvme = {{.path = "/etc/passwd",
+                          .device_id = 1,
+                          .free_bytes = kGiB,
+                          .reclaimable_bytes = 0,
+                          .not_a_directory = FailedPreconditionError(
+                              "/etc/passwd: exists and is not a directory (a file)")}}};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_EQ(p.status().code(), StatusCode::kFailedPrecondition) << p.status();
+  EXPECT_TRUE(Contains(p.status().message(),
+                       "nvme_path /etc/passwd: exists and is not a directory (a file); give a "
+                       "directory"))
+      << p.status();
+  in.host_budget_bytes = 0;
+  in.nvme = NvmeTier::kUnavailable;
+  EXPECT_TRUE(PlanPlacement(in).ok());
+
+  // ProbeMachineLimits fills it in for a file, and for a path under one.
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("strata-notdir-" + std::to_string(getpid())))
+          .string();
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/file") << "x";
+  const std::vector<std::string> paths = {dir, dir + "/file", dir + "/file/sub", dir + "/new"};
+  MachineLimits m = ProbeMachineLimits(paths, 0, 1);
+  ASSERT_EQ(m.nvme.size(), 4u);
+  EXPECT_TRUE(m.nvme[0].not_a_directory.ok()) << m.nvme[0].not_a_directory;
+  EXPECT_TRUE(Contains(m.nvme[1].not_a_directory.message(), "exists and is not a directory"))
+      << m.nvme[1].not_a_directory;
+  EXPECT_TRUE(Contains(m.nvme[2].not_a_directory.message(), "is not a directory"))
+      << m.nvme[2].not_a_directory;
+  EXPECT_TRUE(m.nvme[3].not_a_directory.ok()) << "a missing directory is created";
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PreflightTest, AHugeDeviceBucketIsInvalidNotAnOverflow) {
   PlacementInputs in = Small();
   in.sub_group_elems = {uint64_t{1} << 40};

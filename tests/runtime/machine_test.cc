@@ -1,8 +1,10 @@
 #include "runtime/machine.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -87,6 +89,74 @@ TEST(MachineTest, MissingDirectoryAnswersWithItsNearestAncestor) {
   const DirectoryProbe cheap = ProbeDirectory(dir.str(), DirectoryChecks::kSpace);
   EXPECT_EQ(cheap.o_direct.code(), StatusCode::kUnimplemented);
   EXPECT_EQ(cheap.device_id, d.device_id);
+}
+
+// A file where a directory is meant is named as such, not as a directory
+// "to be created"; so is a path under a file, which can never be created.
+TEST(MachineTest, AFileIsNotADirectory) {
+  ScratchDir dir;
+  const std::string file = dir.str() + "/file";
+  std::ofstream(file) << "x";
+  const DirectoryProbe d = ProbeDirectory(file, DirectoryChecks::kIo);
+  EXPECT_EQ(d.kind, PathKind::kNotDirectory);
+  EXPECT_FALSE(d.exists);
+  EXPECT_EQ(d.writable.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(d.writable.message().find(file + ": exists and is not a directory (a file)"),
+            std::string_view::npos)
+      << d.writable;
+  EXPECT_EQ(d.o_direct.code(), StatusCode::kFailedPrecondition) << d.o_direct;
+  const DirectoryProbe under = ProbeDirectory(file + "/sub", DirectoryChecks::kSpace);
+  EXPECT_EQ(under.kind, PathKind::kMissing);
+  EXPECT_NE(under.writable.message().find("cannot be created: " + file + " is not a directory"),
+            std::string_view::npos)
+      << under.writable;
+  EXPECT_EQ(under.writable_errno, 0);
+  const DirectoryProbe fine = ProbeDirectory(dir.str() + "/new", DirectoryChecks::kSpace);
+  EXPECT_EQ(fine.kind, PathKind::kMissing);
+  EXPECT_TRUE(fine.writable.ok()) << fine.writable;
+}
+
+// A directory this user cannot write is named as a permissions problem, not
+// as one of O_DIRECT or io_uring (whose scratch files it refuses with the
+// same EACCES). As root, the probe runs in a child switched to nobody.
+TEST(MachineTest, AnUnwritableDirectoryIsAPermissionsProblem) {
+  ScratchDir dir;
+  const std::string locked = dir.str() + "/locked";
+  fs::create_directories(locked);
+  fs::permissions(locked, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                              fs::perms::group_exec | fs::perms::others_read |
+                              fs::perms::others_exec);
+  // 0: as expected; 1-5: which expectation failed.
+  auto probe = [&]() -> int {
+    const DirectoryProbe d = ProbeDirectory(locked, DirectoryChecks::kIo);
+    if (d.kind != PathKind::kDirectory) return 1;
+    if (d.writable.code() != StatusCode::kFailedPrecondition) return 2;
+    if (d.writable.message().find("not writable by this user") == std::string_view::npos) return 3;
+    if (d.writable_errno != EACCES) return 4;
+    if (d.o_direct.message().find("O_DIRECT not checked") == std::string_view::npos) return 5;
+    const DirectoryProbe sub = ProbeDirectory(locked + "/sub", DirectoryChecks::kSpace);
+    if (sub.writable.message().find("cannot be created in " + locked) == std::string_view::npos)
+      return 6;
+    return 0;
+  };
+  int result = 0;
+  if (::geteuid() != 0) {
+    result = probe();
+  } else {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      constexpr uid_t kNobody = 65534;
+      if (::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) ::_exit(100);
+      ::_exit(probe());
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status)) << status;
+    result = WEXITSTATUS(status);
+    if (result == 100) GTEST_SKIP() << "cannot switch to uid 65534";
+  }
+  EXPECT_EQ(result, 0) << "expectation " << result << " failed";
+  fs::permissions(locked, fs::perms::owner_all);
 }
 
 TEST(MachineTest, CreateDirectories) {
