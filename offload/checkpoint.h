@@ -204,7 +204,10 @@ struct ExportOptions {
   // bytes of tensor data (a larger tensor gets a file of its own), and
   // model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"}).
   uint64_t max_shard_bytes = 0;
-  // An output file that exists: kRefuse (FailedPrecondition) or kReplace (--force).
+  // An output file that exists: kRefuse (FailedPrecondition) or kReplace
+  // (--force). The same for the files of an earlier export in a directory
+  // output that this one would not replace (the other layout, or shards of
+  // another count): kReplace removes them (ExportResult::removed).
   ExistingFile existing = ExistingFile::kRefuse;
   Storage* storage = nullptr;        // for the output files; nullptr: posix
   uint64_t buffer_bytes = 4 << 20;   // host memory for the copy
@@ -212,6 +215,9 @@ struct ExportOptions {
 
 struct ExportResult {
   std::vector<std::string> files;  // written, the index (if any) last
+  // Files of an earlier export into the same directory in another layout (or
+  // shard count), removed with kReplace so that loaders see only this one.
+  std::vector<std::string> removed;
   uint64_t tensor_bytes = 0;       // tensor data, all files
   uint64_t tensors = 0;
 };
@@ -230,7 +236,11 @@ struct ExportResult {
 // output that is not a regular file; InvalidArgument for an empty `out`, a
 // dtype other than F32/BF16/F16 or max_shard_bytes with a ".safetensors"
 // file; NotFound when the directory of a ".safetensors" `out` is missing;
-// FailedPrecondition for duplicate names. Each file is written atomically.
+// FailedPrecondition for duplicate names, and (without kReplace) for a
+// directory `out` holding an earlier export's files in another layout,
+// which loaders would read instead of this export (model.safetensors before
+// an index). Each file is written atomically; stale files are removed after
+// the data files and before the index are written.
 Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string& out,
                                        const ExportOptions& options = {});
 

@@ -2,10 +2,12 @@
 // torch's load_state_dict takes (shaped, named, fp32/bf16/fp16), one file or
 // Hugging Face shards with an index, streamed tensor piece by tensor piece.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 
 #include "offload/checkpoint_internal.h"
@@ -33,6 +35,62 @@ std::string JoinPath(std::string_view dir, std::string_view name) {
   std::string out(dir);
   if (out.empty() || out.back() != '/') out += '/';
   return out + std::string(name);
+}
+
+// The names an export writes into a directory, in either layout.
+bool IsExportFileName(const std::string& name) {
+  static const std::regex shard("model-[0-9]{5,}-of-[0-9]{5,}\\.safetensors");
+  return name == kSingleFile || name == kIndexFile || std::regex_match(name, shard);
+}
+
+// The files of an earlier export in `out_dir` that this export does not
+// write (`ours`): the other layout, or shards of another count. Loaders
+// prefer model.safetensors to an index, so left there they would load old
+// weights or a mix. FailedPrecondition naming them without kReplace; with
+// it, each must be a regular file (the caller removes them). Sorted.
+Result<std::vector<std::string>> StaleExportFiles(const std::string& out_dir,
+                                                  const std::set<std::string>& ours,
+                                                  ExistingFile existing, std::string_view op) {
+  std::vector<std::string> stale;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(out_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (IsExportFileName(name) && ours.count(name) == 0) stale.push_back(JoinPath(out_dir, name));
+  }
+  std::sort(stale.begin(), stale.end());
+  if (stale.empty()) return stale;
+  if (existing == ExistingFile::kRefuse) {
+    constexpr size_t kListed = 6;
+    std::vector<std::string> listed(stale.begin(), stale.begin() + std::min(stale.size(), kListed));
+    return FailedPreconditionError(fmt::format(
+        "{}: {} holds {} file(s) of an earlier export in another layout that this export would "
+        "not replace: {}{}; Hugging Face loaders would read them (model.safetensors before any "
+        "index) instead of, or mixed with, this export: remove them, export into another "
+        "directory, or replace them (--force; force=True in Python)",
+        op, out_dir, stale.size(), fmt::join(listed, ", "),
+        stale.size() > kListed ? fmt::format(" and {} more", stale.size() - kListed) : ""));
+  }
+  for (const std::string& path : stale) {
+    STRATA_RETURN_IF_ERROR(
+        (CheckOutputPath(path, ExistingFile::kReplace))
+            .WithContext(fmt::format("{}: a file of an earlier export cannot be replaced", op)));
+  }
+  return stale;
+}
+
+// Removes what StaleExportFiles found, once this export's data files are
+// written (so a failed export leaves the earlier one whole) and before its
+// index is (so no moment shows both layouts' entry points).
+Status RemoveStale(Storage& storage, const std::vector<std::string>& stale, std::string_view op) {
+  for (const std::string& path : stale) {
+    STRATA_RETURN_IF_ERROR(
+        (storage.Remove(path))
+            .WithContext(fmt::format(
+                "{}: this export's files are written, but {} of an earlier export could not be "
+                "removed; remove it by hand (loaders would read it)",
+                op, path)));
+  }
+  return OkStatus();
 }
 
 // FailedPrecondition when `out` is the checkpoint directory or inside it:
@@ -181,6 +239,13 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   }
   const std::string index_path = JoinPath(out_dir, kIndexFile);
   if (shards.size() > 1) STRATA_RETURN_IF_ERROR(CheckOutputPath(index_path, options.existing));
+  std::vector<std::string> stale;
+  if (!out_dir.empty()) {
+    std::set<std::string> ours;
+    for (const Shard& s : shards) ours.insert(fs::path(s.file).filename().string());
+    if (shards.size() > 1) ours.insert(std::string(kIndexFile));
+    STRATA_ASSIGN_OR_RETURN(stale, StaleExportFiles(out_dir, ours, options.existing, op));
+  }
   if (!out_dir.empty()) {
     std::error_code ec;
     fs::create_directories(out_dir, ec);
@@ -238,6 +303,8 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
     result.tensor_bytes += shard.bytes;
     result.tensors += shard.tensors.size();
   }
+  STRATA_RETURN_IF_ERROR(RemoveStale(*storage.storage, stale, op));
+  result.removed = std::move(stale);
   if (shards.size() > 1) {
     const nlohmann::ordered_json index = {{"metadata", {{"total_size", result.tensor_bytes}}},
                                           {"weight_map", weight_map}};

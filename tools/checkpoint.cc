@@ -147,7 +147,9 @@ void AddCheckpointCommands(Cli& cli) {
   exp->add_option("--max-shard-size", args->max_shard_size,
                   "at most this many bytes of tensors per file (e.g. 5GiB; binary units), "
                   "Hugging Face shards with an index; OUT must be a directory");
-  exp->add_flag("--force", args->force, "replace output files that exist");
+  exp->add_flag("--force", args->force,
+                "replace output files that exist, and remove an earlier export's files in the "
+                "other layout (model.safetensors vs shards and index) from OUT");
   exp->callback([&cli, args] {
     RunAction(cli, "export", [&]() -> Status {
       ExportOptions options;
@@ -163,6 +165,9 @@ void AddCheckpointCommands(Cli& cli) {
       options.existing = args->force ? ExistingFile::kReplace : ExistingFile::kRefuse;
       STRATA_ASSIGN_OR_RETURN(ExportResult r, ExportSafetensors(args->dir, args->out, options));
       for (const std::string& f : r.files) std::printf("wrote %s\n", f.c_str());
+      for (const std::string& f : r.removed) {
+        std::printf("removed %s (an earlier export in another layout)\n", f.c_str());
+      }
       std::printf("%llu tensors, %s of %s weights\n", static_cast<unsigned long long>(r.tensors),
                   FormatBytes(r.tensor_bytes).c_str(), args->dtype.c_str());
       return OkStatus();

@@ -421,5 +421,34 @@ TEST(CliTest, ExportOutputPathsAreCheckedAndPrintedAsGiven) {
   EXPECT_EQ(r.err.find(".tmp-"), std::string::npos) << r.err;
 }
 
+// A sharded export over a one-file export (and back): refused without
+// --force, naming the stale file; with it the stale files are removed and
+// the command says so.
+TEST(CliTest, ExportIntoADirectoryOfAnotherLayoutNeedsForceAndRemovesIt) {
+  const uint64_t seed = TestSeed();
+  TempDir dir, tmp;
+  Cluster c(1, testing::CkptConfig(testing::Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  const std::string out = tmp.File("hf");
+  Ran r = RunStrata("export " + dir.path() + " " + out, tmp);
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = RunStrata("export --max-shard-size 1KiB " + dir.path() + " " + out, tmp);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.err.find(out + "/model.safetensors"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--force"), std::string::npos) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(out + "/model.safetensors"));
+  r = RunStrata("export --max-shard-size 1KiB --force " + dir.path() + " " + out, tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("removed " + out + "/model.safetensors"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(out + "/model.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(out + "/model.safetensors.index.json"));
+  r = RunStrata("export --force " + dir.path() + " " + out, tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("removed " + out + "/model.safetensors.index.json"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(testing::DirNames(out), std::vector<std::string>{"model.safetensors"});
+}
+
 }  // namespace
 }  // namespace strata

@@ -8,6 +8,7 @@
 #include <sys/sysmacros.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -402,6 +403,82 @@ TEST_F(ExportShapedTest, OutputPathsAreCheckedAndJoinedAsGiven) {
                                  " does not exist");
   EXPECT_EQ(r.status().message().find(".tmp-"), std::string_view::npos) << r.status();
   EXPECT_FALSE(fs::exists(out.File("nope")));
+}
+
+// An output directory holds one export layout: Hugging Face loaders prefer
+// model.safetensors over an index, so a single file left beside new shards
+// (or an index and shards beside a new single file) would load old weights.
+// Without --force the export refuses, naming the stale files and writing
+// nothing; with it they are removed. Files that are not the export's names
+// are never touched.
+TEST_F(ExportShapedTest, AnotherLayoutsFilesAreRefusedOrWithForceReplaced) {
+  TempDir out;
+  const std::string hf = out.File("hf");
+  const std::vector<std::string> users = {"README.md", "config.json", "model-final.safetensors"};
+  auto add_users = [&](const std::string& dir) {
+    for (const std::string& name : users) std::ofstream(dir + "/" + name) << name;
+  };
+  auto names_without_users = [&](const std::string& dir) {
+    std::vector<std::string> out;
+    for (const std::string& n : Names(dir)) {
+      if (std::find(users.begin(), users.end(), n) == users.end()) out.push_back(n);
+    }
+    for (const std::string& name : users) EXPECT_EQ(ReadAll(dir + "/" + name), name) << name;
+    return out;
+  };
+  const ExportOptions sharded{.max_shard_bytes = 8192};
+  ExportOptions sharded_force = sharded;
+  sharded_force.existing = ExistingFile::kReplace;
+
+  // One file, then shards.
+  ASSERT_TRUE(ExportSafetensors(ckpt_.path(), hf).ok());
+  add_users(hf);
+  const std::vector<std::string> before = Names(hf);
+  auto refused = ExportSafetensors(ckpt_.path(), hf, sharded);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  ExpectMentions(refused.status(), hf + "/model.safetensors");
+  ExpectMentions(refused.status(), "--force");
+  EXPECT_EQ(Names(hf), before) << "nothing written";
+  auto forced = ExportSafetensors(ckpt_.path(), hf, sharded_force);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->removed, std::vector<std::string>{hf + "/model.safetensors"});
+  std::vector<std::string> want;
+  for (const std::string& f : forced->files) want.push_back(fs::path(f).filename().string());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(names_without_users(hf), want);
+  const size_t shards = forced->files.size() - 1;
+  ASSERT_GE(shards, 3u);
+
+  // Shards, then one file.
+  refused = ExportSafetensors(ckpt_.path(), hf);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  ExpectMentions(refused.status(), hf + "/model.safetensors.index.json");
+  ExpectMentions(refused.status(), fmt::format("{}/model-00001-of-{:05}.safetensors", hf, shards));
+  EXPECT_EQ(names_without_users(hf), want) << "nothing written";
+  forced = ExportSafetensors(ckpt_.path(), hf, {.existing = ExistingFile::kReplace});
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(names_without_users(hf), std::vector<std::string>{"model.safetensors"});
+  EXPECT_EQ(forced->removed.size(), shards + 1);
+
+  // Shards of another count: the old ones go too.
+  ASSERT_TRUE(ExportSafetensors(ckpt_.path(), hf, sharded_force).ok());
+  ExportOptions bigger = sharded_force;
+  bigger.max_shard_bytes = 20000;
+  forced = ExportSafetensors(ckpt_.path(), hf, bigger);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  ASSERT_LT(forced->files.size() - 1, shards);
+  want.clear();
+  for (const std::string& f : forced->files) want.push_back(fs::path(f).filename().string());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(names_without_users(hf), want);
+
+  // A stale name that is not a regular file is refused even with --force.
+  fs::create_directory(hf + "/model-00001-of-00099.safetensors");
+  const std::vector<std::string> kept = Names(hf);
+  refused = ExportSafetensors(ckpt_.path(), hf, {.existing = ExistingFile::kReplace});
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status();
+  ExpectMentions(refused.status(), "a directory, not a regular file");
+  EXPECT_EQ(Names(hf), kept);
 }
 
 // Load, export and the reader never ask to write a checkpoint's files: every

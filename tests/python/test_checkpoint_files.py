@@ -1,12 +1,12 @@
 """What checkpoints and exports do to the files around them: retention removes
 only Strata's own saves (never the user's files named step-*); a checkpoint
 the user cannot write is still read; export output paths are checked and
-joined as given."""
+joined as given; an export directory holds one layout."""
 import json
 import os
 import re
 import shutil
-import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -144,3 +144,48 @@ def test_export_output_paths_are_checked_and_joined_as_given(tmp_path):
         export_checkpoint(ckpt, missing)
     assert f"{missing}: the parent directory {tmp_path / 'nope'} does not exist" in str(e.value)
     assert ".tmp-" not in str(e.value)
+
+
+@pytest.mark.parametrize("first,then", [(None, 256), (256, None)],
+                         ids=["single_then_sharded", "sharded_then_single"])
+def test_an_export_directory_holds_one_layout(tmp_path, first, then):
+    """Hugging Face loaders prefer model.safetensors over an index: a single file left
+    beside new shards (or an index beside a new single file) would load old weights.
+    Without force the export refuses naming the stale files; with force they go."""
+    model, opt = trained()
+    step(model, opt)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    opt.save_checkpoint(ckpt)
+    old = export_checkpoint(ckpt, out, max_shard_size=first)
+    (out / "README.md").write_text("the user's")
+    before = sorted(os.listdir(out))
+    with pytest.raises(strata.StrataError, match="earlier export") as e:
+        export_checkpoint(ckpt, out, max_shard_size=then)
+    assert old[0] in str(e.value) or old[-1] in str(e.value)
+    assert sorted(os.listdir(out)) == before, "a refused export writes nothing"
+    step(model, opt)  # new weights, so that old ones would show
+    opt.save_checkpoint(ckpt)
+    files = export_checkpoint(ckpt, out, max_shard_size=then, force=True)
+    assert sorted(os.listdir(out)) == sorted([os.path.basename(f) for f in files] + ["README.md"])
+    merged = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            merged.update(read_safetensors(f))
+    for name, p in model.named_parameters():
+        assert torch.equal(merged[name], p.detach()), name
+
+
+def read_safetensors(path):
+    """name -> tensor, by the safetensors spec (the package is not installed on CI)."""
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "F32"
+        b, e = t["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]),
+                                     dtype=torch.float32).reshape(t["shape"])
+    return out
