@@ -1260,7 +1260,10 @@ def export_checkpoint(directory, out, dtype="fp32", max_shard_size=None, force=F
     or with `max_shard_size` (bytes or "5GiB") Hugging Face shards and
     model.safetensors.index.json. Streams: memory stays small whatever the model's
     size. Refuses an output inside the checkpoint, an existing file unless `force`,
-    and anything that is not a regular file. Returns the files written."""
+    and anything that is not a regular file. A directory holds one layout: files of
+    the other (model.safetensors beside shards, or shards of another count, which a
+    loader could pick instead) are refused, or with `force` removed once the new
+    files are written. Returns the files written."""
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"export_checkpoint: dtype {dtype!r}; use torch.float32, "
                          "torch.bfloat16 or torch.float16")
