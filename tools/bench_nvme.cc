@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -489,6 +490,15 @@ Status RunBenchNvme(const NvmeArgs& a) {
 Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t bytes_per_dir,
                                      uint64_t block_bytes, uint32_t queue_depth) {
   if (dirs.empty()) return InvalidArgumentError("measure the drive: no directory");
+  for (const std::string& d : dirs) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(d, ec)) {
+      return FailedPreconditionError(fmt::format(
+          "measure the drive under {}: not an existing directory; create it (mkdir -p) or give "
+          "another",
+          d));
+    }
+  }
   if (block_bytes == 0 || block_bytes % 4096 != 0) {
     return InvalidArgumentError(fmt::format(
         "measure the drive: block {} is not a positive multiple of 4096 (O_DIRECT)", block_bytes));

@@ -1,14 +1,20 @@
 // `strata plan`: reads a DeepSpeed-style config, prints the effective config
 // and the placement plan of one rank for a model of --params parameters, or
-// the refusal with the knob to turn. Needs no GPU and writes nothing, so a
-// config can be checked before a job is launched. The preflight checks the
+// the refusal with the knob to turn. Needs no GPU and leaves nothing behind
+// (--probe-drive writes its probe files, and makes the nvme_path folders
+// that do not exist yet, then removes them), so a config can be checked
+// before a job is launched. The preflight checks the
 // plan against this machine (memory available, `ulimit -l`, free space of
 // the nvme_paths) as the engine will; --no-preflight plans for another one.
 // Exit codes: 0 the plan fits, 1 it cannot run here (or the planner refused
 // it), 2 a bad command line or config.
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -19,12 +25,59 @@
 #include "offload/config.h"
 #include "offload/layout.h"
 #include "offload/placement.h"
+#include "runtime/machine.h"
 #include "runtime/units.h"
 #include "tools/baselines.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
 namespace {
+
+// The nvme_path folders that do not exist yet, made for --probe-drive as the
+// engine would make them (mkdir -p) and removed afterwards, so that plan
+// leaves nothing behind.
+class ProbeDirs {
+ public:
+  ProbeDirs() = default;
+  ProbeDirs(const ProbeDirs&) = delete;
+  ProbeDirs& operator=(const ProbeDirs&) = delete;
+  ~ProbeDirs() {
+    // Deepest first: a folder is removed only once what it holds is.
+    std::sort(created_.begin(), created_.end(),
+              [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+    for (const std::string& d : created_) ::rmdir(d.c_str());
+  }
+
+  // Makes each missing directory; the count of folders made.
+  Result<size_t> Make(std::span<const std::string> dirs) {
+    namespace fs = std::filesystem;
+    size_t made = 0;
+    for (const std::string& d : dirs) {
+      std::error_code ec;
+      std::vector<std::string> missing;
+      fs::path p = fs::absolute(d, ec).lexically_normal();
+      if (p.filename().empty()) p = p.parent_path();  // "/a/b/"
+      for (; p != p.parent_path() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
+        missing.push_back(p.string());
+      }
+      if (missing.empty()) continue;
+      Status s = CreateDirectories(d);
+      if (!s.ok()) {
+        return std::move(s).WithContext(fmt::format(
+            "--probe-drive: nvme_path {} does not exist and cannot be made (the engine would "
+            "fail the same way); create it as a user who can (mkdir -p), or choose another "
+            "nvme_path",
+            d));
+      }
+      created_.insert(created_.end(), missing.begin(), missing.end());
+      ++made;
+    }
+    return made;
+  }
+
+ private:
+  std::vector<std::string> created_;
+};
 
 struct PlanArgs {
   std::string config_path;
@@ -75,9 +128,12 @@ Status RunPlan(const PlanArgs& args) {
   std::optional<DriveRates> drive;
   if (!args.probe_drive.empty() && plan.nvme_sub_groups > 0) {
     STRATA_ASSIGN_OR_RETURN(const uint64_t probe_bytes, ParseBytes(args.probe_drive));
-    std::fprintf(stderr, "plan: measuring the drive under %s (%s) ...\n",
+    ProbeDirs probe_dirs;
+    STRATA_ASSIGN_OR_RETURN(const size_t made, probe_dirs.Make(config.nvme_paths));
+    std::fprintf(stderr, "plan: measuring the drive under %s (%s%s) ...\n",
                  fmt::format("{}", fmt::join(config.nvme_paths, ", ")).c_str(),
-                 FormatBytes(probe_bytes).c_str());
+                 FormatBytes(probe_bytes).c_str(),
+                 made > 0 ? "; made for the probe as the engine would, removed afterwards" : "");
     STRATA_ASSIGN_OR_RETURN(drive,
                             MeasureDriveRates(config.nvme_paths,
                                               probe_bytes / config.nvme_paths.size(),
