@@ -316,15 +316,15 @@ Result<double> RunFio(const std::string& cmd, const std::string& op) {
     return InternalError("parse fio's JSON output of `" + cmd + "`");
   }
   double bw = 0;
+  // contains() before each const lookup: operator[] of a missing key is
+  // undefined on a const object, and get<>() of a non-number throws.
   for (const auto& job : j["jobs"]) {
-    // find(), not operator[]: a const lookup of a missing key is undefined.
-    const auto side = job.is_object() ? job.find(op) : job.end();
-    const auto bytes = side != job.end() && side->is_object() ? side->find("bw_bytes") : job.end();
-    if (bytes == job.end() || !bytes->is_number()) {
+    if (!job.is_object() || !job.contains(op) || !job[op].is_object() ||
+        !job[op].contains("bw_bytes") || !job[op]["bw_bytes"].is_number()) {
       return InternalError(
           fmt::format("fio's JSON output of `{}` has no jobs[].{}.bw_bytes", cmd, op));
     }
-    bw += bytes->get<double>();
+    bw += job[op]["bw_bytes"].get<double>();
   }
   return bw;
 }
