@@ -3,7 +3,6 @@
 // the same engine, block size and queue depth, interleaved, best of several.
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +26,7 @@
 #include "runtime/storage.h"
 #include "runtime/units.h"
 #include "tools/baselines.h"
+#include "tools/cleanup.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -46,37 +46,6 @@ struct NvmeArgs {
   bool fresh_buffers = false;
   bool vs_fio = false;
   bool json = false;
-};
-
-// Files to remove on Ctrl-C; unlink is async-signal-safe.
-constexpr int kMaxFiles = 64;
-char g_cleanup[kMaxFiles][4096];
-std::atomic<int> g_cleanup_count{0};
-
-void OnSignal(int sig) {
-  for (int i = 0; i < g_cleanup_count.load(); ++i) ::unlink(g_cleanup[i]);
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
-
-class TestFiles {
- public:
-  ~TestFiles() {
-    for (const std::string& p : paths_) ::unlink(p.c_str());
-    g_cleanup_count = 0;
-  }
-  void Add(const std::string& p) {
-    paths_.push_back(p);
-    const int i = g_cleanup_count.load();
-    if (i < kMaxFiles && p.size() < sizeof(g_cleanup[0])) {
-      std::memcpy(g_cleanup[i], p.c_str(), p.size() + 1);
-      g_cleanup_count = i + 1;
-    }
-  }
-  const std::vector<std::string>& paths() const { return paths_; }
-
- private:
-  std::vector<std::string> paths_;
 };
 
 // IO buffers from the engine's own allocator: a PinnedPool on the host device
@@ -357,16 +326,16 @@ Status RunBenchNvme(const NvmeArgs& a) {
   STRATA_ASSIGN_OR_RETURN(
       auto storage, CreateStorage({.backend = a.backend == "posix" ? StorageBackend::kPosix
                                                                    : StorageBackend::kUring}));
-  ::signal(SIGINT, OnSignal);
-  ::signal(SIGTERM, OnSignal);
   // Only for --buffers pinned; holds no memory otherwise.
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, CreateHostDevice());
-  TestFiles test_files;
+  CleanupScope test_files;  // removed afterwards, also on Ctrl-C
+  std::vector<std::string> test_paths;
   std::vector<std::unique_ptr<File>> files;
   std::vector<std::unique_ptr<AlignedBuffers>> bufs;
   for (const std::string& d : dirs) {
     const std::string path = fmt::format("{}/strata-bench-nvme.{}.dat", d, ::getpid());
-    test_files.Add(path);
+    test_files.AddFile(path);
+    test_paths.push_back(path);
     STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
                                                          .direct = DirectIo::kAuto,
                                                          .queue_depth = a.qd}));
@@ -396,7 +365,7 @@ Status RunBenchNvme(const NvmeArgs& a) {
           .status());
   for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
 
-  const std::string fio_cmd = FioCommand(a, test_files.paths(), per_file_bytes, block_bytes);
+  const std::string fio_cmd = FioCommand(a, test_paths, per_file_bytes, block_bytes);
   // fio allocates its buffers anew in every run (a new process); with 4 KiB
   // pages their physical layout, and so the segments per request, is drawn
   // anew each time. --fresh-buffers does the same for the engine's side.
@@ -509,7 +478,7 @@ Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t
       std::max<size_t>(queue_depth, std::min<uint64_t>(per_file, 256 * kMiB) / block_bytes);
   STRATA_ASSIGN_OR_RETURN(auto storage, CreateStorage({}));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> host, CreateHostDevice());
-  TestFiles test_files;
+  CleanupScope test_files;  // removed afterwards, also on Ctrl-C
   // One file per directory, its buffers registered, laid out and synced.
   struct FileSet {
     std::vector<std::unique_ptr<File>> files;
@@ -522,7 +491,7 @@ Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t
     FileSet set;
     for (const std::string& d : dirs) {
       const std::string path = fmt::format("{}/strata-drive-probe.{}.{}", d, ::getpid(), name);
-      test_files.Add(path);
+      test_files.AddFile(path);
       STRATA_ASSIGN_OR_RETURN(auto f, storage->Open(path, {.create = FileCreate::kCreate,
                                                            .direct = DirectIo::kAuto,
                                                            .queue_depth = queue_depth}));

@@ -32,12 +32,10 @@
 // device over a probe buffer, its bound the device share's bytes at that
 // rate, and the text names both sides' busy times.
 #include <fmt/format.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cerrno>
@@ -67,6 +65,7 @@
 #include "runtime/trace.h"
 #include "runtime/units.h"
 #include "tools/baselines.h"
+#include "tools/cleanup.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -105,53 +104,6 @@ struct StepArgs {
 bool Use(const StepArgs& a, const char* option) {
   return a.config_path.empty() || a.given.count(option) > 0;
 }
-
-// State files to remove on Ctrl-C; unlink is async-signal-safe.
-constexpr int kMaxCleanup = 256;
-char g_cleanup[kMaxCleanup][4096];
-std::atomic<int> g_cleanup_count{0};
-char g_cleanup_dir[4096];
-
-void OnSignal(int sig) {
-  for (int i = 0; i < g_cleanup_count.load(); ++i) ::unlink(g_cleanup[i]);
-  if (g_cleanup_dir[0] != '\0') ::rmdir(g_cleanup_dir);
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
-
-// The state files the engine creates (offload/state_store.h), and the
-// temporary directory when the bench made one: removed on exit and on Ctrl-C.
-class Cleanup {
- public:
-  ~Cleanup() {
-    for (const std::string& f : files_) ::unlink(f.c_str());
-    if (!dir_.empty()) ::rmdir(dir_.c_str());
-    g_cleanup_count = 0;
-    g_cleanup_dir[0] = '\0';
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
-  }
-  void SetDir(const std::string& d) {
-    dir_ = d;
-    if (d.size() < sizeof(g_cleanup_dir)) std::memcpy(g_cleanup_dir, d.c_str(), d.size() + 1);
-  }
-  void AddFile(const std::string& f) {
-    files_.push_back(f);
-    const int i = g_cleanup_count.load();
-    if (i < kMaxCleanup && f.size() < sizeof(g_cleanup[0])) {
-      std::memcpy(g_cleanup[i], f.c_str(), f.size() + 1);
-      g_cleanup_count = i + 1;
-    }
-  }
-  void Arm() {
-    ::signal(SIGINT, OnSignal);
-    ::signal(SIGTERM, OnSignal);
-  }
-
- private:
-  std::vector<std::string> files_;
-  std::string dir_;
-};
 
 // The checks a file written at the end needs, made before any work so a
 // long run is not lost to a typo: the path is not a directory and its
@@ -573,7 +525,14 @@ Status RunStep(const StepArgs& a) {
     config.device = a.offload == "nvme" ? OffloadDevice::kNvme : OffloadDevice::kCpu;
   }
 
-  Cleanup cleanup;
+  // The state store's files (offload/state_store.h: strata-rank<r>.state and
+  // .lock), and the temporary directory when the bench made one: removed on
+  // exit and on Ctrl-C. In a directory the user gave, a file that was there
+  // before is another run's until the store is created (its lock held): it
+  // is registered only then, so a bench refused by another run's lock does
+  // not delete that run's state; a lock file that was there is left.
+  CleanupScope cleanup;
+  std::vector<std::pair<int, std::string>> state_files_to_claim;  // (rank, path)
   if (config.device == OffloadDevice::kNvme) {
     if (!a.nvme_dirs.empty()) {
       config.nvme_paths = a.nvme_dirs;
@@ -583,8 +542,10 @@ Status RunStep(const StepArgs& a) {
         return ErrnoError(errno, "create a directory under /var/tmp")
             .WithContext("bench step: pass --nvme-dir on the drive to measure");
       }
-      cleanup.SetDir(tmpl);
+      cleanup.AddDir(tmpl);
       config.nvme_paths = {tmpl};
+      std::fprintf(stderr, "bench step: state files in %s (removed afterwards, also on Ctrl-C)\n",
+                   tmpl);
     }
     for (const std::string& d : config.nvme_paths) {
       if (!std::filesystem::is_directory(d)) {
@@ -592,10 +553,17 @@ Status RunStep(const StepArgs& a) {
             "--nvme-dir {}: not an existing directory; create it on the drive to measure", d));
       }
       for (int r = 0; r < a.ranks; ++r) {
-        cleanup.AddFile(fmt::format("{}/strata-rank{}.state", d, r));
+        for (const char* ext : {"state", "lock"}) {
+          const std::string f = fmt::format("{}/strata-rank{}.{}", d, r, ext);
+          std::error_code ec;
+          if (!std::filesystem::exists(std::filesystem::symlink_status(f, ec))) {
+            cleanup.AddFile(f);
+          } else if (std::string_view(ext) == "state") {
+            state_files_to_claim.emplace_back(r, f);
+          }
+        }
       }
     }
-    cleanup.Arm();
   } else {
     config.nvme_paths.clear();
   }
@@ -768,6 +736,10 @@ Status RunStep(const StepArgs& a) {
                                           config, groups));
     return OkStatus();
   }));
+  // Each store holds its lock now: its state file, rewritten, is the bench's.
+  for (const auto& [r, f] : state_files_to_claim) {
+    if (opts[r]->plan().nvme_sub_groups > 0) cleanup.AddFile(f);
+  }
 
   const double setup_sec =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - setup_start).count();

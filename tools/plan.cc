@@ -10,8 +10,6 @@
 // it), 2 a bad command line or config.
 #include <fmt/format.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -28,39 +26,32 @@
 #include "runtime/machine.h"
 #include "runtime/units.h"
 #include "tools/baselines.h"
+#include "tools/cleanup.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
 namespace {
 
 // The nvme_path folders that do not exist yet, made for --probe-drive as the
-// engine would make them (mkdir -p) and removed afterwards, so that plan
-// leaves nothing behind.
+// engine would make them (mkdir -p) and removed afterwards, also on Ctrl-C,
+// so that plan leaves nothing behind.
 class ProbeDirs {
  public:
-  ProbeDirs() = default;
-  ProbeDirs(const ProbeDirs&) = delete;
-  ProbeDirs& operator=(const ProbeDirs&) = delete;
-  ~ProbeDirs() {
-    // Deepest first: a folder is removed only once what it holds is.
-    std::sort(created_.begin(), created_.end(),
-              [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
-    for (const std::string& d : created_) ::rmdir(d.c_str());
-  }
-
-  // Makes each missing directory; the count of folders made.
+  // Makes each missing directory; the count of nvme_paths made.
   Result<size_t> Make(std::span<const std::string> dirs) {
     namespace fs = std::filesystem;
     size_t made = 0;
     for (const std::string& d : dirs) {
       std::error_code ec;
-      std::vector<std::string> missing;
+      std::vector<std::string> missing;  // deepest first
       fs::path p = fs::absolute(d, ec).lexically_normal();
       if (p.filename().empty()) p = p.parent_path();  // "/a/b/"
       for (; p != p.parent_path() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
         missing.push_back(p.string());
       }
       if (missing.empty()) continue;
+      // Registered before they exist, outermost first: removed innermost first.
+      for (auto it = missing.rbegin(); it != missing.rend(); ++it) cleanup_.AddDir(*it);
       Status s = CreateDirectories(d);
       if (!s.ok()) {
         return std::move(s).WithContext(fmt::format(
@@ -69,14 +60,13 @@ class ProbeDirs {
             "nvme_path",
             d));
       }
-      created_.insert(created_.end(), missing.begin(), missing.end());
       ++made;
     }
     return made;
   }
 
  private:
-  std::vector<std::string> created_;
+  CleanupScope cleanup_;
 };
 
 struct PlanArgs {
