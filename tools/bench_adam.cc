@@ -70,10 +70,17 @@ Status Run(const Options& o) {
 
   const size_t grad_bytes = DTypeSize(grad_dtype);
   const size_t out_bytes = out_none ? 0 : DTypeSize(out_dtype);
+  // Traffic per step: the grad read, the fp32 param and moments read and
+  // written, the output written. Held: one of each.
   const size_t bytes_per_param = grad_bytes + 3 * 4 * 2 + out_bytes;
-  std::fprintf(stderr, "bench adam: allocating %s for %s params (%s/param) ...\n",
-               FormatBytes(n * (12 + grad_bytes + out_bytes)).c_str(), FormatCount(n).c_str(),
-               std::to_string(bytes_per_param).c_str());
+  const size_t held_per_param = 3 * 4 + grad_bytes + out_bytes;
+  std::fprintf(stderr,
+               "bench adam: allocating %s for %s param%s (%zu B/param: fp32 param, exp_avg and "
+               "exp_avg_sq, %s grad%s; a step moves %zu B/param) ...\n",
+               FormatBytes(n * held_per_param).c_str(), FormatCount(n).c_str(), n == 1 ? "" : "s",
+               held_per_param, std::string(DTypeName(grad_dtype)).c_str(),
+               out_none ? "" : fmt::format(", {} out", DTypeName(out_dtype)).c_str(),
+               bytes_per_param);
   STRATA_ASSIGN_OR_RETURN(HostArray p, HostArray::Create(n * 4, "params"));
   STRATA_ASSIGN_OR_RETURN(HostArray m, HostArray::Create(n * 4, "exp_avg"));
   STRATA_ASSIGN_OR_RETURN(HostArray v, HostArray::Create(n * 4, "exp_avg_sq"));

@@ -302,12 +302,26 @@ Status RunBenchNvme(const NvmeArgs& a) {
   std::vector<std::string> dirs = a.paths;
   if (dirs.empty()) dirs.push_back(a.dir);
   if (dirs.empty() || dirs[0].empty()) return InvalidArgumentError("give --dir or --paths");
-  for (const std::string& d : dirs) {
+  const char* option = a.paths.empty() ? "--dir" : "--paths";
+  std::vector<std::pair<dev_t, ino_t>> seen;
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const std::string& d = dirs[i];
     struct stat st;
     if (::stat(d.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-      return InvalidArgumentError(
-          fmt::format("--dir {}: not an existing directory; create it on the drive to measure", d));
+      return InvalidArgumentError(fmt::format(
+          "{} {}: not an existing directory; create it on the drive to measure", option, d));
     }
+    // As the engine's nvme_path: the same directory twice (also spelled
+    // "/d/" or through a symlink) would stripe two files onto one drive.
+    const auto same = std::find(seen.begin(), seen.end(), std::pair(st.st_dev, st.st_ino));
+    if (same != seen.end()) {
+      const size_t j = static_cast<size_t>(same - seen.begin());
+      return InvalidArgumentError(fmt::format(
+          "--paths: {} and {} (entries {} and {}) are the same directory; each entry is a "
+          "directory on its own drive, striped: list each once",
+          dirs[j], d, j, i));
+    }
+    seen.emplace_back(st.st_dev, st.st_ino);
   }
   STRATA_ASSIGN_OR_RETURN(uint64_t size_bytes, ParseBytes(a.size));
   STRATA_ASSIGN_OR_RETURN(uint64_t block_bytes, ParseBytes(a.block));

@@ -1,8 +1,11 @@
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "tools/cli.h"
 
@@ -25,6 +28,34 @@ void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& b
   }
 }
 
+// CLI11 reads a word that is no subcommand as a stray argument and says only
+// "A subcommand is required": name the word and list the subcommands. The
+// usage error, or "" when the words before the first option are fine.
+std::string UnknownSubcommand(const CLI::App& root, int argc, char** argv) {
+  const CLI::App* app = &root;
+  std::string path = "strata";
+  for (int i = 1; i < argc && argv[i][0] != '-'; ++i) {
+    const std::string word = argv[i];
+    const auto subs = app->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) break;  // a positional argument of a leaf command
+    const CLI::App* next = nullptr;
+    std::vector<std::string> names;
+    for (const CLI::App* sub : subs) {
+      names.push_back(sub->get_name());
+      if (sub->check_name(word)) next = sub;
+    }
+    if (next == nullptr) {
+      return fmt::format(
+          "{}: unknown subcommand '{}'; the subcommands are: {} ({} --help says "
+          "what each does)",
+          path, word, fmt::join(names, ", "), path);
+    }
+    app = next;
+    path += " " + next->get_name();
+  }
+  return "";
+}
+
 }  // namespace strata::cli
 
 int main(int argc, char** argv) {
@@ -43,6 +74,11 @@ int main(int argc, char** argv) {
   strata::cli::AddBenchStepCommand(cli);
   strata::cli::AddCheckpointCommands(cli);
 
+  if (const std::string unknown = strata::cli::UnknownSubcommand(cli.app, argc, argv);
+      !unknown.empty()) {
+    std::fprintf(stderr, "%s\n", unknown.c_str());
+    return strata::cli::kExitUsage;
+  }
   try {
     cli.app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

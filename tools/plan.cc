@@ -69,6 +69,41 @@ class ProbeDirs {
   CleanupScope cleanup_;
 };
 
+nlohmann::json PlanJson(const PlacementPlan& plan) {
+  nlohmann::json tiers = nlohmann::json::array();
+  for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));
+  nlohmann::json buffers = nlohmann::json::array();
+  for (const StagingBuffer& b : plan.buffers) {
+    buffers.push_back({{"name", b.name},
+                       {"tier", TierName(b.tier)},
+                       {"count", b.count},
+                       {"bytes_each", b.bytes_each}});
+  }
+  return {{"sub_group_tiers", tiers},
+          {"buffers", buffers},
+          {"device_state_bytes", plan.device_state_bytes},
+          {"gpu_fraction", plan.gpu_fraction()},
+          {"host_state_bytes", plan.host_state_bytes},
+          {"nvme_state_bytes", plan.nvme_state_bytes},
+          {"host_staging_bytes", plan.host_staging_bytes},
+          {"device_staging_bytes", plan.device_staging_bytes},
+          {"nvme_file_bytes", plan.nvme_file_bytes}};
+}
+
+nlohmann::json EstimateJson(const StepEstimate& e) {
+  return {{"cpu_adam_sec", e.cpu_adam},
+          {"device_adam_sec", e.device_adam},
+          {"d2h_sec", e.d2h},
+          {"h2d_sec", e.h2d},
+          {"nvme_sec", e.nvme},
+          {"bound_sec", e.bound()},
+          {"bottleneck", e.bottleneck()},
+          {"d2h_bytes", e.d2h_bytes},
+          {"h2d_bytes", e.h2d_bytes},
+          {"nvme_read_bytes", e.nvme_read_bytes},
+          {"nvme_write_bytes", e.nvme_write_bytes}};
+}
+
 struct PlanArgs {
   std::string config_path;
   std::string params;
@@ -112,7 +147,39 @@ Status RunPlan(const PlanArgs& args) {
                                             : std::span<const std::string>(),
         args.rank, args.ranks_per_node > 0 ? args.ranks_per_node : RanksPerNode("", 1));
   }
-  STRATA_ASSIGN_OR_RETURN(PlacementPlan plan, PlanPlacement(inputs));
+  // What --json prints besides the plan, and the plan's own part.
+  auto json_head = [&] {
+    return nlohmann::json{{"config", nlohmann::json::parse(ConfigToJson(config))},
+                          {"rank", args.rank},
+                          {"world_size", args.world_size},
+                          {"shard_elems", shard.elems()}};
+  };
+  auto preflight_json = [&](const std::vector<std::string>& warnings) {
+    return nlohmann::json{{"checked", !args.no_preflight},
+                          {"host_available_bytes", inputs.machine.host_available_bytes},
+                          {"ranks_per_node", inputs.machine.ranks_per_node},
+                          {"warnings", warnings}};
+  };
+  Result<PlacementPlan> planned = PlanPlacement(inputs);
+  if (!planned.ok()) {
+    if (args.json) {
+      // The refusal, and what the planner alone makes of the config (the
+      // numbers behind a preflight refusal; null where the planner refuses).
+      PlacementInputs unchecked = inputs;
+      unchecked.machine = MachineLimits{};
+      Result<PlacementPlan> shape = PlanPlacement(unchecked);
+      nlohmann::json out = json_head();
+      out["fits"] = false;
+      out["error"] = {{"code", StatusCodeName(planned.status().code())},
+                      {"message", planned.status().message()}};
+      out["plan"] = shape.ok() ? PlanJson(*shape) : nlohmann::json(nullptr);
+      out["estimate"] = shape.ok() ? EstimateJson(shape->estimate) : nlohmann::json(nullptr);
+      out["preflight"] = preflight_json({});
+      PrintJson(out, 2);
+    }
+    return planned.status();
+  }
+  PlacementPlan plan = *std::move(planned);
   // The drive measured: its rates join the config's (strata.rates) in the
   // plan's per-step estimate.
   std::optional<DriveRates> drive;
@@ -140,45 +207,12 @@ Status RunPlan(const PlanArgs& args) {
                   drive->mixed_bytes_per_sec
             : 0.0;
   if (args.json) {
-    nlohmann::json tiers = nlohmann::json::array();
-    for (const SubGroupPlacement& g : plan.sub_groups) tiers.push_back(TierName(g.tier));
-    nlohmann::json buffers = nlohmann::json::array();
-    for (const StagingBuffer& b : plan.buffers) {
-      buffers.push_back({{"name", b.name},
-                         {"tier", TierName(b.tier)},
-                         {"count", b.count},
-                         {"bytes_each", b.bytes_each}});
-    }
-    nlohmann::json out = {{"config", nlohmann::json::parse(ConfigToJson(config))},
-                          {"rank", args.rank},
-                          {"world_size", args.world_size},
-                          {"shard_elems", shard.elems()},
-                          {"plan",
-                           {{"sub_group_tiers", tiers},
-                            {"buffers", buffers},
-                            {"device_state_bytes", plan.device_state_bytes},
-                            {"gpu_fraction", plan.gpu_fraction()},
-                            {"host_state_bytes", plan.host_state_bytes},
-                            {"nvme_state_bytes", plan.nvme_state_bytes},
-                            {"host_staging_bytes", plan.host_staging_bytes},
-                            {"device_staging_bytes", plan.device_staging_bytes},
-                            {"nvme_file_bytes", plan.nvme_file_bytes}}},
-                          {"preflight",
-                           {{"checked", !args.no_preflight},
-                            {"host_available_bytes", inputs.machine.host_available_bytes},
-                            {"ranks_per_node", inputs.machine.ranks_per_node},
-                            {"warnings", plan.warnings}}}};
-    out["estimate"] = {{"cpu_adam_sec", e.cpu_adam},
-                       {"device_adam_sec", e.device_adam},
-                       {"d2h_sec", e.d2h},
-                       {"h2d_sec", e.h2d},
-                       {"nvme_sec", e.nvme},
-                       {"bound_sec", e.bound()},
-                       {"bottleneck", e.bottleneck()},
-                       {"d2h_bytes", e.d2h_bytes},
-                       {"h2d_bytes", e.h2d_bytes},
-                       {"nvme_read_bytes", e.nvme_read_bytes},
-                       {"nvme_write_bytes", e.nvme_write_bytes}};
+    nlohmann::json out = json_head();
+    out["fits"] = true;
+    out["error"] = nullptr;
+    out["plan"] = PlanJson(plan);
+    out["preflight"] = preflight_json(plan.warnings);
+    out["estimate"] = EstimateJson(e);
     if (drive) {
       out["drive"] = {{"read_bytes_per_sec", drive->read_bytes_per_sec},
                       {"write_bytes_per_sec", drive->write_bytes_per_sec},
