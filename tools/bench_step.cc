@@ -606,6 +606,17 @@ Status RunStep(const StepArgs& a) {
   STRATA_ASSIGN_OR_RETURN(
       PlacementPlan plan0,
       PlanPlacement(PlacementInputsFor(config, sg_sizes, static_cast<uint32_t>(a.ranks))));
+  if (config.device == OffloadDevice::kNvme && plan0.nvme_sub_groups == 0) {
+    // Few sub-groups: NVMe's staging buffers would take as much DRAM as the
+    // state they stage, so the planner keeps it all in DRAM.
+    std::fprintf(stderr,
+                 "bench step: note: no sub-group is on NVMe: with %zu sub-groups and "
+                 "buffer_count %u, staging them from NVMe needs as much host memory as keeping "
+                 "them, so the plan keeps all in DRAM (a cpu run). For an NVMe run give more "
+                 "sub-groups (a smaller --sub-group), --buffer-count 2, or a smaller "
+                 "--host-budget\n",
+                 sg_sizes.size(), config.buffer_count);
+  }
 
   // ---- device, communicator, tensors ----
   const uint64_t tensor_bytes =
