@@ -73,6 +73,38 @@
 namespace strata {
 namespace {
 
+// The offset of the first byte that breaks UTF-8 in `s` (overlong forms,
+// surrogates and code points past U+10FFFF included), npos when it is valid.
+size_t Utf8ErrorAt(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n;
+    uint32_t cp;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return i;
+    }
+    if (i + n >= s.size()) return i;  // truncated sequence
+    for (size_t k = 1; k <= n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += n + 1;
+  }
+  return std::string_view::npos;
+}
+
 using internal::GradPath;
 using internal::HostSlice;
 using internal::NowSec;
@@ -398,6 +430,12 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       const Param& p = groups[g].params[j];
       const std::string who = fmt::format("param group {} tensor {}{}", g, j,
                                           p.name.empty() ? "" : " (" + p.name + ")");
+      if (const size_t bad = Utf8ErrorAt(p.name); bad != std::string::npos) {
+        return InvalidArgumentError(fmt::format(
+            "{}: param group {} tensor {} has a name that is not UTF-8 (byte {:#04x} at offset "
+            "{}); checkpoints and exports store names as JSON text: give a UTF-8 name",
+            kOp, g, j, static_cast<unsigned char>(p.name[bad]), bad));
+      }
       if (p.elems > 0 && (p.data == nullptr || p.grad == nullptr)) {
         return InvalidArgumentError(fmt::format("{}: {} has {} elems but a null {} pointer", kOp,
                                                 who, p.elems, p.data == nullptr ? "data" : "grad"));

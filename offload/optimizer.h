@@ -108,7 +108,7 @@ struct EngineContext {
 
 // One trainer tensor.
 struct Param {
-  std::string name;      // optional; checkpoints and exports use it
+  std::string name;      // optional, UTF-8; checkpoints and exports use it
   void* data = nullptr;  // device memory, config.param_dtype
   void* grad = nullptr;  // device memory, config.grad_dtype
   uint64_t elems = 0;

@@ -91,7 +91,7 @@ int strata_comm_nccl_create(strata_device* device, const uint8_t id[STRATA_NCCL_
                             int rank, int world_size, strata_comm** out);
 void strata_comm_free(strata_comm* comm);
 
-/* One trainer tensor. `name` may be NULL; it is copied. */
+/* One trainer tensor. `name` (UTF-8) may be NULL; it is copied. */
 typedef struct strata_param {
   const char* name;
   void* data;

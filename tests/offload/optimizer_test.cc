@@ -915,6 +915,23 @@ TEST(EngineValidation, BadGroupsAreInvalidArgumentNamingTheParam) {
   groups = model.Groups(kHypers);
   groups[1].params[0].data = groups[0].params[0].data;
   expect_invalid(groups, "already registered by param group 0 tensor 0 (t0)");
+  // Names are JSON text in checkpoints and exports (nlohmann's dump throws on
+  // bytes that are not UTF-8): a bad one is refused here, a good one is kept.
+  for (std::string bad : {std::string("w\xff"), std::string("\xc3"), std::string("\xc0\xaf"),
+                          std::string("\xed\xa0\x80"), std::string("\xf4\x90\x80\x80")}) {
+    groups = model.Groups(kHypers);
+    groups[1].params[0].name = bad;
+    expect_invalid(groups, "param group 1 tensor 0 has a name that is not UTF-8");
+  }
+  groups = model.Groups(kHypers);
+  groups[0].params[0].name = "\xc3\xa9t\xc3\xa9.\xe2\x82\xac.\xf0\x9f\x98\x80";  // été.€.😀
+  {
+    auto ok = OffloadOptimizer::Create(
+        {.device = device.get(), .comm = nullptr, .storage = nullptr, .stream = {}}, config,
+        groups);
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    EXPECT_EQ((*ok)->params()[0].name, groups[0].params[0].name);
+  }
   groups = model.Groups(kHypers);
   groups[1].hyper.beta2 = 1.0;
   expect_invalid(groups, "param group 1: beta2 is 1");
