@@ -8,9 +8,9 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import time
+
+from bench_step_run import start_until_first_step
 
 BENCH = ["bench", "step", "--params", "16M", "--sub-group", "1M", "--steps", "1000",
          "--warmup", "0", "--drive-probe", "0"]
@@ -23,16 +23,7 @@ def fail(msg):
 
 def interrupt(strata, args, sig):
     """Runs the bench until its first step, sends `sig`, returns (stderr, state dir)."""
-    proc = subprocess.Popen([strata] + BENCH + args, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    err = b""
-    deadline = time.time() + 120
-    while b"bench step: step 1/" not in err:
-        chunk = os.read(proc.stderr.fileno(), 4096)
-        if not chunk or time.time() > deadline:
-            proc.kill()
-            fail(f"{args}: the bench ended (or stalled) before its first step: {err.decode()}")
-        err += chunk
+    proc, err = start_until_first_step([strata] + BENCH + args, fail)
     text = err.decode()
     m = re.search(r"state files in (\S+) \(removed afterwards", text)
     state_dir = m.group(1) if m else None

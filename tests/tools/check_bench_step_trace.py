@@ -8,7 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+
+from bench_step_run import start_until_first_step
 
 BENCH = ["bench", "step", "--params", "4M", "--sub-group", "1M"]
 
@@ -45,18 +46,9 @@ def main():
     # The trace's directory exists at the start and is gone at the end.
     gone = os.path.join(scratch, "gone")
     os.makedirs(gone)
-    proc = subprocess.Popen([strata] + BENCH + ["--steps", "20", "--drive-probe", "0", "--json",
-                                                "--trace",
-                                                os.path.join(gone, "t.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    err = b""
-    deadline = time.time() + 120
-    while b"bench step: step 1/" not in err:
-        chunk = os.read(proc.stderr.fileno(), 4096)
-        if not chunk or time.time() > deadline:
-            proc.kill()
-            fail("the bench ended (or stalled) before its first step: " + err.decode())
-        err += chunk
+    proc, err = start_until_first_step(
+        [strata] + BENCH + ["--steps", "20", "--drive-probe", "0", "--json", "--trace",
+                            os.path.join(gone, "t.json")], fail, stdout=subprocess.PIPE)
     os.rmdir(gone)
     out, rest = proc.communicate(timeout=300)
     err = (err + rest).decode()
