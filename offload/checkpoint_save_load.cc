@@ -232,8 +232,9 @@ bool IsStrataSaveDir(const fs::path& p) {
     if (std::regex_match(file, kManifestName)) {
       std::ifstream in(e.path());
       const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
-      if (!j.is_object() || j.value("format", "") != kCheckpointFormatName ||
-          j.value("save_id", "") != name) {
+      // value() throws on a member of another type: compare as JSON instead.
+      if (!j.is_object() || !j.contains("format") || j["format"] != std::string(kCheckpointFormatName) ||
+          !j.contains("save_id") || j["save_id"] != name) {
         return keep(fmt::format("{} is not a manifest of save {}", file, name));
       }
     }

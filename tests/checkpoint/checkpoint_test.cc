@@ -718,6 +718,7 @@ TEST(RetentionTest, UserFilesNamedLikeSavesSurviveAndOnlyStrataSavesAreRemoved) 
       {"step-0000000003-ABCDEFABCDEF/rank00000.json", "upper-case hex: not Strata's name"},
       {"step-0000000004-abcdefabcdef-old/rank00000.master.f32", "a suffix: not Strata's name"},
       {"step-0000000005-abcdefabcdef/rank00000.json", "{\"format\": \"something else\"}"},
+      {"step-0000000007-abcdefabcdef/rank00000.json", "{\"format\": 5, \"save_id\": []}"},
       {".latest.json.tmp-notes", "not a temporary Strata writes"},
       {"elsewhere/data.bin", "what a symlink named like a save points to"},
   };
