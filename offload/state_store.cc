@@ -217,7 +217,8 @@ Status StateStore::CheckSuperblocks() {
     nlohmann::json found = nlohmann::json::parse(text, text + strnlen(text, block.size), nullptr,
                                                  /*allow_exceptions=*/false);
     nlohmann::json want = Geometry(options_, f);
-    if (found.is_discarded() || !found.is_object() || found.value("magic", "") != "strata-state") {
+    if (found.is_discarded() || !found.is_object() || !found.contains("magic") ||
+        found["magic"] != "strata-state") {
       return DataLossError(
           "open state store " + file_paths_[f] +
           ": no valid superblock at offset 0 (not a Strata state file, or damaged); "

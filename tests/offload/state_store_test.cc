@@ -470,6 +470,31 @@ TEST_F(StoreTest, ReopenAfterRestartScansGenerations) {
   EXPECT_NE(bad.status().message().find("same paths"), std::string_view::npos) << bad.status();
 }
 
+// A superblock that is not Strata's (other JSON, a magic of another type)
+// is DataLoss on open, never an exception out of Create.
+TEST_F(StoreTest, AForeignSuperblockIsDataLoss) {
+  auto st = CreatePosixStorage();
+  StateStoreOptions o = Options(1, 70000, 2, 16384);
+  std::string path;
+  {
+    auto store = StateStore::Create(*st, o).value();
+    path = store->file_paths()[0];
+  }
+  o.open = StoreOpen::kOpenExisting;
+  for (std::string text : {"{\"magic\": 5}", "[1, 2]", "{\"magic\": \"other\"}"}) {
+    text.resize(4096, '\0');
+    int fd = ::open(path.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pwrite(fd, text.data(), text.size(), 0), static_cast<ssize_t>(text.size()));
+    ::close(fd);
+    auto store = StateStore::Create(*st, o);
+    ASSERT_FALSE(store.ok()) << text.c_str();
+    EXPECT_EQ(store.status().code(), StatusCode::kDataLoss) << store.status();
+    EXPECT_NE(store.status().message().find("no valid superblock"), std::string_view::npos)
+        << store.status();
+  }
+}
+
 TEST_F(StoreTest, CrashLosesOnlyUnsyncedGenerations) {
   auto fault =
       FaultStorage::Create(CreatePosixStorage(), {.drop_unsynced = testing::DropUnsynced::kOn});
