@@ -253,6 +253,22 @@ Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint6
   return static_cast<double>(per_file_bytes * files.size()) / secs;
 }
 
+// `path` as one shell word for fio's --filename: single-quoted for the shell,
+// and fio's own separator ':' escaped.
+std::string FioFilenameArg(const std::string& path) {
+  std::string out = "'";
+  for (char c : path) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else if (c == ':') {
+      out += "\\:";
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
+
 std::string FioCommand(const NvmeArgs& a, const std::vector<std::string>& files,
                        uint64_t per_file_bytes, uint64_t block_bytes) {
   std::string cmd = fmt::format(
@@ -261,7 +277,7 @@ std::string FioCommand(const NvmeArgs& a, const std::vector<std::string>& files,
       a.backend == "uring" ? "io_uring" : "psync", a.op, block_bytes, a.qd, per_file_bytes);
   if (a.backend == "uring") cmd += " --fixedbufs --registerfiles";
   for (size_t i = 0; i < files.size(); ++i)
-    cmd += fmt::format(" --name=job{} --filename={}", i, files[i]);
+    cmd += fmt::format(" --name=job{} --filename={}", i, FioFilenameArg(files[i]));
   return cmd;
 }
 

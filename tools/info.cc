@@ -180,6 +180,13 @@ Status RunInfo(const InfoArgs& args) {
   // Memory and pinning.
   STRATA_ASSIGN_OR_RETURN(uint64_t pin_bytes, ParseBytes(args.pin_test));
   Result<HostMemory> mem = ProbeHostMemory();
+  // Locking most of the RAM (as root nothing stops it) would push the rest of
+  // the machine into swap or the OOM killer: half of what is available at most.
+  if (mem.ok() && pin_bytes > mem->available_bytes / 2) {
+    return InvalidArgumentError(fmt::format(
+        "--pin-test {}: more than half of the {} of memory available now; give at most {}",
+        args.pin_test, FormatBytes(mem->available_bytes), FormatBytes(mem->available_bytes / 2)));
+  }
   const Status pin = ProbePinning(pin_bytes);
   if (mem.ok()) {
     const bool unlimited = mem->memlock == MemlockLimit::kUnlimited;
@@ -481,7 +488,7 @@ void AddInfoCommand(Cli& cli) {
               "versions, NVMe directories, Python environments, problems and fixes");
   cmd->add_option("--nvme-dir", args->nvme_dirs,
                   "a directory meant for nvme_path: free space, O_DIRECT, io_uring (repeatable)");
-  cmd->add_option("--pin-test", args->pin_test, "bytes to mlock as the pinning test")
+  cmd->add_option("--pin-test", args->pin_test, "bytes to mlock as the pinning test (at most half of the available memory)")
       ->capture_default_str();
   cmd->add_flag("--no-python", args->no_python, "do not run the Pythons on this machine");
   cmd->add_flag("--json", args->json, "print one JSON object");
