@@ -488,7 +488,8 @@ void AddInfoCommand(Cli& cli) {
               "versions, NVMe directories, Python environments, problems and fixes");
   cmd->add_option("--nvme-dir", args->nvme_dirs,
                   "a directory meant for nvme_path: free space, O_DIRECT, io_uring (repeatable)");
-  cmd->add_option("--pin-test", args->pin_test, "bytes to mlock as the pinning test (at most half of the available memory)")
+  cmd->add_option("--pin-test", args->pin_test,
+                  "bytes to mlock as the pinning test (at most half of the available memory)")
       ->capture_default_str();
   cmd->add_flag("--no-python", args->no_python, "do not run the Pythons on this machine");
   cmd->add_flag("--json", args->json, "print one JSON object");
