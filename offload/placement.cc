@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <map>
 
+#include "runtime/log.h"
 #include "runtime/machine.h"
 #include "runtime/units.h"
 
@@ -564,8 +566,16 @@ MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32
 uint32_t RanksPerNode(std::string_view comm_backend, uint32_t world_size) {
   if (comm_backend == "local") return std::max<uint32_t>(world_size, 1);
   if (const char* v = std::getenv("LOCAL_WORLD_SIZE"); v != nullptr) {
-    const long n = std::strtol(v, nullptr, 10);
-    if (n >= 1 && n <= 65536) return static_cast<uint32_t>(n);
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(v, &end, 10);
+    if (errno == 0 && end != v && *end == '\0' && n >= 1 && n <= 65536) {
+      return static_cast<uint32_t>(n);
+    }
+    WarnOnce("local-world-size",
+             fmt::format("LOCAL_WORLD_SIZE='{}' is not a number of ranks (1 to 65536); the "
+                         "memory checks count 1 rank on this machine: fix or unset it",
+                         v));
   }
   return 1;
 }

@@ -2,6 +2,7 @@
 // determinism, and a seeded property test against a brute-force reference
 // (the host-resident set is the longest suffix of sub-groups that fits).
 #include "offload/placement.h"
+#include "runtime/log.h"
 
 #include <gtest/gtest.h>
 
@@ -682,8 +683,19 @@ TEST(PreflightTest, RanksPerNode) {
   EXPECT_EQ(RanksPerNode("local", 4), 4u);
   ::setenv("LOCAL_WORLD_SIZE", "8", 1);
   EXPECT_EQ(RanksPerNode("nccl", 16), 8u);
-  ::setenv("LOCAL_WORLD_SIZE", "junk", 1);
-  EXPECT_EQ(RanksPerNode("nccl", 16), 1u);
+  std::vector<std::string> warned;
+  LogSink previous = SetLogSink(
+      [&](LogLevel, std::string_view m) { warned.emplace_back(m); });
+  for (const char* junk : {"junk", "8abc", "0", ""}) {
+    ::setenv("LOCAL_WORLD_SIZE", junk, 1);
+    EXPECT_EQ(RanksPerNode("nccl", 16), 1u) << junk;
+  }
+  SetLogSink(std::move(previous));
+  // Said once per process (WarnOnce; nothing else here sets a bad value),
+  // naming the value.
+  ASSERT_EQ(warned.size(), 1u);
+  EXPECT_NE(warned[0].find("LOCAL_WORLD_SIZE='junk' is not a number of ranks"), std::string::npos)
+      << warned[0];
   ::unsetenv("LOCAL_WORLD_SIZE");
   EXPECT_EQ(RanksPerNode("python", 16), 1u);
 }
