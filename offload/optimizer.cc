@@ -223,6 +223,10 @@ struct OffloadOptimizer::Impl {
   int rank = 0;
   int world = 1;
   std::vector<GroupHyper> hypers;
+  // The hyperparameters the step in progress (or the failed one awaiting
+  // RetryStep) updates with: a retry finishes the step as it began, whatever
+  // SetGroupHyper did since (that applies to the next step).
+  std::vector<GroupHyper> step_hypers;
   std::vector<Param> params;          // flat over groups
   std::vector<uint32_t> param_group;  // group of each param
   FlatLayout layout;
@@ -717,7 +721,7 @@ Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, GradVi
   const size_t grad_bytes = DTypeSize(grad.dtype);
   for (const Run& run : runs[i]) {
     const size_t n = run.end - run.begin;
-    const GroupHyper& h = hypers[run.group];
+    const GroupHyper& h = step_hypers[run.group];
     std::span<float> master = state.subspan(run.begin, n);
     std::span<float> m1 = state.subspan(elems + run.begin, n);
     const GradView g{grad.dtype, static_cast<const std::byte*>(grad.data) + run.begin * grad_bytes,
@@ -770,7 +774,7 @@ Status OffloadOptimizer::Impl::UpdateOnDevice(uint32_t i, const StepDecision& d)
        elems * (2 * 4 * arrays + grad_bytes + (world == 1 ? param_bytes : 0)), "device"},
       [&]() -> Status {
         for (const internal::TensorMap::Piece& p : pieces) {
-          const AdamHyper ah = AdamHyperFor(hypers[param_group[p.tensor]], d);
+          const AdamHyper ah = AdamHyperFor(step_hypers[param_group[p.tensor]], d);
           const std::byte* g =
               grad.base != nullptr
                   ? grad.base + p.offset_elems * grad_bytes
@@ -1143,6 +1147,7 @@ Status OffloadOptimizer::ReduceGradients() {
 
 Status OffloadOptimizer::Step() {
   if (impl_->pending) return impl_->FailedStepError("step");
+  impl_->step_hypers = impl_->hypers;
   return impl_->Step();
 }
 
@@ -1175,6 +1180,12 @@ Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
   if (p.elems > 0 && (data == nullptr || grad == nullptr)) {
     return InvalidArgumentError(fmt::format("{} {}: it has {} elems but the new {} pointer is null",
                                             kOp, who, p.elems, data == nullptr ? "data" : "grad"));
+  }
+  if (p.elems > 0 && data == grad) {
+    return InvalidArgumentError(fmt::format(
+        "{} {}: data and grad are the same pointer {}; every tensor and grad must be "
+        "registered once",
+        kOp, who, data));
   }
   for (uint32_t j = 0; j < m.params.size(); ++j) {
     const Param& q = m.params[j];

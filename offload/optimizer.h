@@ -250,7 +250,8 @@ class OffloadOptimizer {
   uint32_t param_group(uint32_t index) const;
   const GroupHyper& group_hyper(uint32_t group) const;
   // InvalidArgument for a bad group index or values (lr < 0, betas outside
-  // [0, 1), eps <= 0, weight_decay < 0).
+  // [0, 1), eps <= 0, weight_decay < 0). Applies from the next Step(): a
+  // RetryStep finishes the failed step with the values it began with.
   Status SetGroupHyper(uint32_t group, const GroupHyper& hyper);
 
   const OffloadConfig& config() const;

@@ -373,7 +373,13 @@ int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, cons
     }
     std::vector<uint64_t> shape(dims, dims + ndim);
     uint64_t product = 1;
-    for (uint64_t d : shape) product *= d;
+    bool wraps = false;  // past 2^64: the checkpoint reader would refuse the manifest
+    for (uint64_t d : shape) wraps |= __builtin_mul_overflow(product, d, &product);
+    if (wraps) {
+      return strata::InvalidArgumentError(
+          fmt::format("{}: param {} ('{}'): the shape [{}] holds more than 2^64 elements", kFn,
+                      index, params[index].name, fmt::join(shape, ", ")));
+    }
     if (product != params[index].elems) {
       return strata::InvalidArgumentError(
           fmt::format("{}: param {} ('{}') has {} elems; the shape [{}] holds {}", kFn, index,

@@ -145,7 +145,8 @@ int strata_optimizer_world_size(const strata_optimizer* opt);
 
 uint32_t strata_optimizer_num_groups(const strata_optimizer* opt);
 int strata_optimizer_get_hyper(const strata_optimizer* opt, uint32_t group, strata_hyper* out);
-/* Takes effect at the next step (LR schedules). */
+/* Takes effect at the next step (LR schedules); a retry finishes a failed
+ * step with the values it began with. */
 int strata_optimizer_set_hyper(strata_optimizer* opt, uint32_t group, const strata_hyper* hyper);
 int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr);
 
@@ -190,8 +191,9 @@ int strata_optimizer_retry_step(strata_optimizer* opt);
 /* Param `index` (registration order) now lives at `data` / `grad`: the
  * trainer replaced its memory (same elements and dtypes). The optimizer
  * never touches the old memory again; call it before the next step or load.
- * STRATA_INVALID_ARGUMENT for a bad index, a NULL pointer or one another
- * param uses; STRATA_FAILED_PRECONDITION while a failed step awaits retry. */
+ * STRATA_INVALID_ARGUMENT for a bad index, a NULL pointer, data == grad, or
+ * a pointer another param uses. Allowed while a failed step awaits retry: the
+ * retry writes every param to the new memory. */
 int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* data, void* grad);
 
 /* The shape of param `index` (`ndim` dims whose product is its elems; 0 dims:

@@ -777,11 +777,18 @@ void RunFaultRetry(testing::FaultOptions faults, double gpu_fraction = 0.0) {
         Status rebound = opt->RebindParam(index, data, grad);
         ASSERT_TRUE(rebound.ok()) << rebound;
       }
+      // A scheduler changes the lr before the retry: that is the next step's;
+      // the retry finishes this one with the lr it began with.
+      GroupHyper next = opt->group_hyper(0);
+      next.lr *= 10;
+      ASSERT_TRUE(opt->SetGroupHyper(0, next).ok());
+      EXPECT_EQ(opt->group_hyper(0).lr, next.lr);
       Status retried = opt->RetryStep();
       ASSERT_TRUE(retried.ok()) << retried;
       EXPECT_EQ(opt->step_state(), StepState::kReady);
       EXPECT_TRUE(opt->step_failure().ok());
       expect_step(grads);
+      ASSERT_TRUE(opt->SetGroupHyper(0, kHypers[0]).ok());  // the reference's, from here on
       Status nothing = opt->RetryStep();
       EXPECT_EQ(nothing.code(), StatusCode::kFailedPrecondition) << nothing;
       continue;
@@ -886,6 +893,9 @@ TEST(EngineRebind, NewStorageIsUsedAndResultsStayBitwise) {
   bad = opt->RebindParam(0, nullptr, p0.grad);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
   EXPECT_NE(bad.message().find("new data pointer is null"), std::string::npos) << bad;
+  bad = opt->RebindParam(0, p0.grad, p0.grad);  // create refuses the same, so must rebind
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("data and grad are the same pointer"), std::string::npos) << bad;
   bad = opt->RebindParam(0, p1.data, p0.grad);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
   EXPECT_NE(bad.message().find("is registered by param 1 (" + p1.name + ")"), std::string::npos)

@@ -271,6 +271,11 @@ static void Safety(strata_device* dev, const char* dir) {
   const uint64_t shape[2] = {35, 20}, transposed[2] = {20, 35}, wrong[2] = {7, 7};
   EXPECT(strata_optimizer_set_param_shape(opt_a, 0, wrong, 2) == STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "[7, 7]") != NULL);
+  /* A product that wraps past 2^64 to the elems (it was taken, and every save
+     after it wrote a manifest the reader refuses). */
+  const uint64_t wraps[2] = {(UINT64_C(1) << 62) + 175, 4};
+  EXPECT(strata_optimizer_set_param_shape(opt_a, 0, wraps, 2) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "more than 2^64 elements") != NULL);
   CHECK_OK(strata_optimizer_set_param_shape(opt_a, 0, shape, 2));
   char ckpt[700], out[800];
   snprintf(ckpt, sizeof ckpt, "%s/shaped", dir);
