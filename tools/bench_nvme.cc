@@ -253,20 +253,15 @@ Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint6
   return static_cast<double>(per_file_bytes * files.size()) / secs;
 }
 
-// `path` as one shell word for fio's --filename: single-quoted for the shell,
-// and fio's own separator ':' escaped.
+// `path` as one shell word for fio's --filename, fio's own separator ':'
+// escaped.
 std::string FioFilenameArg(const std::string& path) {
-  std::string out = "'";
+  std::string escaped;
   for (char c : path) {
-    if (c == '\'') {
-      out += "'\\''";
-    } else if (c == ':') {
-      out += "\\:";
-    } else {
-      out += c;
-    }
+    if (c == ':') escaped += '\\';
+    escaped += c;
   }
-  return out + "'";
+  return ShellQuote(escaped);
 }
 
 std::string FioCommand(const NvmeArgs& a, const std::vector<std::string>& files,

@@ -45,6 +45,13 @@ void PrintJson(const JsonType& j, int indent = -1) {
   std::printf("%s\n", JsonText(j, indent).c_str());
 }
 
+// `s` as one POSIX shell word: single-quoted, each ' written as '\''.
+inline std::string ShellQuote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
 // The whole text of a config file; NotFound naming it when it cannot be read.
 Result<std::string> ReadConfigFile(const std::string& path);
 

@@ -61,12 +61,6 @@ std::string Capture(const std::string& command) {
   return out;
 }
 
-std::string ShellQuote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
 // The Python script run by each candidate interpreter: one JSON line.
 constexpr const char* kPythonProbe = R"PY(
 import json, sys

@@ -74,6 +74,15 @@ class StorageConformance : public ::testing::TestWithParam<Backend> {
     return std::move(f).value();
   }
 
+  // Creates `name` holding `data` at `offset`, synced, and closes it.
+  void WriteSynced(const std::string& name, uint64_t offset, std::span<std::byte> data) {
+    auto f = OpenNew(name);
+    IoRequest w = IoRequest::Write(offset, data);
+    RunAll(*f, std::span(&w, 1));
+    ASSERT_TRUE(w.status.ok()) << w.status;
+    ASSERT_TRUE(f->Sync().ok());
+  }
+
   // Submits all, reaps all; returns the reaped pointers in completion order.
   std::vector<IoRequest*> RunAll(File& f, std::span<IoRequest> reqs) {
     EXPECT_TRUE(f.Submit(reqs).ok());
@@ -132,13 +141,7 @@ TEST_P(StorageConformance, WritesReadBackBitwiseInBatchesLargerThanTheQueue) {
 TEST_P(StorageConformance, DataSurvivesCloseAndReopen) {
   AlignedBuffer src(65536), dst(65536);
   FillPattern(src.span(), 99);
-  {
-    auto f = OpenNew("b");
-    IoRequest w = IoRequest::Write(8192, src.span());
-    RunAll(*f, std::span(&w, 1));
-    ASSERT_TRUE(w.status.ok()) << w.status;
-    ASSERT_TRUE(f->Sync().ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(WriteSynced("b", 8192, src.span()));
   auto f = storage_->Open(dir_.File("b"), {});
   ASSERT_TRUE(f.ok()) << f.status();
   IoRequest r = IoRequest::Read(8192, dst.span());
@@ -214,13 +217,7 @@ TEST_P(StorageConformance, OpenMissingIsNotFound) {
 TEST_P(StorageConformance, ReadOnlyFilesReadAndRefuseWritesAndResize) {
   AlignedBuffer src(8192), dst(8192);
   FillPattern(src.span(), 7);
-  {
-    auto f = OpenNew("ro");
-    IoRequest w = IoRequest::Write(0, src.span());
-    RunAll(*f, std::span(&w, 1));
-    ASSERT_TRUE(w.status.ok()) << w.status;
-    ASSERT_TRUE(f->Sync().ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(WriteSynced("ro", 0, src.span()));
   auto ro = storage_->Open(dir_.File("ro"), {.access = FileAccess::kReadOnly});
   ASSERT_TRUE(ro.ok()) << ro.status();
   File& f = **ro;
