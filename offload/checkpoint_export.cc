@@ -11,6 +11,7 @@
 #include <set>
 
 #include "offload/checkpoint_internal.h"
+#include "runtime/atomic_file.h"
 #include "runtime/log.h"
 
 namespace strata {
@@ -223,18 +224,10 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   for (const Shard& s : shards) STRATA_RETURN_IF_ERROR(CheckOutputPath(s.file, options.existing));
   if (one_file) {
     // A directory output is created; the directory of a one-file output must exist.
-    const std::string parent = fs::path(out).parent_path().string();
-    std::error_code ec;
-    const fs::file_status st = fs::status(parent.empty() ? "." : parent, ec);
-    if (!fs::exists(st)) {
-      return NotFoundError(fmt::format(
-          "{}: write {}: the parent directory {} does not exist; create it first, or give a "
-          "directory as the output (it is created)",
-          op, out, parent));
-    }
-    if (!fs::is_directory(st)) {
-      return FailedPreconditionError(fmt::format(
-          "{}: write {}: {} is not a directory; choose another output", op, out, parent));
+    if (Status s = CheckParentDirectory(out); !s.ok()) {
+      return Status(s.code(), fmt::format("{}: {}; or give a directory as the output (it is "
+                                          "created)",
+                                          op, s.message()));
     }
   }
   const std::string index_path = JoinPath(out_dir, kIndexFile);

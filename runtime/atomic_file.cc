@@ -43,9 +43,22 @@ std::string TempPathFor(const std::string& path) {
                      salt + counter.fetch_add(1));
 }
 
-// NotFound when the directory of `path` does not exist, FailedPrecondition
-// when it (or a directory above it) is not a directory, both naming `path`
-// and the directory; OK otherwise.
+// Why the temporary next to `path` could not be created, in terms of `path`
+// (the temporary's name means nothing to the caller).
+Status OpenTemporaryError(const std::string& path, Status opened) {
+  STRATA_RETURN_IF_ERROR(CheckParentDirectory(path));
+  return std::move(opened).WithContext("write " + path);
+}
+
+Status ExistsError(const std::string& path) {
+  return FailedPreconditionError(fmt::format(
+      "write {}: the file exists; remove it, choose another path, or allow replacing it "
+      "(--force)",
+      path));
+}
+
+}  // namespace
+
 Status CheckParentDirectory(const std::string& path) {
   const size_t slash = path.find_last_of('/');
   const std::string dir = slash == std::string::npos ? "."
@@ -71,22 +84,6 @@ Status CheckParentDirectory(const std::string& path) {
   }
   return OkStatus();
 }
-
-// Why the temporary next to `path` could not be created, in terms of `path`
-// (the temporary's name means nothing to the caller).
-Status OpenTemporaryError(const std::string& path, Status opened) {
-  STRATA_RETURN_IF_ERROR(CheckParentDirectory(path));
-  return std::move(opened).WithContext("write " + path);
-}
-
-Status ExistsError(const std::string& path) {
-  return FailedPreconditionError(fmt::format(
-      "write {}: the file exists; remove it, choose another path, or allow replacing it "
-      "(--force)",
-      path));
-}
-
-}  // namespace
 
 Status CheckOutputPath(const std::string& path, ExistingFile existing) {
   struct stat st;

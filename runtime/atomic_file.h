@@ -117,4 +117,9 @@ Status WriteFileAtomically(Storage& storage, const std::string& path, std::strin
 // existing regular file; FailedPrecondition otherwise, naming `path`.
 Status CheckOutputPath(const std::string& path, ExistingFile existing);
 
+// For a file about to be written: NotFound when the directory of `path` does
+// not exist, FailedPrecondition when it (or a directory above it) is not a
+// directory, both naming `path` and the directory; OK otherwise.
+Status CheckParentDirectory(const std::string& path);
+
 }  // namespace strata
