@@ -69,40 +69,82 @@
 #include "runtime/machine.h"
 #include "runtime/pinned.h"
 #include "runtime/units.h"
+#include "runtime/utf8.h"
 
 namespace strata {
 namespace {
 
-// The offset of the first byte that breaks UTF-8 in `s` (overlong forms,
-// surrogates and code points past U+10FFFF included), npos when it is valid.
-size_t Utf8ErrorAt(std::string_view s) {
-  for (size_t i = 0; i < s.size();) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    size_t n;
-    uint32_t cp;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if ((c & 0xE0) == 0xC0) {
-      n = 1, cp = c & 0x1F;
-    } else if ((c & 0xF0) == 0xE0) {
-      n = 2, cp = c & 0x0F;
-    } else if ((c & 0xF8) == 0xF0) {
-      n = 3, cp = c & 0x07;
-    } else {
-      return i;
+// The memory of one registered tensor: param `param`'s data or grad.
+struct TensorBytes {
+  uintptr_t begin = 0;
+  uintptr_t end = 0;  // exclusive
+  uint32_t param = 0;
+  bool grad = false;
+};
+
+// The data and grad ranges of `params` (those with elems), or
+// InvalidArgument for one that runs past the end of the address space.
+Result<std::vector<TensorBytes>> TensorRanges(std::span<const Param> params, DType param_dtype,
+                                              DType grad_dtype, std::string_view op) {
+  std::vector<TensorBytes> out;
+  out.reserve(2 * params.size());
+  for (uint32_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    if (p.elems == 0) continue;
+    for (const bool grad : {false, true}) {
+      const auto begin = reinterpret_cast<uintptr_t>(grad ? p.grad : p.data);
+      uint64_t bytes = 0;
+      uintptr_t end = 0;
+      if (__builtin_mul_overflow(p.elems, DTypeSize(grad ? grad_dtype : param_dtype), &bytes) ||
+          __builtin_add_overflow(begin, bytes, &end)) {
+        return InvalidArgumentError(fmt::format(
+            "{}: param {}{}: {} elems from {} run past the end of the address space", op, i,
+            p.name.empty() ? "" : " (" + p.name + ")", p.elems, grad ? p.grad : p.data));
+      }
+      out.push_back({.begin = begin, .end = end, .param = i, .grad = grad});
     }
-    if (i + n >= s.size()) return i;  // truncated sequence
-    for (size_t k = 1; k <= n; ++k) {
-      const auto d = static_cast<unsigned char>(s[i + k]);
-      if ((d & 0xC0) != 0x80) return i;
-      cp = (cp << 6) | (d & 0x3F);
-    }
-    static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
-    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
-    i += n + 1;
   }
-  return std::string_view::npos;
+  return out;
+}
+
+// InvalidArgument naming two tensors whose memory overlaps, `later` the one
+// registered after `earlier`: the engine writes every param and zeroes every
+// grad in place, so each must be its own memory.
+Status OverlapError(std::span<const Param> params, const TensorBytes& later,
+                    const TensorBytes& earlier, std::string_view op) {
+  auto name = [&](const TensorBytes& t) {
+    const Param& p = params[t.param];
+    return fmt::format("the {} of param {}{} ({} bytes at {:#x})", t.grad ? "grad" : "data",
+                       t.param, p.name.empty() ? "" : " (" + p.name + ")", t.end - t.begin,
+                       t.begin);
+  };
+  return InvalidArgumentError(fmt::format(
+      "{}: {} overlaps {}; every tensor and grad must be its own memory, registered once", op,
+      name(later), name(earlier)));
+}
+
+// Every data and grad range of `params` is disjoint from every other.
+Status CheckDisjoint(std::span<const Param> params, DType param_dtype, DType grad_dtype,
+                     std::string_view op) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<TensorBytes> ranges,
+                          TensorRanges(params, param_dtype, grad_dtype, op));
+  auto registration = [](const TensorBytes& t) { return std::pair(t.param, t.grad); };
+  std::sort(ranges.begin(), ranges.end(), [&](const TensorBytes& x, const TensorBytes& y) {
+    return x.begin != y.begin ? x.begin < y.begin : registration(x) < registration(y);
+  });
+  // Sorted by start, a range overlaps an earlier one iff it starts before
+  // the furthest end seen so far.
+  size_t furthest = 0;
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    const TensorBytes& a = ranges[furthest];
+    const TensorBytes& b = ranges[i];
+    if (b.begin < a.end) {
+      return registration(a) < registration(b) ? OverlapError(params, b, a, op)
+                                                : OverlapError(params, a, b, op);
+    }
+    if (b.end > a.end) furthest = i;
+  }
+  return OkStatus();
 }
 
 using internal::GradPath;
@@ -420,7 +462,6 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
   if (groups.empty()) {
     return InvalidArgumentError(fmt::format("{}: no param groups; register at least one", kOp));
   }
-  std::unordered_map<const void*, std::string> seen;
   std::vector<TensorSpec> specs;
   for (uint32_t g = 0; g < groups.size(); ++g) {
     if (groups[g].params.empty()) {
@@ -444,23 +485,12 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
         return InvalidArgumentError(fmt::format("{}: {} has {} elems but a null {} pointer", kOp,
                                                 who, p.elems, p.data == nullptr ? "data" : "grad"));
       }
-      if (p.elems > 0) {
-        for (const void* ptr :
-             {static_cast<const void*>(p.data), static_cast<const void*>(p.grad)}) {
-          auto [it, inserted] = seen.emplace(ptr, who);
-          if (!inserted) {
-            return InvalidArgumentError(fmt::format(
-                "{}: {} uses the pointer {} already registered by {}; every tensor and grad "
-                "must be registered once",
-                kOp, who, ptr, it->second));
-          }
-        }
-      }
       params.push_back(p);
       param_group.push_back(g);
       specs.push_back({.elems = p.elems, .dtype = config.param_dtype});
     }
   }
+  STRATA_RETURN_IF_ERROR(CheckDisjoint(params, config.param_dtype, config.grad_dtype, kOp));
   STRATA_ASSIGN_OR_RETURN(layout,
                           PlanFlatLayout(specs, {.align_elems = config.align_elems,
                                                  .world_size = static_cast<uint32_t>(world)}));
@@ -1166,47 +1196,54 @@ StepState OffloadOptimizer::step_state() const {
 const Status& OffloadOptimizer::step_failure() const { return impl_->failure; }
 
 Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
+  const ParamBinding move{.index = index, .data = data, .grad = grad};
+  return RebindParams({&move, 1});
+}
+
+Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
   Impl& m = *impl_;
   constexpr std::string_view kOp = "rebind param";
-  if (index >= m.params.size()) {
-    return InvalidArgumentError(
-        fmt::format("{}: param {} of {} registered", kOp, index, m.params.size()));
-  }
-  Param& p = m.params[index];
-  const std::string who =
-      fmt::format("param {}{}", index, p.name.empty() ? "" : " (" + p.name + ")");
-  // Allowed while a failed step awaits RetryStep: the gradients it did not
-  // apply are kept by the engine, and the retry uploads every sub-group.
-  if (p.elems > 0 && (data == nullptr || grad == nullptr)) {
-    return InvalidArgumentError(fmt::format("{} {}: it has {} elems but the new {} pointer is null",
-                                            kOp, who, p.elems, data == nullptr ? "data" : "grad"));
-  }
-  if (p.elems > 0 && data == grad) {
-    return InvalidArgumentError(fmt::format(
-        "{} {}: data and grad are the same pointer {}; every tensor and grad must be "
-        "registered once",
-        kOp, who, data));
-  }
-  for (uint32_t j = 0; j < m.params.size(); ++j) {
-    const Param& q = m.params[j];
-    if (j == index || q.elems == 0 || p.elems == 0) continue;
-    for (const void* ptr : {static_cast<const void*>(data), static_cast<const void*>(grad)}) {
-      if (ptr == q.data || ptr == q.grad) {
-        return InvalidArgumentError(fmt::format(
-            "{} {}: the pointer {} is registered by param {}{}; every tensor and grad must be "
-            "registered once",
-            kOp, who, ptr, j, q.name.empty() ? "" : " (" + q.name + ")"));
-      }
+  std::vector<Param> next = m.params;
+  std::vector<uint8_t> named(m.params.size(), 0);
+  for (const ParamBinding& b : moves) {
+    if (b.index >= m.params.size()) {
+      return OutOfRangeError(
+          fmt::format("{}: param {} of {} registered", kOp, b.index, m.params.size()));
     }
+    Param& p = next[b.index];
+    const std::string who =
+        fmt::format("param {}{}", b.index, p.name.empty() ? "" : " (" + p.name + ")");
+    if (named[b.index]++ != 0) {
+      return InvalidArgumentError(
+          fmt::format("{} {}: named twice in one rebind; give each param once", kOp, who));
+    }
+    // Allowed while a failed step awaits RetryStep: the gradients it did not
+    // apply are kept by the engine, and the retry uploads every sub-group.
+    if (p.elems > 0 && (b.data == nullptr || b.grad == nullptr)) {
+      return InvalidArgumentError(
+          fmt::format("{} {}: it has {} elems but the new {} pointer is null", kOp, who, p.elems,
+                      b.data == nullptr ? "data" : "grad"));
+    }
+    if (p.elems > 0 && b.data == b.grad) {
+      return InvalidArgumentError(fmt::format(
+          "{} {}: data and grad are the same pointer {}; every tensor and grad must be "
+          "registered once",
+          kOp, who, b.data));
+    }
+    p.data = b.data;
+    p.grad = b.grad;
   }
+  STRATA_RETURN_IF_ERROR(CheckDisjoint(next, m.config.param_dtype, m.config.grad_dtype, kOp));
   // Queued work may still read or write the old tensors.
   STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.grad_stream)).WithContext(kOp));
   STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.publisher->stream())).WithContext(kOp));
   if (m.device_stream) {
     STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.device_stream)).WithContext(kOp));
   }
-  p.data = data;
-  p.grad = grad;
+  for (const ParamBinding& b : moves) {  // in place: others may view m.params
+    m.params[b.index].data = b.data;
+    m.params[b.index].grad = b.grad;
+  }
   m.map.Rebind(m.params);
   return OkStatus();
 }
@@ -1261,7 +1298,7 @@ const GroupHyper& OffloadOptimizer::group_hyper(uint32_t group) const {
 
 Status OffloadOptimizer::SetGroupHyper(uint32_t group, const GroupHyper& hyper) {
   if (group >= impl_->hypers.size()) {
-    return InvalidArgumentError(
+    return OutOfRangeError(
         fmt::format("set group hyper: group {} of {}", group, impl_->hypers.size()));
   }
   STRATA_RETURN_IF_ERROR(ValidateHyper(hyper, fmt::format("set group hyper: group {}", group)));

@@ -114,6 +114,13 @@ struct Param {
   uint64_t elems = 0;
 };
 
+// New memory for registered param `index` (OffloadOptimizer::RebindParams).
+struct ParamBinding {
+  uint32_t index = 0;
+  void* data = nullptr;
+  void* grad = nullptr;
+};
+
 // The hyperparameters of a param group. The config's optimizer section gives
 // the defaults; SetGroupHyper changes them between steps (LR schedulers).
 struct GroupHyper {
@@ -232,11 +239,16 @@ class OffloadOptimizer {
   // Param `index` (flat over groups) now lives at `data` / `grad` (the
   // trainer replaced its storage: same elems and dtypes, new memory). Waits
   // for the engine's work in flight, then uses the new pointers from the
-  // next operation on. InvalidArgument for a bad index, a null pointer with
-  // elems > 0, or a pointer another param uses. Allowed while a failed step
-  // awaits RetryStep: that step keeps the gradients it did not apply, and the
-  // retry writes every param to the new storage.
+  // next operation on. OutOfRange for a bad index; InvalidArgument for a null
+  // pointer with elems > 0, or memory that overlaps another tensor's. Allowed
+  // while a failed step awaits RetryStep: that step keeps the gradients it
+  // did not apply, and the retry writes every param to the new storage.
   Status RebindParam(uint32_t index, void* data, void* grad);
+  // Several params at once, all or none: the new memory of one may be where
+  // another moved param used to be (the trainer freed and reallocated both),
+  // so the check is on the params as they are after every move.
+  // InvalidArgument also for an index named twice.
+  Status RebindParams(std::span<const ParamBinding> moves);
 
   // The loss multiplier for the next backward (1 unless fp16 loss scaling).
   double loss_scale() const;
@@ -249,7 +261,7 @@ class OffloadOptimizer {
   std::span<const Param> params() const;
   uint32_t param_group(uint32_t index) const;
   const GroupHyper& group_hyper(uint32_t group) const;
-  // InvalidArgument for a bad group index or values (lr < 0, betas outside
+  // OutOfRange for a bad group index; InvalidArgument for bad values (lr < 0, betas outside
   // [0, 1), eps <= 0, weight_decay < 0). Applies from the next Step(): a
   // RetryStep finishes the failed step with the values it began with.
   Status SetGroupHyper(uint32_t group, const GroupHyper& hyper);

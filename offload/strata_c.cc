@@ -23,6 +23,7 @@
 #include "runtime/device.h"
 #include "runtime/status.h"
 #include "runtime/trace.h"
+#include "runtime/utf8.h"
 
 struct strata_device {
   std::unique_ptr<strata::Device> device;
@@ -51,7 +52,9 @@ int Report(const Status& status) {
     last_error.clear();
     return STRATA_OK;
   }
-  last_error = status.ToString();
+  // The message may quote the caller's bytes (a path, a name): C callers
+  // and their bindings get text that is UTF-8.
+  last_error = strata::EscapeNonUtf8(status.ToString());
   return static_cast<int>(status.code());
 }
 
@@ -188,6 +191,12 @@ int strata_optimizer_create(strata_device* device, strata_comm* comm, void* stre
     STRATA_RETURN_IF_ERROR(strata::ValidateConfig(config));
     if (num_groups == 0) {
       return strata::InvalidArgumentError(fmt::format("{}: num_groups is 0", kFn));
+    }
+    // Before anything is sized by it: every group needs a param.
+    if (num_groups > num_params) {
+      return strata::InvalidArgumentError(fmt::format(
+          "{}: num_groups is {} but there are {} params; every group needs at least one", kFn,
+          num_groups, num_params));
     }
     std::vector<strata::ParamGroup> groups(num_groups);
     for (uint32_t g = 0; g < num_groups; ++g) {
@@ -360,6 +369,20 @@ int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* d
                [&] { return opt->opt->RebindParam(index, data, grad); });
 }
 
+int strata_optimizer_rebind_params(strata_optimizer* opt, const strata_binding* bindings,
+                                   size_t count) {
+  constexpr const char* kFn = "strata_optimizer_rebind_params";
+  if (opt == nullptr) return ReportNull(kFn, "opt");
+  if (bindings == nullptr && count > 0) return ReportNull(kFn, "bindings");
+  return Guard(kFn, [&]() -> Status {
+    std::vector<strata::ParamBinding> moves(count);
+    for (size_t i = 0; i < count; ++i) {
+      moves[i] = {.index = bindings[i].index, .data = bindings[i].data, .grad = bindings[i].grad};
+    }
+    return opt->opt->RebindParams(moves);
+  });
+}
+
 int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, const uint64_t* dims,
                                      uint32_t ndim) {
   constexpr const char* kFn = "strata_optimizer_set_param_shape";
@@ -368,7 +391,7 @@ int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, cons
   return Guard(kFn, [&]() -> Status {
     const auto params = opt->opt->params();
     if (index >= params.size()) {
-      return strata::InvalidArgumentError(
+      return strata::OutOfRangeError(
           fmt::format("{}: param {} of {} registered", kFn, index, params.size()));
     }
     std::vector<uint64_t> shape(dims, dims + ndim);
@@ -421,10 +444,15 @@ int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,
     nlohmann::json other = nlohmann::json::object();
     if (other_data_json != nullptr) {
       other = nlohmann::json::parse(other_data_json, nullptr, /*allow_exceptions=*/false);
+      if (other.is_discarded()) {
+        return strata::InvalidArgumentError(
+            fmt::format("{}: other_data_json is not valid JSON ('{}'); give a JSON object or NULL",
+                        kFn, other_data_json));
+      }
       if (!other.is_object()) {
         return strata::InvalidArgumentError(fmt::format(
-            "{}: other_data_json is not a JSON object ('{}'); give an object or NULL", kFn,
-            other_data_json));
+            "{}: other_data_json is a JSON {}, not an object ('{}'); give an object or NULL", kFn,
+            other.type_name(), other_data_json));
       }
     }
     const strata::OffloadOptimizer& o = *opt->opt;

@@ -26,7 +26,9 @@
  *     of the codes below (the values of strata::StatusCode). The message of
  *     the last failure on the calling thread is strata_last_error() (""
  *     after a success); it stays valid until the thread's next call into
- *     this API.
+ *     this API. Bytes of the caller's that are not UTF-8 (in a path, a
+ *     name) appear in it as \xNN, so the message is always UTF-8.
+ *   - An index past the end (a param, a group) is STRATA_OUT_OF_RANGE.
  *   - Handles are opaque; each *_free accepts NULL. Free the optimizer before
  *     its communicator and device; a device outlives everything made on it.
  *   - Tensors (data, grad): device memory of the device, elements of the
@@ -115,8 +117,11 @@ typedef struct strata_hyper {
  *           work is ordered on it) or NULL for the device's default stream.
  *   hypers: num_groups entries, or NULL for the config's optimizer values in
  *           every group.
- * STRATA_INVALID_ARGUMENT for a bad config, bad params or groups;
- * STRATA_RESOURCE_EXHAUSTED when the state does not fit the budgets. */
+ * STRATA_INVALID_ARGUMENT for a bad config (a key repeated within an object
+ * included), bad params or groups (each of the num_groups groups needs a
+ * param), or tensors whose memory overlaps (every data and grad must be its
+ * own memory); STRATA_RESOURCE_EXHAUSTED when the state does not fit the
+ * budgets. */
 int strata_optimizer_create(strata_device* device, strata_comm* comm, void* stream,
                             const char* config_json, const strata_param* params, size_t num_params,
                             const strata_hyper* hypers, uint32_t num_groups,
@@ -191,10 +196,22 @@ int strata_optimizer_retry_step(strata_optimizer* opt);
 /* Param `index` (registration order) now lives at `data` / `grad`: the
  * trainer replaced its memory (same elements and dtypes). The optimizer
  * never touches the old memory again; call it before the next step or load.
- * STRATA_INVALID_ARGUMENT for a bad index, a NULL pointer, data == grad, or
- * a pointer another param uses. Allowed while a failed step awaits retry: the
- * retry writes every param to the new memory. */
+ * STRATA_OUT_OF_RANGE for a bad index; STRATA_INVALID_ARGUMENT for a NULL
+ * pointer, or memory that overlaps another tensor's (data == grad included).
+ * Allowed while a failed step awaits retry: the retry writes every param to
+ * the new memory. */
 int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* data, void* grad);
+/* Several params at once, all or none, checked as they are after every move:
+ * when the trainer reallocates many tensors, one's new memory may be where
+ * another's old memory was, which one-by-one rebinds would refuse.
+ * STRATA_INVALID_ARGUMENT also for an index given twice. */
+typedef struct strata_binding {
+  uint32_t index;
+  void* data;
+  void* grad;
+} strata_binding;
+int strata_optimizer_rebind_params(strata_optimizer* opt, const strata_binding* bindings,
+                                   size_t count);
 
 /* The shape of param `index` (`ndim` dims whose product is its elems; 0 dims:
  * a scalar), recorded by later saves and checked by later loads, so exports
@@ -215,7 +232,8 @@ int strata_optimizer_trace_enable(strata_optimizer* opt, int steps);
  * "world_size", "params" (elements of all tensors), "step_count" and the
  * members of `other_data_json`, a JSON object (may be NULL); its keys win.
  * Each rank writes its own file: give each a different path.
- * STRATA_INVALID_ARGUMENT for other_data_json that is not a JSON object;
+ * STRATA_INVALID_ARGUMENT for other_data_json that is not valid JSON or not
+ * an object;
  * when the file cannot be written, the IO error's status (STRATA_NOT_FOUND
  * for a missing directory) with a message that names the path. */
 int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "offload/checkpoint.h"
@@ -29,6 +30,7 @@
 #include "runtime/log.h"
 #include "runtime/status.h"
 #include "runtime/trace.h"
+#include "runtime/utf8.h"
 
 namespace py = pybind11;
 
@@ -44,7 +46,8 @@ py::object* g_resource = nullptr;          // ResourceExhaustedError(StrataError
   py::object* type = g_error;
   if (status.code() == StatusCode::kInvalidArgument) type = g_invalid_argument;
   if (status.code() == StatusCode::kResourceExhausted) type = g_resource;
-  PyErr_SetString(type->ptr(), status.ToString().c_str());
+  // A message may quote bytes that are not UTF-8 (a path): Python's str needs text.
+  PyErr_SetString(type->ptr(), EscapeNonUtf8(status.ToString()).c_str());
   throw py::error_already_set();
 }
 
@@ -324,10 +327,15 @@ class Engine {
   std::string step_failure() const {
     return opt_->step_failure().ok() ? "" : opt_->step_failure().ToString();
   }
-  void RebindParam(uint32_t index, uintptr_t data, uintptr_t grad) {
-    Call([&] {
-      return opt_->RebindParam(index, reinterpret_cast<void*>(data), reinterpret_cast<void*>(grad));
-    });
+  // (index, data, grad) per moved param, all or none (OffloadOptimizer::RebindParams).
+  void RebindParams(const std::vector<std::tuple<uint32_t, uintptr_t, uintptr_t>>& moves) {
+    std::vector<ParamBinding> b;
+    for (const auto& [index, data, grad] : moves) {
+      b.push_back({.index = index,
+                   .data = reinterpret_cast<void*>(data),
+                   .grad = reinterpret_cast<void*>(grad)});
+    }
+    Call([&] { return opt_->RebindParams(b); });
   }
   // Raises what RestoreCounters would, without changing anything.
   void CheckCounters(int64_t step, py::dict d) const {
@@ -679,7 +687,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("retry_step", &Engine::RetryStep)
       .def_property_readonly("step_failed", &Engine::step_failed)
       .def_property_readonly("step_failure", &Engine::step_failure)
-      .def("rebind_param", &Engine::RebindParam)
+      .def("rebind_params", &Engine::RebindParams)
       .def("trace_start", &Engine::TraceStart, py::arg("steps"))
       .def("trace_stop", &Engine::TraceStop, py::arg("release_ring") = true)
       .def("trace_write", &Engine::TraceWrite, py::arg("path"), py::arg("other_data_json") = "{}")

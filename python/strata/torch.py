@@ -549,9 +549,6 @@ class OffloadAdam(torch.optim.Optimizer):
                            for r in self._reg]
         for r, buf in zip(self._reg, self._grad_bufs):
             r.grad_ptr = buf.data_ptr()
-        # Alive as long as the optimizer: its addresses are never any param's, old or
-        # new (see _rebind).
-        self._sentinel = torch.empty(2 * len(self._reg), dtype=torch.uint8)
         groups = []
         self._engine_group = []  # per torch group: its engine group, None when all frozen
         index = 0
@@ -704,19 +701,14 @@ class OffloadAdam(torch.optim.Optimizer):
             self._rebind(moved)
 
     def _rebind(self, moved):
-        """Re-registers the params in `moved` at their new storage (and grad buffer). In
-        two passes: a new tensor may sit where another moved param's old, freed one was,
-        and the engine refuses a pointer another param still holds. Pass 1 points each
-        moved param at its own bytes of the sentinel (alive since construction, so no
-        param's pointer, old or new, is ever there; nothing runs between the passes),
-        pass 2 at its new storage."""
-        base = self._sentinel.data_ptr()
+        """Re-registers the params in `moved` at their new storage (and grad buffer), in
+        one call: a new tensor may sit where another moved param's old, freed one was,
+        so the engine checks the params as they are after every move."""
+        self._engine.rebind_params(
+            [(k, self._reg[k].param.data_ptr(), self._grad_bufs[k].data_ptr()) for k in moved])
         for k in moved:
-            self._engine.rebind_param(k, base + 2 * k, base + 2 * k + 1)
-        for k in moved:
-            r, buf = self._reg[k], self._grad_bufs[k]
-            self._engine.rebind_param(k, r.param.data_ptr(), buf.data_ptr())
-            r.ptr, r.grad_ptr = r.param.data_ptr(), buf.data_ptr()
+            r = self._reg[k]
+            r.ptr, r.grad_ptr = r.param.data_ptr(), self._grad_bufs[k].data_ptr()
         self._install_grad_hooks([k for k in moved if k in self._hooks])
 
     # --- overlap_backward ---

@@ -314,6 +314,29 @@ TEST(ConfigTest, NumbersBeyondADoubleNameTheKeyAndDoNotThrow) {
   EXPECT_TRUE(Contains(s.message(), "parse config JSON in aio:")) << s;
 }
 
+// A repeated key would keep only its last value (nlohmann's DOM does), so a
+// setting could vanish unseen: it is refused, naming the key's path. The same
+// key in different objects is fine.
+TEST(ConfigTest, RepeatedKeysAreRefusedNamingThePath) {
+  const std::pair<std::string_view, std::string_view> cases[] = {
+      {R"({"gradient_clipping": 1.0, "gradient_clipping": 0})", "the key gradient_clipping "},
+      {R"({"zero_optimization": {"stage": 3, "sub_group_size": 8, "stage": 2}})",
+       "the key zero_optimization.stage "},
+      {R"({"optimizer": {"params": {"betas": [0.9, 0.99], "lr": 1, "lr": 2}}})",
+       "the key optimizer.params.lr "},
+  };
+  for (const auto& [json, want] : cases) {
+    Status s = ParseError(json);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << json;
+    EXPECT_TRUE(Contains(s.message(), want)) << json << " -> " << s;
+    EXPECT_TRUE(Contains(s.message(), "appears more than once")) << s;
+  }
+  Result<OffloadConfig> ok = ParseConfigJson(
+      R"({"fp16": {"enabled": false}, "bf16": {"enabled": true},
+          "optimizer": {"params": {"lr": 0.5}}, "strata": {"rates": {"pcie": "12G"}}})");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+}
+
 // A path that is not UTF-8 (set by code, not parsed) is written, not thrown on.
 TEST(ConfigTest, ConfigToJsonWritesAPathThatIsNotUtf8) {
   OffloadConfig c;

@@ -868,14 +868,21 @@ TEST(EngineRebind, NewStorageIsUsedAndResultsStayBitwise) {
   ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
   const auto order = model.FlatOrder();
   for (int step = 0; step < 3; ++step) {
-    // Move a different tensor each step; find its engine index by name.
-    const size_t t = order[(step * 3 + 1) % order.size()];
-    uint32_t index = 0;
-    while (opt->params()[index].name != "t" + std::to_string(t)) ++index;
-    auto [data, grad] = model.Relocate(t);
-    Status rebound = opt->RebindParam(index, data, grad);
+    // Move different tensors each step, one alone and from step 1 on two
+    // at once; find their engine indexes by name.
+    std::vector<ParamBinding> moves;
+    for (int k = 0; k <= std::min(step, 1); ++k) {
+      const size_t t = order[(step * 3 + 1 + 4 * k) % order.size()];
+      uint32_t index = 0;
+      while (opt->params()[index].name != "t" + std::to_string(t)) ++index;
+      auto [data, grad] = model.Relocate(t);
+      moves.push_back({.index = index, .data = data, .grad = grad});
+    }
+    Status rebound = moves.size() == 1
+                         ? opt->RebindParam(moves[0].index, moves[0].data, moves[0].grad)
+                         : opt->RebindParams(moves);
     ASSERT_TRUE(rebound.ok()) << rebound;
-    EXPECT_EQ(opt->params()[index].data, data);
+    for (const ParamBinding& b : moves) EXPECT_EQ(opt->params()[b.index].data, b.data);
     auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
     Status s = opt->Step();
     ASSERT_TRUE(s.ok()) << s;
@@ -889,7 +896,7 @@ TEST(EngineRebind, NewStorageIsUsedAndResultsStayBitwise) {
   const Param p0 = opt->params()[0];
   const Param p1 = opt->params()[1];
   Status bad = opt->RebindParam(99, p0.data, p0.grad);
-  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_EQ(bad.code(), StatusCode::kOutOfRange) << bad;
   bad = opt->RebindParam(0, nullptr, p0.grad);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
   EXPECT_NE(bad.message().find("new data pointer is null"), std::string::npos) << bad;
@@ -898,8 +905,26 @@ TEST(EngineRebind, NewStorageIsUsedAndResultsStayBitwise) {
   EXPECT_NE(bad.message().find("data and grad are the same pointer"), std::string::npos) << bad;
   bad = opt->RebindParam(0, p1.data, p0.grad);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
-  EXPECT_NE(bad.message().find("is registered by param 1 (" + p1.name + ")"), std::string::npos)
+  EXPECT_NE(bad.message().find("the data of param 1 (" + p1.name + ")"), std::string::npos) << bad;
+  EXPECT_NE(bad.message().find("overlaps the data of param 0 (" + p0.name + ")"),
+            std::string::npos)
       << bad;
+  // Overlap, not only the same pointer: one byte into another param's grad.
+  bad = opt->RebindParam(0, p0.data, static_cast<std::byte*>(p1.grad) + 1);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("the grad of param 1"), std::string::npos) << bad;
+  EXPECT_NE(bad.message().find("overlaps the grad of param 0"), std::string::npos) << bad;
+  // A batch is all or none, and names each param once.
+  std::vector<float> spare(2 * p1.elems);  // room for p1 in any dtype
+  std::vector<ParamBinding> batch = {
+      {.index = 1, .data = spare.data(), .grad = spare.data() + p1.elems},
+      {.index = 0, .data = nullptr, .grad = p0.grad}};
+  bad = opt->RebindParams(batch);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
+  EXPECT_EQ(opt->params()[1].data, p1.data);  // the valid first move was not applied
+  batch = {batch[0], batch[0]};
+  bad = opt->RebindParams(batch);
+  EXPECT_NE(bad.message().find("named twice"), std::string::npos) << bad;
   EXPECT_EQ(opt->params()[0].data, p0.data);
 }
 
@@ -924,7 +949,13 @@ TEST(EngineValidation, BadGroupsAreInvalidArgumentNamingTheParam) {
   expect_invalid(groups, "param group 0 tensor 2 (t3) has 1 elems but a null grad pointer");
   groups = model.Groups(kHypers);
   groups[1].params[0].data = groups[0].params[0].data;
-  expect_invalid(groups, "already registered by param group 0 tensor 0 (t0)");
+  expect_invalid(groups, "the data of param 4 (t2) (8192 bytes at");
+  expect_invalid(groups, "overlaps the data of param 0 (t0)");
+  // Overlap, not only the same pointer: a grad that starts inside a data tensor.
+  groups = model.Groups(kHypers);
+  groups[1].params[2].grad = static_cast<std::byte*>(groups[0].params[1].data) + 2;
+  expect_invalid(groups, "the grad of param 6 (t5)");
+  expect_invalid(groups, "overlaps the data of param 1 (t1) (74 bytes at");
   // Names are JSON text in checkpoints and exports (nlohmann's dump throws on
   // bytes that are not UTF-8): a bad one is refused here, a good one is kept.
   for (std::string bad : {std::string("w\xff"), std::string("\xc3"), std::string("\xc0\xaf"),
@@ -966,7 +997,7 @@ TEST(EngineValidation, AccessorsAndSetters) {
     EXPECT_EQ(opt->param_group(i), kGroupOf[order[i]]);
   }
   EXPECT_EQ(opt->group_hyper(1).lr, kHypers[1].lr);
-  EXPECT_EQ(opt->SetGroupHyper(2, kHypers[0]).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(opt->SetGroupHyper(2, kHypers[0]).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(opt->SetGroupHyper(0, {.eps = 0}).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(opt->SetGroupHyper(0, {.lr = 0.5}).ok());
   EXPECT_EQ(opt->group_hyper(0).lr, 0.5);

@@ -42,10 +42,13 @@ TEST(EnginePreflightTest, AModelLargerThanThisMachineIsRefusedWithTheNumbers) {
   // parameter in DRAM) cannot fit; nothing is read or allocated before the
   // plan is refused, so the small buffers behind the claim are never touched.
   const uint64_t elems = mem->total_bytes;
-  std::vector<ParamGroup> groups(1);
-  groups[0].params.push_back({.name = "huge", .data = f.data.data(), .grad = f.grad.data(),
-                              .elems = elems});
   OffloadConfig config;  // offload to cpu, host budget unlimited
+  // The claimed grad starts where the claimed data ends: disjoint, as Create
+  // checks, and never dereferenced.
+  void* grad = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(f.data.data()) +
+                                       elems * DTypeSize(config.param_dtype));
+  std::vector<ParamGroup> groups(1);
+  groups[0].params.push_back({.name = "huge", .data = f.data.data(), .grad = grad, .elems = elems});
   EngineContext context;
   context.device = f.device.get();
   Result<std::unique_ptr<OffloadOptimizer>> opt =

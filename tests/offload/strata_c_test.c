@@ -234,8 +234,15 @@ static void Safety(strata_device* dev, const char* dir) {
   float* moved_g = calloc(kN, sizeof(float));
   memcpy(moved, a, kN * sizeof(float));
   EXPECT(strata_optimizer_rebind_param(opt_a, 0, NULL, moved_g) == STRATA_INVALID_ARGUMENT);
-  EXPECT(strata_optimizer_rebind_param(opt_a, 3, moved, moved_g) == STRATA_INVALID_ARGUMENT);
-  CHECK_OK(strata_optimizer_rebind_param(opt_a, 0, moved, moved_g));
+  EXPECT(strata_optimizer_rebind_param(opt_a, 3, moved, moved_g) == STRATA_OUT_OF_RANGE);
+  /* A grad that starts inside the data (not the same pointer) is refused. */
+  EXPECT(strata_optimizer_rebind_param(opt_a, 0, moved, moved + 1) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "overlaps the data of param 0 (w)") != NULL);
+  strata_binding twice[2] = {{0, moved, moved_g}, {0, moved, moved_g}};
+  EXPECT(strata_optimizer_rebind_params(opt_a, twice, 2) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "named twice") != NULL);
+  EXPECT(strata_optimizer_rebind_params(opt_a, NULL, 1) == STRATA_INVALID_ARGUMENT);
+  CHECK_OK(strata_optimizer_rebind_params(opt_a, twice, 1));
   free(a);
   free(ga);
   a = moved;
@@ -276,6 +283,7 @@ static void Safety(strata_device* dev, const char* dir) {
   const uint64_t wraps[2] = {(UINT64_C(1) << 62) + 175, 4};
   EXPECT(strata_optimizer_set_param_shape(opt_a, 0, wraps, 2) == STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "more than 2^64 elements") != NULL);
+  EXPECT(strata_optimizer_set_param_shape(opt_a, 1, shape, 2) == STRATA_OUT_OF_RANGE);
   CHECK_OK(strata_optimizer_set_param_shape(opt_a, 0, shape, 2));
   char ckpt[700], out[800];
   snprintf(ckpt, sizeof ckpt, "%s/shaped", dir);
@@ -362,7 +370,10 @@ static void Trace(strata_device* dev, const char* dir) {
   EXPECT(strata_optimizer_trace_enable(NULL, 1) == STRATA_INVALID_ARGUMENT);
   EXPECT(strata_optimizer_trace_write(opt, NULL, NULL) == STRATA_INVALID_ARGUMENT);
   EXPECT(strata_optimizer_trace_write(opt, path, "[1]") == STRATA_INVALID_ARGUMENT);
-  EXPECT(strstr(strata_last_error(), "other_data_json") != NULL);
+  EXPECT(strstr(strata_last_error(), "other_data_json is a JSON array, not an object") != NULL);
+  EXPECT(strata_optimizer_trace_write(opt, path, "{\"run\": ") == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "other_data_json is not valid JSON") != NULL);
+  EXPECT(strata_optimizer_trace_write(opt, path, "{\"big\": 1e400}") == STRATA_INVALID_ARGUMENT);
   char missing[720];
   snprintf(missing, sizeof missing, "%s/no/such/trace.json", dir);
   EXPECT(strata_optimizer_trace_write(opt, missing, NULL) != STRATA_OK);
@@ -401,6 +412,36 @@ static void Errors(strata_device* dev) {
          STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "null grad") != NULL);
 
+  /* Overlapping tensors: the grad starts inside the data. Adjacent is fine. */
+  strata_param overlap = {"w", w, w + 2, 2, 0};
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &overlap, 1, NULL, 1, &opt));
+  strata_optimizer_free(opt);
+  overlap.grad = w + 1;
+  EXPECT(strata_optimizer_create(dev, NULL, NULL, "{}", &overlap, 1, NULL, 1, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "the grad of param 0 (w)") != NULL);
+  EXPECT(strstr(strata_last_error(), "overlaps the data of param 0 (w)") != NULL);
+
+  /* More groups than params: refused before anything is sized by num_groups. */
+  EXPECT(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, UINT32_MAX, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "every group needs at least one") != NULL);
+
+  /* A key repeated in an object would drop a setting unseen. */
+  EXPECT(strata_optimizer_create(dev, NULL, NULL,
+                                 "{\"gradient_clipping\": 1, \"gradient_clipping\": 0}", &p, 1,
+                                 NULL, 1, &opt) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "gradient_clipping appears more than once") != NULL);
+
+  /* A path that is not UTF-8 comes back escaped: the message stays UTF-8. */
+  EXPECT(strata_optimizer_create(
+             dev, NULL, NULL,
+             "{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"/proc/no-\xff-dir\"}}}",
+             &p, 1, NULL, 1, &opt) != STRATA_OK);
+  EXPECT(strstr(strata_last_error(), "no-\\xff") != NULL);
+  EXPECT(strchr(strata_last_error(), '\xff') == NULL);
+
   strata_param bad_group = {"w", w, g, 4, 3};
   EXPECT(strata_optimizer_create(dev, NULL, NULL, "{}", &bad_group, 1, NULL, 1, &opt) ==
          STRATA_INVALID_ARGUMENT);
@@ -425,6 +466,11 @@ static void Errors(strata_device* dev) {
   EXPECT(strata_optimizer_set_lr(opt, 7, 1e-3) == STRATA_OUT_OF_RANGE);
   strata_hyper h;
   EXPECT(strata_optimizer_get_hyper(opt, 1, &h) == STRATA_OUT_OF_RANGE);
+  EXPECT(strata_optimizer_grad_ready(opt, 1) == STRATA_OUT_OF_RANGE);
+  /* The same for a path the engine names in its error. */
+  EXPECT(strata_optimizer_save(opt, "/proc/no-\xff-dir/ckpt") != STRATA_OK);
+  EXPECT(strstr(strata_last_error(), "/proc/no-\\xff-dir") != NULL);
+  EXPECT(strchr(strata_last_error(), '\xff') == NULL);
   strata_optimizer_free(opt);
 
   strata_device* bad = (strata_device*)1;
