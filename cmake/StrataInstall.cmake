@@ -2,6 +2,7 @@
 # `strata` tool, with
 #   lib/cmake/strata/strataConfig.cmake   find_package(strata) -> strata::offload, ...
 #   lib/pkgconfig/strata_c.pc            pkg-config for the C API (libstrata_c.so)
+# and, for use without installing, build/strata_c.pc (the build tree's paths).
 # The Python package installs with pip instead (setup.py, README "Installing").
 include_guard(GLOBAL)
 include(CMakePackageConfigHelpers)
@@ -45,5 +46,21 @@ install(FILES ${PROJECT_BINARY_DIR}/strataConfig.cmake
 file(RELATIVE_PATH _strata_pc_up "/p/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/p")
 string(REGEX REPLACE "/$" "" _strata_pc_up "${_strata_pc_up}")
 set(STRATA_PC_PREFIX "\${pcfiledir}/${_strata_pc_up}")
-configure_file(${PROJECT_SOURCE_DIR}/cmake/strata_c.pc.in ${PROJECT_BINARY_DIR}/strata_c.pc @ONLY)
-install(FILES ${PROJECT_BINARY_DIR}/strata_c.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+configure_file(${PROJECT_SOURCE_DIR}/cmake/strata_c.pc.in
+  ${PROJECT_BINARY_DIR}/pkgconfig-install/strata_c.pc @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/pkgconfig-install/strata_c.pc
+  DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+
+# The build tree's own strata_c.pc (`PKG_CONFIG_PATH=build pkg-config
+# strata_c`): this build's library, with an rpath to it, and the source
+# tree's headers, included as in an install ("offload/strata_c.h").
+file(GENERATE OUTPUT ${PROJECT_BINARY_DIR}/strata_c.pc CONTENT
+"libdir=$<TARGET_FILE_DIR:strata_capi>
+includedir=${PROJECT_SOURCE_DIR}
+
+Name: strata_c
+Description: Strata offload optimizer, C API (the build tree in ${PROJECT_BINARY_DIR})
+Version: ${PROJECT_VERSION}
+Libs: -L\${libdir} -Wl,-rpath,\${libdir} -lstrata_c
+Cflags: -I\${includedir}
+")

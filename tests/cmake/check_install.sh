@@ -33,5 +33,14 @@ cc -std=c11 -o "$work/consumer_c" "$src/tests/cmake/consumer/consumer_c.c" $flag
 LD_LIBRARY_PATH="$(pkg-config --variable=libdir strata_c)" "$work/consumer_c" ||
   fail "the C consumer failed"
 
+# C against the build tree: its own strata_c.pc, an rpath, no LD_LIBRARY_PATH.
+flags=$(PKG_CONFIG_PATH=$build pkg-config --cflags --libs strata_c) ||
+  fail "pkg-config strata_c of the build tree failed"
+echo "pkg-config strata_c (build tree): $flags"
+case "$flags" in *"$prefix"*) fail "the build tree's strata_c.pc points into the install";; esac
+cc -std=c11 -o "$work/consumer_c_build" "$src/tests/cmake/consumer/consumer_c.c" $flags ||
+  fail "the C consumer did not build against the build tree"
+env -u LD_LIBRARY_PATH "$work/consumer_c_build" || fail "the C consumer of the build tree failed"
+
 "$prefix/bin/strata" --version
 echo "check_install: ok"
