@@ -83,7 +83,9 @@ struct TensorBytes {
 };
 
 // The data and grad ranges of `params` (those with elems), or
-// InvalidArgument for one that runs past the end of the address space.
+// InvalidArgument for one that is not aligned to its elements (the device's
+// kernels access whole elements; on a GPU a misaligned access is an error
+// that poisons the context) or runs past the end of the address space.
 Result<std::vector<TensorBytes>> TensorRanges(std::span<const Param> params, DType param_dtype,
                                               DType grad_dtype, std::string_view op) {
   std::vector<TensorBytes> out;
@@ -93,9 +95,17 @@ Result<std::vector<TensorBytes>> TensorRanges(std::span<const Param> params, DTy
     if (p.elems == 0) continue;
     for (const bool grad : {false, true}) {
       const auto begin = reinterpret_cast<uintptr_t>(grad ? p.grad : p.data);
+      const DType dtype = grad ? grad_dtype : param_dtype;
+      if (begin % DTypeSize(dtype) != 0) {
+        return InvalidArgumentError(fmt::format(
+            "{}: the {} of param {}{} at {:#x} is not aligned to its {}-byte {} elements; a "
+            "tensor must start at a multiple of its element size",
+            op, grad ? "grad" : "data", i, p.name.empty() ? "" : " (" + p.name + ")", begin,
+            DTypeSize(dtype), DTypeName(dtype)));
+      }
       uint64_t bytes = 0;
       uintptr_t end = 0;
-      if (__builtin_mul_overflow(p.elems, DTypeSize(grad ? grad_dtype : param_dtype), &bytes) ||
+      if (__builtin_mul_overflow(p.elems, DTypeSize(dtype), &bytes) ||
           __builtin_add_overflow(begin, bytes, &end)) {
         return InvalidArgumentError(fmt::format(
             "{}: param {}{}: {} elems from {} run past the end of the address space", op, i,
@@ -123,8 +133,9 @@ Status OverlapError(std::span<const Param> params, const TensorBytes& later,
       name(later), name(earlier)));
 }
 
-// Every data and grad range of `params` is disjoint from every other.
-Status CheckDisjoint(std::span<const Param> params, DType param_dtype, DType grad_dtype,
+// Every data and grad tensor of `params` is aligned to its elements and
+// disjoint from every other.
+Status CheckTensorMemory(std::span<const Param> params, DType param_dtype, DType grad_dtype,
                      std::string_view op) {
   STRATA_ASSIGN_OR_RETURN(std::vector<TensorBytes> ranges,
                           TensorRanges(params, param_dtype, grad_dtype, op));
@@ -490,7 +501,7 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       specs.push_back({.elems = p.elems, .dtype = config.param_dtype});
     }
   }
-  STRATA_RETURN_IF_ERROR(CheckDisjoint(params, config.param_dtype, config.grad_dtype, kOp));
+  STRATA_RETURN_IF_ERROR(CheckTensorMemory(params, config.param_dtype, config.grad_dtype, kOp));
   STRATA_ASSIGN_OR_RETURN(layout,
                           PlanFlatLayout(specs, {.align_elems = config.align_elems,
                                                  .world_size = static_cast<uint32_t>(world)}));
@@ -1233,7 +1244,7 @@ Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
     p.data = b.data;
     p.grad = b.grad;
   }
-  STRATA_RETURN_IF_ERROR(CheckDisjoint(next, m.config.param_dtype, m.config.grad_dtype, kOp));
+  STRATA_RETURN_IF_ERROR(CheckTensorMemory(next, m.config.param_dtype, m.config.grad_dtype, kOp));
   // Queued work may still read or write the old tensors.
   STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.grad_stream)).WithContext(kOp));
   STRATA_RETURN_IF_ERROR((m.device->StreamSynchronize(m.publisher->stream())).WithContext(kOp));

@@ -909,11 +909,14 @@ TEST(EngineRebind, NewStorageIsUsedAndResultsStayBitwise) {
   EXPECT_NE(bad.message().find("overlaps the data of param 0 (" + p0.name + ")"),
             std::string::npos)
       << bad;
-  // Overlap, not only the same pointer: one byte into another param's grad.
-  bad = opt->RebindParam(0, p0.data, static_cast<std::byte*>(p1.grad) + 1);
+  // Overlap, not only the same pointer: one element into another param's grad.
+  bad = opt->RebindParam(0, p0.data,
+                         static_cast<std::byte*>(p1.grad) + DTypeSize(config.grad_dtype));
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad;
   EXPECT_NE(bad.message().find("the grad of param 1"), std::string::npos) << bad;
   EXPECT_NE(bad.message().find("overlaps the grad of param 0"), std::string::npos) << bad;
+  bad = opt->RebindParam(0, static_cast<std::byte*>(p0.data) + 1, p0.grad);
+  EXPECT_NE(bad.message().find("is not aligned"), std::string::npos) << bad;
   // A batch is all or none, and names each param once.
   std::vector<float> spare(2 * p1.elems);  // room for p1 in any dtype
   std::vector<ParamBinding> batch = {
@@ -953,9 +956,18 @@ TEST(EngineValidation, BadGroupsAreInvalidArgumentNamingTheParam) {
   expect_invalid(groups, "overlaps the data of param 0 (t0)");
   // Overlap, not only the same pointer: a grad that starts inside a data tensor.
   groups = model.Groups(kHypers);
-  groups[1].params[2].grad = static_cast<std::byte*>(groups[0].params[1].data) + 2;
+  groups[1].params[2].grad = static_cast<std::byte*>(groups[0].params[1].data) + 4;
   expect_invalid(groups, "the grad of param 6 (t5)");
   expect_invalid(groups, "overlaps the data of param 1 (t1) (74 bytes at");
+  // Element alignment: a bf16 tensor at an odd address, an fp32 grad at 2 mod 4.
+  groups = model.Groups(kHypers);
+  groups[0].params[3].data = static_cast<std::byte*>(groups[0].params[3].data) + 1;
+  expect_invalid(groups, "the data of param 3 (t6) at");
+  expect_invalid(groups, "is not aligned to its 2-byte bf16 elements");
+  groups = model.Groups(kHypers);
+  groups[1].params[0].grad = static_cast<std::byte*>(groups[1].params[0].grad) + 2;
+  expect_invalid(groups, "the grad of param 4 (t2) at");
+  expect_invalid(groups, "is not aligned to its 4-byte fp32 elements");
   // Names are JSON text in checkpoints and exports (nlohmann's dump throws on
   // bytes that are not UTF-8): a bad one is refused here, a good one is kept.
   for (std::string bad : {std::string("w\xff"), std::string("\xc3"), std::string("\xc0\xaf"),

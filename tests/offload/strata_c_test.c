@@ -422,6 +422,12 @@ static void Errors(strata_device* dev) {
   EXPECT(strstr(strata_last_error(), "the grad of param 0 (w)") != NULL);
   EXPECT(strstr(strata_last_error(), "overlaps the data of param 0 (w)") != NULL);
 
+  /* An fp32 grad that does not start at a multiple of 4 bytes. */
+  strata_param misaligned = {"w", w, (char*)g + 2, 1, 0};
+  EXPECT(strata_optimizer_create(dev, NULL, NULL, "{}", &misaligned, 1, NULL, 1, &opt) ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "is not aligned to its 4-byte fp32 elements") != NULL);
+
   /* More groups than params: refused before anything is sized by num_groups. */
   EXPECT(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, UINT32_MAX, &opt) ==
          STRATA_INVALID_ARGUMENT);
