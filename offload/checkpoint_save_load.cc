@@ -284,6 +284,71 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
   return OkStatus();
 }
 
+// ---- A failed save removes what it wrote -------------------------------------------
+//
+// Only after every rank agreed that the save failed (so no rank still writes
+// into the save's directory, and rank 0 still holds the lock): each rank
+// removes its own files there, through the storage; then, once all ranks
+// have (an all-reduce), the directory itself if it is empty. The directory is
+// new (its id was just drawn), so nothing in it is a previous save's or the
+// user's; rmdir never removes a directory something else was put into.
+
+// This rank's files in `save_dir`: data files, manifest, and temporaries a
+// writer could not remove ("rankRRRRR.*" and ".rankRRRRR.*.tmp-*"). The
+// first failure; a missing directory is not one.
+Status RemoveRankFiles(Storage& storage, const std::string& save_dir, uint32_t rank) {
+  const std::string own = RankName(rank) + ".";
+  std::vector<std::string> paths;
+  std::error_code ec;
+  fs::directory_iterator it(save_dir, ec);
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool mine = name.rfind(own, 0) == 0 || name.rfind("." + own, 0) == 0;
+    if (mine && std::regex_match(name, kSaveFileName) && IsRegularFile(it->path())) {
+      paths.push_back(it->path().string());
+    }
+  }
+  if (ec && ec != std::errc::no_such_file_or_directory) {
+    return ErrnoError(ec.value(), "list " + save_dir);
+  }
+  Status first;
+  for (const std::string& path : paths) {
+    Status s = storage.Remove(path);
+    if (!s.ok() && s.code() != StatusCode::kNotFound && first.ok()) first = std::move(s);
+  }
+  return first;
+}
+
+// Every rank calls it (one all-reduce). OK when nothing of the save is left.
+Status RemoveFailedSave(Collective& coll, Storage& storage, const std::string& save_dir,
+                        uint32_t rank) {
+  Status own = RemoveRankFiles(storage, save_dir, rank);
+  // Only a barrier. Should it fail, the rmdir below is still safe: it fails
+  // on files another rank has not removed yet.
+  coll.CountFailures(own).status().IgnoreError();
+  std::error_code ec;
+  fs::remove(save_dir, ec);  // false without error when another rank removed it first
+  if (!own.ok()) return own;
+  if (ec) return ErrnoError(ec.value(), "remove directory " + save_dir);
+  return OkStatus();
+}
+
+// `error` as it was (code and message first), noting a failed save
+// directory that could not be removed.
+Status WithRemoval(Status error, const Status& removed, const std::string& save_dir) {
+  if (removed.ok()) return error;
+  return Status(error.code(),
+                fmt::format("{}; the partial save directory {} could not be removed ({}): remove "
+                            "it by hand, or the next successful save's retention removes it",
+                            error.message(), save_dir, removed.message()));
+}
+
+// Whether DIR/latest.json may name `save_id`: it does, or it cannot be read.
+bool LatestMayName(Storage& storage, const std::string& dir, const std::string& save_id) {
+  const std::optional<std::vector<std::string>> history = ReadHistory(storage, dir);
+  return !history || (!history->empty() && history->front() == save_id);
+}
+
 // This rank's data files and manifest inside `save_dir`.
 Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& save_dir,
                  const CheckpointInfo& info, const SaveOptions& o) {
@@ -454,26 +519,57 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   const std::string save_dir = dir + "/" + save_id;
   const CheckpointInfo info = InfoOf(opt, save_id, o.chunk_bytes, o.shapes);
 
+  const uint32_t rank = static_cast<uint32_t>(opt.rank());
   Status local = WriteRank(opt, *storage.storage, save_dir, info, o);
   STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(local));
-  if (!local.ok()) return std::move(local).WithContext(op);
   if (failed > 0) {
-    return UnavailableError(fmt::format(
-        "{}: {} other rank(s) failed to write their part; the previous checkpoint stays the "
-        "current one; see their errors and save again",
-        op, failed));
+    Status error =
+        !local.ok()
+            ? std::move(local).WithContext(op)
+            : UnavailableError(fmt::format("{}: {} other rank(s) failed to write their part; the "
+                                           "previous checkpoint stays the current one; see their "
+                                           "errors and save again",
+                                           op, failed));
+    return WithRemoval(std::move(error), RemoveFailedSave(coll, *storage.storage, save_dir, rank),
+                       save_dir);
   }
-  Status published =
-      opt.rank() == 0 ? Publish(*storage.storage, dir, info, o.keep_checkpoints) : OkStatus();
-  STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(published));
-  if (!published.ok()) return std::move(published).WithContext(op);
-  if (failed > 0) {
-    return UnavailableError(fmt::format(
-        "{}: rank 0 failed to publish {} in {}; the previous checkpoint stays the current one; "
-        "see rank 0's error and save again",
-        op, save_id, kLatest));
+  // Rank 0 publishes. A failed publish whose rename happened (the directory
+  // fsync after it failed) left latest.json naming this save: then the save
+  // is kept, not removed.
+  enum class Outcome : int { kPublished = 0, kNotPublished = 1, kMaybePublished = 2 };
+  Status published = OkStatus();
+  Outcome mine = Outcome::kPublished;
+  if (rank == 0) {
+    published = Publish(*storage.storage, dir, info, o.keep_checkpoints);
+    if (!published.ok()) {
+      mine = LatestMayName(*storage.storage, dir, save_id) ? Outcome::kMaybePublished
+                                                           : Outcome::kNotPublished;
+    }
   }
-  return OkStatus();
+  STRATA_ASSIGN_OR_RETURN(double worst, coll.AllReduce(static_cast<int>(mine), ReduceOp::kMax));
+  const auto outcome = static_cast<Outcome>(static_cast<int>(worst));
+  if (outcome == Outcome::kPublished) return OkStatus();
+  if (outcome == Outcome::kMaybePublished) {
+    const std::string kept = fmt::format(
+        "{} is complete and kept: {}/{} may already name it (the rename happened before the "
+        "error) or cannot be read; save again",
+        save_dir, dir, kLatest);
+    if (!published.ok()) {
+      return Status(published.code(), fmt::format("{}: {}; {}", op, published.message(), kept));
+    }
+    return UnavailableError(
+        fmt::format("{}: rank 0 failed to publish {} in {}; {}; see rank 0's error", op, save_id,
+                    kLatest, kept));
+  }
+  Status error =
+      !published.ok()
+          ? std::move(published).WithContext(op)
+          : UnavailableError(fmt::format("{}: rank 0 failed to publish {} in {}; the previous "
+                                         "checkpoint stays the current one; see rank 0's error and "
+                                         "save again",
+                                         op, save_id, kLatest));
+  return WithRemoval(std::move(error), RemoveFailedSave(coll, *storage.storage, save_dir, rank),
+                     save_dir);
 }
 
 Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadOptions& o) {

@@ -8,6 +8,8 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -649,6 +651,203 @@ TEST(DurabilityTest, TornWritesAreCaughtAndThePreviousSaveStillLoads) {
   s = check.opt(0).Load(first_dir);
   ASSERT_TRUE(s.ok()) << s;
   ExpectSameSnapshot(*TakeSnapshot(check), first);
+}
+
+// ---- A failed save removes what it wrote -------------------------------------------
+
+// The posix storage, failing what a test names by file name (the file, or an
+// AtomicFileWriter temporary of it): opening it to write (ENOSPC, a full disk),
+// renaming onto it (EIO, nothing renamed; or EIO after the rename, as when
+// the directory fsync fails), removing it (EACCES). Counts the data files
+// committed. Set up before the save starts; then read-only, so shared by
+// every rank's thread.
+class RiggedStorage final : public Storage {
+ public:
+  enum class RenameFault : uint8_t { kBefore, kAfter };
+  std::string fail_open;
+  std::string fail_rename;
+  RenameFault rename_fault = RenameFault::kBefore;
+  std::string fail_remove;
+
+  std::string_view name() const override { return "rigged(posix)"; }
+  Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& o) override {
+    if (o.access == FileAccess::kReadWrite && Is(path, fail_open)) {
+      return ErrnoError(ENOSPC, "open " + path);
+    }
+    return base_->Open(path, o);
+  }
+  Status Remove(const std::string& path) override {
+    if (Is(path, fail_remove)) return ErrnoError(EACCES, "remove " + path);
+    return base_->Remove(path);
+  }
+  Status Rename(const std::string& from, const std::string& to) override {
+    if (Is(to, fail_rename) && rename_fault == RenameFault::kBefore) {
+      return ErrnoError(EIO, "rename " + from + " to " + to);
+    }
+    STRATA_RETURN_IF_ERROR(base_->Rename(from, to));
+    if (Is(to, fail_rename)) return ErrnoError(EIO, "fsync directory after renaming " + to);
+    if (to.ends_with(".f32")) ++data_files_committed;
+    return OkStatus();
+  }
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    return base_->Lock(path);
+  }
+
+  std::atomic<int> data_files_committed{0};
+
+ private:
+  static bool Is(const std::string& path, const std::string& target) {
+    if (target.empty()) return false;
+    const std::string name = std::filesystem::path(path).filename().string();
+    return name == target || name.starts_with("." + target + ".tmp-");
+  }
+  std::unique_ptr<Storage> base_ = CreatePosixStorage();
+};
+
+// A save that fails part way, after data files were written (a full disk at
+// rank 1's manifest, an IO error at rank 0's second data file, latest.json
+// that cannot be written): every rank removes its files and the save's
+// directory, each rank's error is what it was (the failing rank's own,
+// Unavailable on the others), and the previous save is current and loads
+// bitwise.
+TEST(FailedSaveTest, ASaveThatFailsPartWayLeavesNothingAndThePreviousSaveLoads) {
+  struct Case {
+    std::string what;
+    int world;
+    std::string fail_open;
+    std::string fail_rename;
+    int failing_rank;
+    StatusCode code;
+  };
+  for (const Case& k : std::vector<Case>{
+           {"rank 1's manifest, disk full", 2, "rank00001.json", "", 1,
+            StatusCode::kResourceExhausted},
+           {"rank 0's second data file, EIO", 2, "", "rank00000.exp_avg.f32", 0,
+            StatusCode::kInternal},
+           {"latest.json, disk full", 2, "latest.json", "", 0, StatusCode::kResourceExhausted},
+           {"the only rank's manifest, disk full", 1, "rank00000.json", "", 0,
+            StatusCode::kResourceExhausted},
+       }) {
+    SCOPED_TRACE(k.what);
+    const uint64_t seed = TestSeed();
+    TempDir dir;
+    Cluster c(k.world, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, k.world), seed);
+    ASSERT_TRUE(c.status().ok());
+    ASSERT_TRUE(c.Train(seed, 2).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    const Snapshot first = *TakeSnapshot(c);
+    const std::vector<std::string> before = testing::DirNames(dir.path());
+
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    RiggedStorage rigged;
+    rigged.fail_open = k.fail_open;
+    rigged.fail_rename = k.fail_rename;
+    std::vector<Status> status(k.world);
+    ASSERT_FALSE(c.Run([&](int r) {
+                    return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
+                  }).ok());
+    EXPECT_GT(rigged.data_files_committed.load(), 0) << "the save failed after writing files";
+    for (int r = 0; r < k.world; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      if (r == k.failing_rank) {
+        EXPECT_EQ(status[r].code(), k.code) << status[r];
+        ExpectMentions(status[r], k.fail_open.empty() ? "rename " : "open ");
+        ExpectMentions(status[r], k.fail_open.empty() ? k.fail_rename : k.fail_open);
+      } else {
+        EXPECT_EQ(status[r].code(), StatusCode::kUnavailable) << status[r];
+        ExpectMentions(status[r], "the previous checkpoint stays the current one");
+      }
+      EXPECT_EQ(status[r].message().find("could not be removed"), std::string::npos) << status[r];
+    }
+    EXPECT_EQ(testing::DirNames(dir.path()), before) << "the failed save's directory is removed";
+
+    Cluster check(k.world, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, k.world),
+                  seed + 1);
+    ASSERT_TRUE(check.status().ok());
+    Status s = check.Load(dir.path());
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectSameSnapshot(*TakeSnapshot(check), first);
+    ExpectParamsAreMaster(check, first);
+  }
+}
+
+// A removal that fails does not hide the save's error: the error keeps its
+// code and cause and names the directory that is left; the previous save
+// still loads, and the next save's retention removes the leftover.
+TEST(FailedSaveTest, AFailedRemovalKeepsTheErrorAndNamesTheDirectoryLeft) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  const Snapshot first = *TakeSnapshot(c);
+  const std::vector<std::string> before = testing::DirNames(dir.path());
+
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  RiggedStorage rigged;
+  rigged.fail_open = "rank00001.json";
+  rigged.fail_remove = "rank00000.master.f32";
+  std::vector<Status> status(2);
+  ASSERT_FALSE(c.Run([&](int r) {
+                  return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
+                }).ok());
+  std::vector<std::string> left;
+  for (const std::string& name : testing::DirNames(dir.path())) {
+    if (std::find(before.begin(), before.end(), name) == before.end()) left.push_back(name);
+  }
+  ASSERT_EQ(left.size(), 1u);
+  EXPECT_EQ(testing::DirNames(dir.File(left[0])), std::vector<std::string>{"rank00000.master.f32"})
+      << "everything else is removed";
+  EXPECT_EQ(status[1].code(), StatusCode::kResourceExhausted) << status[1];
+  ExpectMentions(status[1], "open ");
+  ExpectMentions(status[1], "rank00001.json");
+  EXPECT_EQ(status[0].code(), StatusCode::kUnavailable) << status[0];
+  for (int r = 0; r < 2; ++r) {
+    ExpectMentions(status[r],
+                   "the partial save directory " + dir.File(left[0]) + " could not be removed");
+  }
+  ExpectMentions(status[0], "remove " + dir.File(left[0]) + "/rank00000.master.f32");
+
+  Cluster check(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed + 1);
+  ASSERT_TRUE(check.status().ok());
+  Status s = check.Load(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(check), first);
+
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir.File(left[0]))) << "retention removes the leftover";
+}
+
+// A publish that fails after its rename (the directory fsync) has made
+// latest.json name the new save: that save is kept, not removed, and loads.
+TEST(FailedSaveTest, APublishThatFailsAfterItsRenameKeepsTheSaveLatestJsonNames) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  RiggedStorage rigged;
+  rigged.fail_rename = "latest.json";
+  rigged.rename_fault = RiggedStorage::RenameFault::kAfter;
+  std::vector<Status> status(2);
+  ASSERT_FALSE(c.Run([&](int r) {
+                  return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
+                }).ok());
+  EXPECT_EQ(status[0].code(), StatusCode::kInternal) << status[0];
+  ExpectMentions(status[0], "fsync directory after renaming");
+  EXPECT_EQ(status[1].code(), StatusCode::kUnavailable) << status[1];
+  const std::string saved = (*CheckpointReader::Open(dir.path()))->info().save_dir;
+  ASSERT_TRUE(std::filesystem::exists(saved));
+  for (int r = 0; r < 2; ++r) ExpectMentions(status[r], saved + " is complete and kept");
+
+  Cluster check(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed + 1);
+  ASSERT_TRUE(check.status().ok());
+  Status s = check.Load(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(check), *TakeSnapshot(c));
 }
 
 // ---- Retention ------------------------------------------------------------------
