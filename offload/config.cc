@@ -284,7 +284,8 @@ constexpr uint64_t kMaxElems = uint64_t{1} << 44;
 constexpr uint64_t kMaxBytes = uint64_t{1} << 60;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-Status ParseOffloadOptimizer(const Json& o, OffloadConfig& c) {
+// `ratio` is set when offload_optimizer.ratio is given: the gpu_fraction it means.
+Status ParseOffloadOptimizer(const Json& o, OffloadConfig& c, std::optional<double>& ratio) {
   const std::string p = "zero_optimization.offload_optimizer";
   STRATA_RETURN_IF_ERROR(
       CheckKeys(o, p, {"device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio"}));
@@ -321,13 +322,13 @@ Status ParseOffloadOptimizer(const Json& o, OffloadConfig& c) {
   STRATA_CONFIG_SET(c.buffer_count, GetUint(o, p, "buffer_count", 1, 64));
   STRATA_CONFIG_SET(c.fast_init, GetSwitch(o, p, "fast_init"));
   // The share offloaded: the rest stays on the device (strata.gpu_fraction).
-  STRATA_ASSIGN_OR_RETURN(auto ratio,
+  STRATA_ASSIGN_OR_RETURN(auto offloaded,
                           GetDouble(o, p, "ratio", 0, Bound::kClosed, 1, Bound::kClosed));
-  if (ratio) c.gpu_fraction = 1.0 - *ratio;
+  if (offloaded) ratio = c.gpu_fraction = 1.0 - *offloaded;
   return OkStatus();
 }
 
-Status ParseZero(const Json& z, OffloadConfig& c) {
+Status ParseZero(const Json& z, OffloadConfig& c, std::optional<double>& ratio) {
   const std::string p = "zero_optimization";
   STRATA_RETURN_IF_ERROR(CheckKeys(z, p, {"stage", "sub_group_size", "offload_optimizer"}));
   STRATA_CONFIG_SET(c.zero_stage, GetUint(z, p, "stage", 0, 3));
@@ -338,7 +339,7 @@ Status ParseZero(const Json& z, OffloadConfig& c) {
     STRATA_CONFIG_SET(c.sub_group_elems, GetUint(z, p, "sub_group_size", 1, kMaxElems));
   }
   STRATA_ASSIGN_OR_RETURN(const Json* off, Section(z, p, "offload_optimizer"));
-  if (off != nullptr) STRATA_RETURN_IF_ERROR(ParseOffloadOptimizer(*off, c));
+  if (off != nullptr) STRATA_RETURN_IF_ERROR(ParseOffloadOptimizer(*off, c, ratio));
   return OkStatus();
 }
 
@@ -551,7 +552,8 @@ Status ParseRates(const Json& r, PlanRates& rates) {
   return OkStatus();
 }
 
-Status ParseStrata(const Json& s, OffloadConfig& c) {
+// `ratio`: the gpu_fraction zero_optimization.offload_optimizer.ratio gave, if any.
+Status ParseStrata(const Json& s, OffloadConfig& c, std::optional<double> ratio) {
   const std::string p = "strata";
   STRATA_RETURN_IF_ERROR(CheckKeys(s, p,
                                    {"host_budget", "device_budget", "threads", "align_elems",
@@ -577,12 +579,12 @@ Status ParseStrata(const Json& s, OffloadConfig& c) {
       return TypeError(p + ".gpu_fraction", *v, "a number in [0, 1] or \"auto\"");
     }
     // offload_optimizer.ratio says the same thing the other way round.
-    if (c.gpu_fraction != 0 && std::abs(c.gpu_fraction - f) > 1e-9) {
+    if (ratio && (f == kGpuFractionAuto || std::abs(*ratio - f) > 1e-9)) {
       return InvalidArgumentError(fmt::format(
           "strata.gpu_fraction = {} contradicts zero_optimization.offload_optimizer.ratio = {} "
           "(which means gpu_fraction {}); give one of them",
           f == kGpuFractionAuto ? std::string("\"auto\"") : fmt::format("{}", f),
-          1 - c.gpu_fraction, c.gpu_fraction));
+          1 - *ratio, *ratio));
     }
     c.gpu_fraction = f;
   }
@@ -816,7 +818,8 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
       {"zero_optimization", "aio", "optimizer", "gradient_clipping", "fp16", "bf16",
        "communication_data_type", "strata"}));
   STRATA_ASSIGN_OR_RETURN(const Json* zero, Section(doc, "", "zero_optimization"));
-  if (zero != nullptr) STRATA_RETURN_IF_ERROR(ParseZero(*zero, c));
+  std::optional<double> ratio;  // the gpu_fraction offload_optimizer.ratio gives
+  if (zero != nullptr) STRATA_RETURN_IF_ERROR(ParseZero(*zero, c, ratio));
   STRATA_ASSIGN_OR_RETURN(const Json* aio, Section(doc, "", "aio"));
   if (aio != nullptr) STRATA_RETURN_IF_ERROR(ParseAio(*aio, c));
   STRATA_ASSIGN_OR_RETURN(const Json* opt, Section(doc, "", "optimizer"));
@@ -839,7 +842,7 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
   }
   // After fp16/bf16, so an explicit strata.grad_dtype wins.
   STRATA_ASSIGN_OR_RETURN(const Json* strata, Section(doc, "", "strata"));
-  if (strata != nullptr) STRATA_RETURN_IF_ERROR(ParseStrata(*strata, c));
+  if (strata != nullptr) STRATA_RETURN_IF_ERROR(ParseStrata(*strata, c, ratio));
   return c;
 }
 

@@ -232,6 +232,18 @@ TEST(ConfigTest, GpuFractionAndDeepSpeedsRatioSayTheSameThing) {
                           "strata": {"gpu_fraction": 0.25}})");
   ASSERT_EQ(c.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(Contains(c.status().message(), "contradicts")) << c.status();
+  // Also where the ratio means gpu_fraction 0 (it was taken), and against "auto".
+  for (const char* both : {R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.0}},
+                               "strata": {"gpu_fraction": 0.5}})",
+                           R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.5}},
+                               "strata": {"gpu_fraction": "auto"}})"}) {
+    c = ParseConfigJson(both);
+    ASSERT_EQ(c.status().code(), StatusCode::kInvalidArgument) << both;
+    EXPECT_TRUE(Contains(c.status().message(), "contradicts")) << c.status();
+  }
+  c = ParseConfigJson(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1}},
+                          "strata": {"gpu_fraction": 0}})");
+  ASSERT_TRUE(c.ok()) << c.status();
   c = ParseConfigJson(R"({"strata": {"gpu_fraction": "AUTO", "device_budget": "60GiB"}})");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->gpu_fraction, kGpuFractionAuto);

@@ -53,7 +53,7 @@ Status Train(const std::string& nvme_dir, int steps) {
                                               "weight_decay": 0.1}},
     "gradient_clipping": 1.0,
     "bf16": {"enabled": true},
-    "strata": {"host_budget": "4300KiB", "threads": 0}
+    "strata": {"host_budget": "3500KiB", "threads": 0}
   })"));
   config.nvme_paths = {nvme_dir};  // here: the directory the caller gives
 
@@ -111,12 +111,21 @@ Status Train(const std::string& nvme_dir, int steps) {
 namespace strata {
 namespace {
 
-TEST(GuideExample, Runs) {
+// Runs, and places the state as the guide says: 5 of 6 sub-groups on NVMe.
+TEST(GuideExample, RunsWithThePlacementTheGuideShows) {
   char tmpl[] = "/tmp/strata-guide-XXXXXX";
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
+  std::string log;
+  LogSink previous = SetLogSink([&](LogLevel level, std::string_view message) {
+    log.append(message).append("\n");
+    WriteLogToStderr(level, message);
+  });
   const Status s = example::Train(dir, 3);
+  SetLogSink(std::move(previous));
   EXPECT_TRUE(s.ok()) << s;
+  EXPECT_NE(log.find("sub-groups: 0-4 nvme, 5 host"), std::string::npos) << log;
+  EXPECT_NE(log.find("nvme read 592.00 KiB write 2.89 MiB"), std::string::npos) << log;
   std::filesystem::remove_all(dir);
 }
 
