@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -34,6 +35,10 @@ struct strata_comm {
 };
 
 struct strata_optimizer {
+  // The call running on this optimizer (its function name), nullptr when
+  // none: one thread drives an optimizer, and a second thread's call while
+  // one runs is refused instead of racing with it.
+  mutable std::atomic<const char*> running{nullptr};
   strata::Stream stream;  // the wrapped native stream, if one was given
   // Outlives opt, which records into it; a 1-step ring until trace_enable.
   std::unique_ptr<strata::TraceRecorder> trace;
@@ -73,6 +78,22 @@ int Guard(const char* fn, F&& body) {
   } catch (const std::exception& e) {
     return Report(strata::InternalError(fmt::format("{}: {}", fn, e.what())));
   }
+}
+
+// Guard for a call on `opt`, refused (FailedPrecondition) while another
+// thread's call on it runs.
+template <typename F>
+int Exclusive(const strata_optimizer* opt, const char* fn, F&& body) {
+  const char* other = nullptr;
+  if (!opt->running.compare_exchange_strong(other, fn, std::memory_order_acquire)) {
+    return Report(strata::FailedPreconditionError(fmt::format(
+        "{}: {} is running on this optimizer in another thread; one thread at a time drives "
+        "an optimizer: wait for that call to return (or guard the optimizer with a lock)",
+        fn, other)));
+  }
+  const int status = Guard(fn, std::forward<F>(body));
+  opt->running.store(nullptr, std::memory_order_release);
+  return status;
 }
 
 size_t CopyText(const std::string& text, char* buf, size_t capacity) {
@@ -238,22 +259,22 @@ void strata_optimizer_free(strata_optimizer* opt) { delete opt; }
 
 int strata_optimizer_grad_ready(strata_optimizer* opt, uint32_t index) {
   if (opt == nullptr) return ReportNull("strata_optimizer_grad_ready", "opt");
-  return Guard("strata_optimizer_grad_ready", [&] { return opt->opt->GradReady(index); });
+  return Exclusive(opt, "strata_optimizer_grad_ready", [&] { return opt->opt->GradReady(index); });
 }
 
 int strata_optimizer_reduce_gradients(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_reduce_gradients", "opt");
-  return Guard("strata_optimizer_reduce_gradients", [&] { return opt->opt->ReduceGradients(); });
+  return Exclusive(opt, "strata_optimizer_reduce_gradients", [&] { return opt->opt->ReduceGradients(); });
 }
 
 int strata_optimizer_step(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_step", "opt");
-  return Guard("strata_optimizer_step", [&] { return HostSync(*opt, opt->opt->Step()); });
+  return Exclusive(opt, "strata_optimizer_step", [&] { return HostSync(*opt, opt->opt->Step()); });
 }
 
 int strata_optimizer_zero_grad(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_zero_grad", "opt");
-  return Guard("strata_optimizer_zero_grad",
+  return Exclusive(opt, "strata_optimizer_zero_grad",
                [&] { return HostSync(*opt, opt->opt->ZeroGrad()); });
 }
 
@@ -280,24 +301,26 @@ uint32_t strata_optimizer_num_groups(const strata_optimizer* opt) {
 int strata_optimizer_get_hyper(const strata_optimizer* opt, uint32_t group, strata_hyper* out) {
   if (opt == nullptr) return ReportNull("strata_optimizer_get_hyper", "opt");
   if (out == nullptr) return ReportNull("strata_optimizer_get_hyper", "out");
-  if (group >= opt->opt->num_groups()) {
-    return Report(strata::OutOfRangeError(fmt::format("strata_optimizer_get_hyper: group {} of {}",
-                                                      group, opt->opt->num_groups())));
-  }
-  *out = FromHyper(opt->opt->group_hyper(group));
-  return Report(strata::OkStatus());
+  return Exclusive(opt, "strata_optimizer_get_hyper", [&]() -> Status {
+    if (group >= opt->opt->num_groups()) {
+      return strata::OutOfRangeError(fmt::format("strata_optimizer_get_hyper: group {} of {}",
+                                                 group, opt->opt->num_groups()));
+    }
+    *out = FromHyper(opt->opt->group_hyper(group));
+    return strata::OkStatus();
+  });
 }
 
 int strata_optimizer_set_hyper(strata_optimizer* opt, uint32_t group, const strata_hyper* hyper) {
   if (opt == nullptr) return ReportNull("strata_optimizer_set_hyper", "opt");
   if (hyper == nullptr) return ReportNull("strata_optimizer_set_hyper", "hyper");
-  return Guard("strata_optimizer_set_hyper",
+  return Exclusive(opt, "strata_optimizer_set_hyper",
                [&] { return opt->opt->SetGroupHyper(group, ToHyper(*hyper)); });
 }
 
 int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr) {
   if (opt == nullptr) return ReportNull("strata_optimizer_set_lr", "opt");
-  return Guard("strata_optimizer_set_lr", [&]() -> Status {
+  return Exclusive(opt, "strata_optimizer_set_lr", [&]() -> Status {
     if (group >= opt->opt->num_groups()) {
       return strata::OutOfRangeError(
           fmt::format("strata_optimizer_set_lr: group {} of {}", group, opt->opt->num_groups()));
@@ -311,28 +334,30 @@ int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr) {
 int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out) {
   if (opt == nullptr) return ReportNull("strata_optimizer_last_step", "opt");
   if (out == nullptr) return ReportNull("strata_optimizer_last_step", "out");
-  const strata::StepStats& s = opt->opt->last_step();
-  *out = strata_step_stats{};
-  out->step = s.step;
-  out->skipped = s.skipped ? 1 : 0;
-  out->loss_scale = s.loss_scale;
-  out->grad_norm = s.grad_norm;
-  out->clip_coef = s.clip_coef;
-  out->micro_steps = s.micro_steps;
-  out->d2h_sec = s.times.d2h;
-  out->comm_sec = s.times.comm;
-  out->read_sec = s.times.read;
-  out->adam_sec = s.times.adam;
-  out->write_sec = s.times.write;
-  out->h2d_sec = s.times.h2d;
-  out->step_sec = s.times.step;
-  out->grad_stats_sec = s.times.grad_stats;
-  out->device_sec = s.times.device;
-  out->read_bytes = s.read_bytes;
-  out->write_bytes = s.write_bytes;
-  out->d2h_bytes = s.d2h_bytes;
-  out->h2d_bytes = s.h2d_bytes;
-  return Report(strata::OkStatus());
+  return Exclusive(opt, "strata_optimizer_last_step", [&]() -> Status {
+    const strata::StepStats& s = opt->opt->last_step();
+    *out = strata_step_stats{};
+    out->step = s.step;
+    out->skipped = s.skipped ? 1 : 0;
+    out->loss_scale = s.loss_scale;
+    out->grad_norm = s.grad_norm;
+    out->clip_coef = s.clip_coef;
+    out->micro_steps = s.micro_steps;
+    out->d2h_sec = s.times.d2h;
+    out->comm_sec = s.times.comm;
+    out->read_sec = s.times.read;
+    out->adam_sec = s.times.adam;
+    out->write_sec = s.times.write;
+    out->h2d_sec = s.times.h2d;
+    out->step_sec = s.times.step;
+    out->grad_stats_sec = s.times.grad_stats;
+    out->device_sec = s.times.device;
+    out->read_bytes = s.read_bytes;
+    out->write_bytes = s.write_bytes;
+    out->d2h_bytes = s.d2h_bytes;
+    out->h2d_bytes = s.h2d_bytes;
+    return strata::OkStatus();
+  });
 }
 
 size_t strata_optimizer_format_stats(const strata_optimizer* opt, char* buf, size_t capacity) {
@@ -359,13 +384,13 @@ size_t strata_optimizer_format_step_failure(const strata_optimizer* opt, char* b
 
 int strata_optimizer_retry_step(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_retry_step", "opt");
-  return Guard("strata_optimizer_retry_step",
+  return Exclusive(opt, "strata_optimizer_retry_step",
                [&] { return HostSync(*opt, opt->opt->RetryStep()); });
 }
 
 int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* data, void* grad) {
   if (opt == nullptr) return ReportNull("strata_optimizer_rebind_param", "opt");
-  return Guard("strata_optimizer_rebind_param",
+  return Exclusive(opt, "strata_optimizer_rebind_param",
                [&] { return opt->opt->RebindParam(index, data, grad); });
 }
 
@@ -374,7 +399,7 @@ int strata_optimizer_rebind_params(strata_optimizer* opt, const strata_binding* 
   constexpr const char* kFn = "strata_optimizer_rebind_params";
   if (opt == nullptr) return ReportNull(kFn, "opt");
   if (bindings == nullptr && count > 0) return ReportNull(kFn, "bindings");
-  return Guard(kFn, [&]() -> Status {
+  return Exclusive(opt, kFn, [&]() -> Status {
     std::vector<strata::ParamBinding> moves(count);
     for (size_t i = 0; i < count; ++i) {
       moves[i] = {.index = bindings[i].index, .data = bindings[i].data, .grad = bindings[i].grad};
@@ -388,7 +413,7 @@ int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, cons
   constexpr const char* kFn = "strata_optimizer_set_param_shape";
   if (opt == nullptr) return ReportNull(kFn, "opt");
   if (dims == nullptr && ndim > 0) return ReportNull(kFn, "dims");
-  return Guard(kFn, [&]() -> Status {
+  return Exclusive(opt, kFn, [&]() -> Status {
     const auto params = opt->opt->params();
     if (index >= params.size()) {
       return strata::OutOfRangeError(
@@ -419,7 +444,7 @@ int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, cons
 int strata_optimizer_trace_enable(strata_optimizer* opt, int steps) {
   constexpr const char* kFn = "strata_optimizer_trace_enable";
   if (opt == nullptr) return ReportNull(kFn, "opt");
-  return Guard(kFn, [&]() -> Status {
+  return Exclusive(opt, kFn, [&]() -> Status {
     if (steps < 0) {
       return strata::InvalidArgumentError(fmt::format(
           "{}: steps is {}; give the number of steps to keep (> 0) or 0 to stop", kFn, steps));
@@ -440,7 +465,7 @@ int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,
   constexpr const char* kFn = "strata_optimizer_trace_write";
   if (opt == nullptr) return ReportNull(kFn, "opt");
   if (path == nullptr) return ReportNull(kFn, "path");
-  return Guard(kFn, [&]() -> Status {
+  return Exclusive(opt, kFn, [&]() -> Status {
     nlohmann::json other = nlohmann::json::object();
     if (other_data_json != nullptr) {
       other = nlohmann::json::parse(other_data_json, nullptr, /*allow_exceptions=*/false);
@@ -477,14 +502,14 @@ int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,
 int strata_optimizer_save(strata_optimizer* opt, const char* dir) {
   if (opt == nullptr) return ReportNull("strata_optimizer_save", "opt");
   if (dir == nullptr) return ReportNull("strata_optimizer_save", "dir");
-  return Guard("strata_optimizer_save",
+  return Exclusive(opt, "strata_optimizer_save",
                [&] { return strata::SaveCheckpoint(*opt->opt, dir, {.shapes = opt->shapes}); });
 }
 
 int strata_optimizer_load(strata_optimizer* opt, const char* dir) {
   if (opt == nullptr) return ReportNull("strata_optimizer_load", "opt");
   if (dir == nullptr) return ReportNull("strata_optimizer_load", "dir");
-  return Guard("strata_optimizer_load", [&] {
+  return Exclusive(opt, "strata_optimizer_load", [&] {
     return HostSync(*opt, strata::LoadCheckpoint(*opt->opt, dir, {.shapes = opt->shapes}));
   });
 }

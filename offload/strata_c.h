@@ -38,7 +38,11 @@
  *     written in place). Params are listed in group order: group 0's first,
  *     then group 1's, ... (group numbers non-decreasing).
  *   - Thread-safety: one thread drives an optimizer; different handles may be
- *     used from different threads.
+ *     used from different threads. A call that returns a status, made on an
+ *     optimizer while another thread's call on it runs, is refused with
+ *     STRATA_FAILED_PRECONDITION naming the running call (it never runs
+ *     beside it). The value getters (loss_scale, step_count, format_*) are
+ *     not checked: call them from the driving thread.
  * The config is the DeepSpeed-style JSON of docs/config.md.
  */
 #ifndef STRATA_OFFLOAD_STRATA_C_H_

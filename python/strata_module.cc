@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -310,19 +311,19 @@ class Engine {
 
   // On the host device the trainer's CPU code is not ordered on a device
   // stream: wait until the tensors are written before returning to it.
-  void Step() { Call([&] { return HostSync(opt_->Step()); }); }
-  void ZeroGrad() { Call([&] { return HostSync(opt_->ZeroGrad()); }); }
-  void ReduceGradients() { Call([&] { return opt_->ReduceGradients(); }); }
-  void GradReady(uint32_t i) { Call([&] { return opt_->GradReady(i); }); }
+  void Step() { Run("step", [&] { return HostSync(opt_->Step()); }); }
+  void ZeroGrad() { Run("zero_grad", [&] { return HostSync(opt_->ZeroGrad()); }); }
+  void ReduceGradients() { Run("reduce_gradients", [&] { return opt_->ReduceGradients(); }); }
+  void GradReady(uint32_t i) { Run("grad_ready", [&] { return opt_->GradReady(i); }); }
   // Checkpoints record the tensors' shapes, and a load checks them.
   void Save(const std::string& dir) {
-    Call([&] { return SaveCheckpoint(*opt_, dir, {.shapes = shapes_}); });
+    Run("save_checkpoint", [&] { return SaveCheckpoint(*opt_, dir, {.shapes = shapes_}); });
   }
   void Load(const std::string& dir) {
-    Call([&] { return HostSync(LoadCheckpoint(*opt_, dir, {.shapes = shapes_})); });
+    Run("load_checkpoint", [&] { return HostSync(LoadCheckpoint(*opt_, dir, {.shapes = shapes_})); });
   }
   // The step state machine (offload/optimizer.h).
-  void RetryStep() { Call([&] { return HostSync(opt_->RetryStep()); }); }
+  void RetryStep() { Run("retry_step", [&] { return HostSync(opt_->RetryStep()); }); }
   bool step_failed() const { return opt_->step_state() == StepState::kFailed; }
   std::string step_failure() const {
     return opt_->step_failure().ok() ? "" : opt_->step_failure().ToString();
@@ -335,7 +336,7 @@ class Engine {
                    .data = reinterpret_cast<void*>(data),
                    .grad = reinterpret_cast<void*>(grad)});
     }
-    Call([&] { return opt_->RebindParams(b); });
+    Run("rebind_params", [&] { return opt_->RebindParams(b); });
   }
   // Raises what RestoreCounters would, without changing anything.
   void CheckCounters(int64_t step, py::dict d) const {
@@ -351,13 +352,13 @@ class Engine {
     for (const TensorSlot& t : opt_->layout().tensors) out.emplace_back(t.offset_elems, t.elems);
     return out;
   }
-  void Synchronize() { Call([&] { return opt_->device().Synchronize(); }); }
+  void Synchronize() { Run("synchronize", [&] { return opt_->device().Synchronize(); }); }
 
   // The step trace (runtime/trace.h). Each call first waits for the device,
   // so no engine thread records while the ring is resized or read.
   // Starts recording into an empty ring that keeps the newest `steps` steps.
   void TraceStart(uint32_t steps) {
-    Call([&]() -> Status {
+    Run("trace_start", [&]() -> Status {
       trace_->SetEnabled(false);
       STRATA_RETURN_IF_ERROR(opt_->device().Synchronize());
       STRATA_RETURN_IF_ERROR(trace_->SetSteps(steps));
@@ -367,7 +368,7 @@ class Engine {
   }
   // Stops recording; release_ring: shrink the ring back to one step (drops the events).
   void TraceStop(bool release_ring) {
-    Call([&]() -> Status {
+    Run("trace_stop", [&]() -> Status {
       trace_->SetEnabled(false);
       STRATA_RETURN_IF_ERROR(opt_->device().Synchronize());
       return release_ring ? trace_->SetSteps(1) : OkStatus();
@@ -375,7 +376,7 @@ class Engine {
   }
   // Writes what the ring holds as Chrome trace JSON; recording goes on if it was on.
   void TraceWrite(const std::string& path, const std::string& other_data_json) {
-    Call([&]() -> Status {
+    Run("trace_write", [&]() -> Status {
       const bool was = trace_->enabled();
       trace_->SetEnabled(false);
       Status s = opt_->device().Synchronize();
@@ -492,10 +493,10 @@ class Engine {
   // Read/WriteState through a float32 buffer the caller owns (a tensor's
   // data_ptr and numel).
   void ReadState(uint32_t i, uintptr_t ptr, uint64_t n) {
-    Call([&] { return opt_->ReadState(i, {reinterpret_cast<float*>(ptr), n}); });
+    Run("read_state", [&] { return opt_->ReadState(i, {reinterpret_cast<float*>(ptr), n}); });
   }
   void WriteState(uint32_t i, uintptr_t ptr, uint64_t n) {
-    Call([&] { return opt_->WriteState(i, {reinterpret_cast<const float*>(ptr), n}); });
+    Run("write_state", [&] { return opt_->WriteState(i, {reinterpret_cast<const float*>(ptr), n}); });
   }
 
   py::dict ScalerState() const {
@@ -510,6 +511,26 @@ class Engine {
   void RestoreCounters(int64_t step, py::dict d) { Check(opt_->RestoreCounters(step, ScalerFrom(d))); }
 
  private:
+  // Call() for an engine call, refused (StrataError) while another
+  // thread's call on this engine runs: the engine is driven by one thread
+  // at a time, and Call() releases the GIL, so two Python threads could
+  // otherwise run in it at once.
+  template <typename F>
+  void Run(const char* op, F&& f) {
+    const char* other = nullptr;
+    if (!running_.compare_exchange_strong(other, op, std::memory_order_acquire)) {
+      Raise(FailedPreconditionError(fmt::format(
+          "{}: {} is running on this optimizer in another thread; one thread at a time drives "
+          "an optimizer: wait for that call to return (or guard the optimizer with a lock)",
+          op, other)));
+    }
+    struct Done {
+      std::atomic<const char*>& running;
+      ~Done() { running.store(nullptr, std::memory_order_release); }
+    } done{running_};
+    Call(std::forward<F>(f));
+  }
+
   Status HostSync(Status s) {
     if (!s.ok() || device_->caps().kind != DeviceKind::kHost) return s;
     return device_->StreamSynchronize(stream_ ? stream_.ref() : device_->DefaultStream());
@@ -545,6 +566,7 @@ class Engine {
   Stream stream_;
   std::unique_ptr<TraceRecorder> trace_;  // outlives opt_, which records into it
   std::unique_ptr<OffloadOptimizer> opt_;
+  std::atomic<const char*> running_{nullptr};  // the engine call running (Run), if any
 };
 
 // A checkpoint opened for reading (strata.torch.state_dict_from_checkpoint).

@@ -20,11 +20,13 @@ See OffloadAdam's docstring and docs/pytorch.md.
 import contextlib
 import copy
 import errno
+import functools
 import json
 import math
 import numbers
 import os
 import re
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -246,6 +248,34 @@ def _grad_hook(ref, k):
     return hook
 
 
+def _one_thread(method):
+    """An OffloadAdam method that one thread at a time may run: a call while another
+    thread is inside one (a background checkpoint thread saving during step(), say) is
+    refused with StrataError, never run beside it (the engine is not thread-safe, and a
+    state_dict() between a step's parts would mix two steps). The thread that is inside
+    may call further methods (a closure's zero_grad())."""
+    op = method.__name__
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        me = threading.get_ident()
+        with self._owner_lock:
+            owner = self._owner
+            if owner is not None and owner[0] != me:
+                raise StrataError(
+                    f"OffloadAdam.{op}: {owner[1]}() is running in another thread; one thread "
+                    "at a time drives the optimizer: wait for it to return (or guard the "
+                    "optimizer with a lock)")
+            if owner is None:
+                self._owner = (me, op)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if owner is None:
+                self._owner = None
+    return run
+
+
 class _Registered:
     """A param the engine holds pointers to, as it was when registered (or rebound)."""
     __slots__ = ("param", "name", "where", "ptr", "grad_ptr", "shape", "dtype", "device")
@@ -398,6 +428,8 @@ class OffloadAdam(torch.optim.Optimizer):
                  config=None, sub_group_size=None, threads=None, process_group=None,
                  state_dict_dir=None, trace=None, gpu_fraction=None, device_budget=None,
                  overlap_backward=False):
+        self._owner = None  # (thread id, method) inside a _one_thread method
+        self._owner_lock = threading.Lock()
         config = _config_dict(config)
         bad = _non_finite(config)
         if bad:
@@ -813,6 +845,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if current is not None and current != self._stream:
             current.wait_stream(self._stream)
 
+    @_one_thread
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step (a collective with torch.distributed); returns closure()'s loss."""
@@ -852,6 +885,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._reported = bytearray(len(self._reg))
         return loss
 
+    @_one_thread
     @torch.no_grad()
     def retry_step(self):
         """Finishes a step that failed part way, with the gradients it kept (a collective).
@@ -864,6 +898,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """True while a step that failed part way awaits retry_step() or a load."""
         return self._engine.step_failed
 
+    @_one_thread
     def zero_grad(self, set_to_none=False):
         """Zeroes the grads. set_to_none=False (default) points each param's .grad
         at the engine's zeroed buffer, so the next backward accumulates in place."""
@@ -902,6 +937,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._engine.read_state(i, t.data_ptr(), t.numel())
             yield i, (begin, end), t
 
+    @_one_thread
     def state_dict(self):
         """This rank's offloaded state and the param groups' hyperparameters: CPU tensors
         (12 bytes per param), or with state_dict_dir a reference to a checkpoint saved
@@ -920,6 +956,7 @@ class OffloadAdam(torch.optim.Optimizer):
                          loss_scaler=self._engine.scaler_state())
         return {"state": {"strata": state}, "param_groups": self._pack_groups()}
 
+    @_one_thread
     def load_state_dict(self, state_dict):
         """Loads a state_dict() of an optimizer built the same way (params, groups, ranks),
         or a torch.optim.Adam/AdamW state_dict (m, v, step; the master weights are the
@@ -1073,6 +1110,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     # --- Strata extras ---
 
+    @_one_thread
     def save_checkpoint(self, directory):
         """Writes the C++ engine's checkpoint (docs/checkpoint.md) to `directory`, with the
         params' names and shapes. Refused while a failed step awaits retry_step()."""
@@ -1080,6 +1118,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._sync_hypers()
         self._engine.save(os.fspath(directory))
 
+    @_one_thread
     def load_checkpoint(self, directory):
         """Reads a checkpoint written by save_checkpoint or the C++/C API: the state, the
         counters and the params; the groups' hyperparameters become the engine's. Shapes

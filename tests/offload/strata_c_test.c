@@ -4,6 +4,8 @@
  * rebinding a param's memory, shapes and the export, the step trace, and the error paths
  * (status codes and strata_last_error). Exit status 0 on success; each failure prints a line. */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -389,6 +391,67 @@ static void Trace(strata_device* dev, const char* dir) {
   strata_optimizer_free(opt);
 }
 
+/* Two threads on one optimizer: a call while another thread's call runs is
+ * refused with STRATA_FAILED_PRECONDITION naming the running call, never run
+ * beside it. One thread steps, the other sets the lr, until a refusal. */
+typedef struct {
+  strata_optimizer* opt;
+  atomic_int stop;
+  atomic_int refused;
+  int failures;
+} Race;
+
+static void* StepUntilStopped(void* arg) {
+  Race* r = arg;
+  for (int i = 0; i < 5000 && !atomic_load(&r->stop) && atomic_load(&r->refused) == 0; ++i) {
+    const int st = strata_optimizer_step(r->opt);
+    if (st == STRATA_FAILED_PRECONDITION &&
+        strstr(strata_last_error(), "is running on this optimizer in another thread") != NULL) {
+      atomic_fetch_add(&r->refused, 1);
+    } else if (st != STRATA_OK) {
+      ++r->failures;
+    }
+  }
+  return NULL;
+}
+
+static void TwoThreads(strata_device* dev) {
+  enum { kN = 1 << 18 };
+  float* w = calloc(kN, sizeof(float));
+  float* g = calloc(kN, sizeof(float));
+  strata_param p = {"w", w, g, kN, 0};
+  Race race = {.opt = NULL, .failures = 0};
+  atomic_init(&race.stop, 0);
+  atomic_init(&race.refused, 0);
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, 1, &race.opt));
+  pthread_t stepper;
+  EXPECT(pthread_create(&stepper, NULL, StepUntilStopped, &race) == 0);
+  int refused_here = 0, ok_here = 0;
+  for (long i = 0; i < 50000000 && atomic_load(&race.refused) + refused_here == 0; ++i) {
+    const int st = strata_optimizer_set_lr(race.opt, 0, 1e-3);
+    if (st == STRATA_OK) {
+      ++ok_here;
+    } else {
+      EXPECT(st == STRATA_FAILED_PRECONDITION);
+      EXPECT(strstr(strata_last_error(), "strata_optimizer_step is running on this optimizer") !=
+             NULL);
+      ++refused_here;
+    }
+  }
+  atomic_store(&race.stop, 1);
+  pthread_join(stepper, NULL);
+  EXPECT(refused_here + atomic_load(&race.refused) > 0);
+  EXPECT(race.failures == 0);
+  /* Afterwards the optimizer takes calls again. */
+  CHECK_OK(strata_optimizer_step(race.opt));
+  CHECK_OK(strata_optimizer_set_lr(race.opt, 0, 1e-3));
+  printf("two threads: %d refused here, %d in the stepping thread, %d set_lr calls ran\n",
+         refused_here, atomic_load(&race.refused), ok_here);
+  strata_optimizer_free(race.opt);
+  free(w);
+  free(g);
+}
+
 static void Errors(strata_device* dev) {
   float w[4] = {0}, g[4] = {0};
   strata_param p = {"w", w, g, 4, 0};
@@ -518,6 +581,7 @@ int main(void) {
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
 
   Errors(dev);
+  TwoThreads(dev);
   strata_device_free(dev);
   if (failures) {
     fprintf(stderr, "%d failure(s)\n", failures);

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+import threading
 
 import pytest
 import torch
@@ -487,3 +488,74 @@ def test_a_checkpoint_load_checks_shapes_not_only_sizes(tmp_path):
                                                  "here"):
         opt_b.load_checkpoint(tmp_path / "ckpt")
     assert torch.equal(b.weight, before) and opt_b.step_count == 0
+
+
+def test_a_second_thread_is_refused_while_one_drives_the_optimizer():
+    """A background thread (a checkpoint saver, say) calling the optimizer while the
+    training thread is inside step() is refused with StrataError naming step(); it never
+    runs beside it. The training thread itself may call further methods (its closure's
+    zero_grad()), and afterwards every thread may call again."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def closure():
+        opt.zero_grad()  # the same thread: allowed
+        inside.set()
+        release.wait(30)
+        loss = model(torch.ones(2, 8)).sum()
+        loss.backward()
+        return loss
+
+    def train():
+        try:
+            opt.step(closure)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        assert inside.wait(30)
+        for call in (opt.state_dict, opt.zero_grad, opt.step):
+            with pytest.raises(strata.StrataError,
+                               match=rf"OffloadAdam.{call.__name__}: step\(\) is running in "
+                                     "another thread"):
+                call()
+    finally:
+        release.set()
+        t.join(30)
+    assert not errors
+    assert opt.step_count == 1
+    assert opt.state_dict()["state"]["strata"]["step"] == 1
+
+
+def test_engine_calls_from_two_threads_never_run_at_once():
+    """The engine under OffloadAdam releases the GIL in its calls: a call while another
+    thread's runs is refused (the C++ side checks), never run beside it."""
+    opt = OffloadAdam(torch.nn.Linear(64, 64).parameters(), lr=1e-2)
+    engine, stop, seen = opt._engine, threading.Event(), []
+
+    def spin():
+        while not stop.is_set():
+            try:
+                engine.synchronize()
+            except strata.StrataError as e:
+                seen.append(str(e))
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        for _ in range(20000):
+            try:
+                engine.step()
+            except strata.StrataError as e:
+                seen.append(str(e))
+            if seen:
+                break
+    finally:
+        stop.set()
+        t.join(30)
+    assert seen, "no call was ever refused"
+    assert all("is running on this optimizer in another thread" in m for m in seen), seen
