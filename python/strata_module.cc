@@ -223,7 +223,7 @@ void SetLogHandler(py::object handler) {
     }
     py::gil_scoped_acquire gil;
     try {
-      (*held)(LogLevelName(level), py::str(message.data(), message.size()));
+      (*held)(LogLevelName(level), py::str(EscapeNonUtf8(message)));  // a path may not be UTF-8
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("strata log handler");
       WriteLogToStderr(level, message);
@@ -326,7 +326,7 @@ class Engine {
   void RetryStep() { Run("retry_step", [&] { return HostSync(opt_->RetryStep()); }); }
   bool step_failed() const { return opt_->step_state() == StepState::kFailed; }
   std::string step_failure() const {
-    return opt_->step_failure().ok() ? "" : opt_->step_failure().ToString();
+    return opt_->step_failure().ok() ? "" : EscapeNonUtf8(opt_->step_failure().ToString());
   }
   // (index, data, grad) per moved param, all or none (OffloadOptimizer::RebindParams).
   void RebindParams(const std::vector<std::tuple<uint32_t, uintptr_t, uintptr_t>>& moves) {

@@ -51,6 +51,17 @@ def test_levels_map_and_the_engine_level_filters_first(caplog):
         _strata.log("loud", "x")
 
 
+def test_a_line_that_is_not_utf8_reaches_the_handler_escaped(caplog, capfd):
+    """An engine line may quote a path's bytes that are not UTF-8: the handler gets
+    them as \\xNN text (it used to fail to decode, and the line went to stderr with
+    an 'Exception ignored' report)."""
+    caplog.set_level(logging.WARNING, logger="strata")
+    _strata.log("warning", b"write /data/\xff\xfe/x: failed")
+    got = [r.getMessage() for r in caplog.records if r.name == "strata"]
+    assert any(m.endswith("write /data/\\xff\\xfe/x: failed") for m in got), got
+    assert "Exception ignored" not in capfd.readouterr().err
+
+
 def test_warnings_show_on_stderr_without_any_logging_setup():
     p = run_python("import strata, strata._strata as s; s.log('warning', 'disk is slow')")
     assert p.returncode == 0, p.stderr
