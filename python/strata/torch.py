@@ -429,6 +429,7 @@ class OffloadAdam(torch.optim.Optimizer):
                  state_dict_dir=None, trace=None, gpu_fraction=None, device_budget=None,
                  overlap_backward=False):
         self._owner = None  # (thread id, method) inside a _one_thread method
+        self._state_version = 0  # + 1 whenever the state may change (iter_state checks it)
         self._owner_lock = threading.Lock()
         config = _config_dict(config)
         bad = _non_finite(config)
@@ -874,6 +875,7 @@ class OffloadAdam(torch.optim.Optimizer):
                                    f"{tuple(g.shape)}")
             elif g.data_ptr() != buf.data_ptr():
                 buf.copy_(g)
+        self._state_version += 1
         try:
             self._run(self._engine.step)
         except BaseException:
@@ -891,6 +893,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Finishes a step that failed part way, with the gradients it kept (a collective).
         The params' current .grad are not read. StrataError when no step failed."""
         self._check_params("retry_step")
+        self._state_version += 1
         self._run(self._engine.retry_step)
 
     @property
@@ -929,10 +932,18 @@ class OffloadAdam(torch.optim.Optimizer):
     def iter_state(self):
         """Yields (sub_group, (begin, end), tensor) for this rank's offloaded state, one
         sub-group at a time: the tensor holds master | exp_avg | exp_avg_sq of flat
-        elements [begin, end) (float32, CPU). Memory: one sub-group."""
+        elements [begin, end) (float32, CPU). Memory: one sub-group. A step or load
+        between two sub-groups (from any thread) raises StrataError at the next one: the
+        state read would mix two steps."""
         self._refuse_if_failed("iter_state")
+        version = self._state_version
         n = self._engine.state_array_count
         for i, (begin, end) in enumerate(self._engine.sub_groups()):
+            if self._state_version != version:
+                raise StrataError(
+                    f"OffloadAdam.iter_state: the state changed (a step or a load) after "
+                    f"{i} of its sub-groups were read; the rest would be another step's. "
+                    "Read the state between steps")
             t = torch.empty((end - begin) * n, dtype=torch.float32)
             self._engine.read_state(i, t.data_ptr(), t.numel())
             yield i, (begin, end), t
@@ -966,6 +977,7 @@ class OffloadAdam(torch.optim.Optimizer):
         except (KeyError, TypeError):
             raise ValueError("OffloadAdam.load_state_dict: not an optimizer state_dict (no "
                              "'state' and 'param_groups')")
+        self._state_version += 1
         if isinstance(state, dict) and "strata" in state:
             self._load_strata_state(state["strata"], saved_groups)
         else:
@@ -1124,6 +1136,7 @@ class OffloadAdam(torch.optim.Optimizer):
         counters and the params; the groups' hyperparameters become the engine's. Shapes
         recorded in the checkpoint must match the params'."""
         self._check_params("load_checkpoint")
+        self._state_version += 1
         self._engine.load(os.fspath(directory))
         for gi, g in enumerate(self.param_groups):
             if self._engine_group[gi] is None:

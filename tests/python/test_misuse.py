@@ -559,3 +559,20 @@ def test_engine_calls_from_two_threads_never_run_at_once():
         t.join(30)
     assert seen, "no call was ever refused"
     assert all("is running on this optimizer in another thread" in m for m in seen), seen
+
+
+def test_iter_state_refuses_to_mix_two_steps():
+    """A step between two sub-groups of iter_state() (here from the same thread) would
+    give the rest from another step: the next sub-group raises instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = OffloadAdam(model.parameters(), lr=1e-2, sub_group_size=1024)
+    states = opt.iter_state()
+    first = next(states)
+    assert first[0] == 0
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with pytest.raises(strata.StrataError, match="after 1 of its sub-groups were read"):
+        next(states)
+    assert len(list(opt.iter_state())) > 1  # a fresh read, between steps, works
