@@ -10,7 +10,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -19,6 +18,7 @@
 
 #include "offload/checkpoint.h"
 #include "offload/config.h"
+#include "offload/one_caller.h"
 #include "offload/optimizer.h"
 #include "runtime/comm.h"
 #include "runtime/device.h"
@@ -35,10 +35,7 @@ struct strata_comm {
 };
 
 struct strata_optimizer {
-  // The call running on this optimizer (its function name), nullptr when
-  // none: one thread drives an optimizer, and a second thread's call while
-  // one runs is refused instead of racing with it.
-  mutable std::atomic<const char*> running{nullptr};
+  mutable strata::OneCaller caller;  // refuses a second thread's call while one runs
   strata::Stream stream;  // the wrapped native stream, if one was given
   // Outlives opt, which records into it; a 1-step ring until trace_enable.
   std::unique_ptr<strata::TraceRecorder> trace;
@@ -84,15 +81,9 @@ int Guard(const char* fn, F&& body) {
 // thread's call on it runs.
 template <typename F>
 int Exclusive(const strata_optimizer* opt, const char* fn, F&& body) {
-  const char* other = nullptr;
-  if (!opt->running.compare_exchange_strong(other, fn, std::memory_order_acquire)) {
-    return Report(strata::FailedPreconditionError(fmt::format(
-        "{}: {} is running on this optimizer in another thread; one thread at a time drives "
-        "an optimizer: wait for that call to return (or guard the optimizer with a lock)",
-        fn, other)));
-  }
+  if (Status entered = opt->caller.Enter(fn); !entered.ok()) return Report(entered);
   const int status = Guard(fn, std::forward<F>(body));
-  opt->running.store(nullptr, std::memory_order_release);
+  opt->caller.Leave();
   return status;
 }
 

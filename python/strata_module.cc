@@ -16,7 +16,6 @@
 
 #include <fmt/format.h>
 
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -25,6 +24,7 @@
 
 #include "offload/checkpoint.h"
 #include "offload/config.h"
+#include "offload/one_caller.h"
 #include "offload/optimizer.h"
 #include "runtime/comm.h"
 #include "runtime/device.h"
@@ -517,17 +517,11 @@ class Engine {
   // otherwise run in it at once.
   template <typename F>
   void Run(const char* op, F&& f) {
-    const char* other = nullptr;
-    if (!running_.compare_exchange_strong(other, op, std::memory_order_acquire)) {
-      Raise(FailedPreconditionError(fmt::format(
-          "{}: {} is running on this optimizer in another thread; one thread at a time drives "
-          "an optimizer: wait for that call to return (or guard the optimizer with a lock)",
-          op, other)));
-    }
-    struct Done {
-      std::atomic<const char*>& running;
-      ~Done() { running.store(nullptr, std::memory_order_release); }
-    } done{running_};
+    Check(caller_.Enter(op));
+    struct Leave {
+      OneCaller& caller;
+      ~Leave() { caller.Leave(); }
+    } leave{caller_};
     Call(std::forward<F>(f));
   }
 
@@ -566,7 +560,7 @@ class Engine {
   Stream stream_;
   std::unique_ptr<TraceRecorder> trace_;  // outlives opt_, which records into it
   std::unique_ptr<OffloadOptimizer> opt_;
-  std::atomic<const char*> running_{nullptr};  // the engine call running (Run), if any
+  OneCaller caller_;  // refuses a second thread's call while one runs (Run)
 };
 
 // A checkpoint opened for reading (strata.torch.state_dict_from_checkpoint).
