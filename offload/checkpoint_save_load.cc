@@ -520,18 +520,20 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   const CheckpointInfo info = InfoOf(opt, save_id, o.chunk_bytes, o.shapes);
 
   const uint32_t rank = static_cast<uint32_t>(opt.rank());
+  // The save failed (every rank agreed): this rank's own error, or `others`
+  // (Unavailable) where another rank's failed; the save's files are removed.
+  auto fail = [&](Status own, std::string others) {
+    Status error = !own.ok() ? std::move(own).WithContext(op) : UnavailableError(others);
+    return WithRemoval(std::move(error), RemoveFailedSave(coll, *storage.storage, save_dir, rank),
+                       save_dir);
+  };
   Status local = WriteRank(opt, *storage.storage, save_dir, info, o);
   STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(local));
   if (failed > 0) {
-    Status error =
-        !local.ok()
-            ? std::move(local).WithContext(op)
-            : UnavailableError(fmt::format("{}: {} other rank(s) failed to write their part; the "
-                                           "previous checkpoint stays the current one; see their "
-                                           "errors and save again",
-                                           op, failed));
-    return WithRemoval(std::move(error), RemoveFailedSave(coll, *storage.storage, save_dir, rank),
-                       save_dir);
+    return fail(std::move(local),
+                fmt::format("{}: {} other rank(s) failed to write their part; the previous "
+                            "checkpoint stays the current one; see their errors and save again",
+                            op, failed));
   }
   // Rank 0 publishes. A failed publish whose rename happened (the directory
   // fsync after it failed) left latest.json naming this save: then the save
@@ -561,15 +563,10 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
         fmt::format("{}: rank 0 failed to publish {} in {}; {}; see rank 0's error", op, save_id,
                     kLatest, kept));
   }
-  Status error =
-      !published.ok()
-          ? std::move(published).WithContext(op)
-          : UnavailableError(fmt::format("{}: rank 0 failed to publish {} in {}; the previous "
-                                         "checkpoint stays the current one; see rank 0's error and "
-                                         "save again",
-                                         op, save_id, kLatest));
-  return WithRemoval(std::move(error), RemoveFailedSave(coll, *storage.storage, save_dir, rank),
-                     save_dir);
+  return fail(std::move(published),
+              fmt::format("{}: rank 0 failed to publish {} in {}; the previous checkpoint stays "
+                          "the current one; see rank 0's error and save again",
+                          op, save_id, kLatest));
 }
 
 Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadOptions& o) {

@@ -53,7 +53,6 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
-#include <unordered_map>
 #include <utility>
 
 #include "cpu_adam/cpu_adam.h"
