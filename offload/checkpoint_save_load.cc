@@ -42,9 +42,9 @@ Status CheckShapes(OffloadOptimizer& opt, const TensorShapes& shapes, std::strin
     uint64_t product = 1;
     for (uint64_t d : shapes[i]) product *= d;
     if (product != opt.params()[i].elems) {
-      return InvalidArgumentError(fmt::format("{}: param {} ('{}') has shape [{}] but {} elems",
-                                              op, i, opt.params()[i].name,
-                                              fmt::join(shapes[i], ", "), opt.params()[i].elems));
+      return InvalidArgumentError(fmt::format("{}: param {} ('{}') has shape [{}] but {} elems", op,
+                                              i, opt.params()[i].name, fmt::join(shapes[i], ", "),
+                                              opt.params()[i].elems));
     }
   }
   return OkStatus();
@@ -68,18 +68,33 @@ class Collective {
     if (device_ == nullptr) return value;
     double* host = static_cast<double*>(host_.data());
     *host = value;
-    STRATA_RETURN_IF_ERROR(
-        device_->CopyAsync(buf_.data(), host, sizeof(double), CopyKind::kHostToDevice, stream_));
-    STRATA_RETURN_IF_ERROR(comm_->AllReduce(buf_.data(), buf_.data(), 1, DType::kF64, op, stream_));
-    STRATA_RETURN_IF_ERROR(
-        device_->CopyAsync(host, buf_.data(), sizeof(double), CopyKind::kDeviceToHost, stream_));
-    STRATA_RETURN_IF_ERROR(device_->StreamSynchronize(stream_));
+    Status enqueued = [&]() -> Status {
+      STRATA_RETURN_IF_ERROR(
+          device_->CopyAsync(buf_.data(), host, sizeof(double), CopyKind::kHostToDevice, stream_));
+      STRATA_RETURN_IF_ERROR(
+          comm_->AllReduce(buf_.data(), buf_.data(), 1, DType::kF64, op, stream_));
+      return device_->CopyAsync(host, buf_.data(), sizeof(double), CopyKind::kDeviceToHost,
+                                stream_);
+    }();
+    // Drained also after an error: what was enqueued still uses the buffers.
+    Status done = device_->StreamSynchronize(stream_);
+    STRATA_RETURN_IF_ERROR(enqueued);
+    STRATA_RETURN_IF_ERROR(done);
     return *host;
   }
   // How many ranks report a failure.
   Result<int> CountFailures(const Status& local) {
-    STRATA_ASSIGN_OR_RETURN(double n, AllReduce(local.ok() ? 0.0 : 1.0, ReduceOp::kSum));
-    return static_cast<int>(n);
+    Result<double> n = AllReduce(local.ok() ? 0.0 : 1.0, ReduceOp::kSum);
+    if (!n.ok()) return Unagreed(local, n.status());
+    return static_cast<int>(*n);
+  }
+  // The error of an agreement that failed (`comm`, the all-reduce's error):
+  // this rank's own failure `local` first, as it is the cause, then `comm`.
+  static Status Unagreed(const Status& local, const Status& comm) {
+    const std::string unagreed =
+        fmt::format("the ranks could not agree on the outcome ({})", comm.message());
+    if (local.ok()) return Status(comm.code(), unagreed);
+    return Status(local.code(), fmt::format("{}; and {}", local.message(), unagreed));
   }
 
  private:
@@ -162,8 +177,7 @@ CheckpointInfo InfoOf(OffloadOptimizer& opt, const std::string& save_id, uint64_
                             .group = opt.param_group(i),
                             .offset_elems = l.tensors[i].offset_elems,
                             .elems = l.tensors[i].elems,
-                            .shape = shapes.empty() ? std::nullopt
-                                                    : std::optional(shapes[i])});
+                            .shape = shapes.empty() ? std::nullopt : std::optional(shapes[i])});
   }
   for (uint32_t g = 0; g < opt.num_groups(); ++g) info.groups.push_back(opt.group_hyper(g));
   info.scaler = opt.loss_scaler_state();
@@ -233,8 +247,9 @@ bool IsStrataSaveDir(const fs::path& p) {
       std::ifstream in(e.path());
       const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
       // value() throws on a member of another type: compare as JSON instead.
-      if (!j.is_object() || !j.contains("format") || j["format"] != std::string(kCheckpointFormatName) ||
-          !j.contains("save_id") || j["save_id"] != name) {
+      if (!j.is_object() || !j.contains("format") ||
+          j["format"] != std::string(kCheckpointFormatName) || !j.contains("save_id") ||
+          j["save_id"] != name) {
         return keep(fmt::format("{} is not a manifest of save {}", file, name));
       }
     }
@@ -500,9 +515,11 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
       return OkStatus();
     }();
   }
-  STRATA_ASSIGN_OR_RETURN(int failed, coll.CountFailures(locked));
-  if (!locked.ok()) return std::move(locked).WithContext(op + ": nothing was written");
-  if (failed > 0) {
+  const std::string nothing_written = op + ": nothing was written";
+  Result<int> failed = coll.CountFailures(locked);
+  if (!failed.ok()) return failed.status().WithContext(nothing_written);
+  if (!locked.ok()) return std::move(locked).WithContext(nothing_written);
+  if (*failed > 0) {
     return FailedPreconditionError(fmt::format(
         "{}: rank 0 could not take the save lock of {}; nothing was written; see rank 0's error",
         op, dir));
@@ -513,7 +530,9 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
     std::random_device rd;
     nonce = static_cast<double>(((uint64_t{rd()} << 32) | rd()) & ((uint64_t{1} << 48) - 1));
   }
-  STRATA_ASSIGN_OR_RETURN(nonce, coll.AllReduce(nonce, ReduceOp::kMax));
+  Result<double> drawn = coll.AllReduce(nonce, ReduceOp::kMax);
+  if (!drawn.ok()) return drawn.status().WithContext(nothing_written);
+  nonce = *drawn;
   const std::string save_id =
       fmt::format("step-{:010}-{:012x}", opt.step_count(), static_cast<uint64_t>(nonce));
   const std::string save_dir = dir + "/" + save_id;
@@ -527,13 +546,21 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
     return WithRemoval(std::move(error), RemoveFailedSave(coll, *storage.storage, save_dir, rank),
                        save_dir);
   };
+  // Without agreement nothing is removed: a rank that saw the all-reduce
+  // succeed may go on to publish this save.
+  auto unagreed = [&](Status error) {
+    return Status(error.code(),
+                  fmt::format("{}: {}; {} is left as it is: if {}/{} does not name {}, remove it",
+                              op, error.message(), save_dir, dir, kLatest, save_id));
+  };
   Status local = WriteRank(opt, *storage.storage, save_dir, info, o);
-  STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(local));
-  if (failed > 0) {
+  failed = coll.CountFailures(local);
+  if (!failed.ok()) return unagreed(failed.status());
+  if (*failed > 0) {
     return fail(std::move(local),
                 fmt::format("{}: {} other rank(s) failed to write their part; the previous "
                             "checkpoint stays the current one; see their errors and save again",
-                            op, failed));
+                            op, *failed));
   }
   // Rank 0 publishes. A failed publish whose rename happened (the directory
   // fsync after it failed) left latest.json naming this save: then the save
@@ -548,8 +575,9 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
                                                            : Outcome::kNotPublished;
     }
   }
-  STRATA_ASSIGN_OR_RETURN(double worst, coll.AllReduce(static_cast<int>(mine), ReduceOp::kMax));
-  const auto outcome = static_cast<Outcome>(static_cast<int>(worst));
+  Result<double> worst = coll.AllReduce(static_cast<int>(mine), ReduceOp::kMax);
+  if (!worst.ok()) return unagreed(Collective::Unagreed(published, worst.status()));
+  const auto outcome = static_cast<Outcome>(static_cast<int>(*worst));
   if (outcome == Outcome::kPublished) return OkStatus();
   if (outcome == Outcome::kMaybePublished) {
     const std::string kept = fmt::format(
@@ -608,13 +636,14 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     STRATA_RETURN_IF_ERROR((scaler.Restore(info.scaler)).WithContext(manifest + ": loss_scaler"));
     return OkStatus();
   }();
-  STRATA_ASSIGN_OR_RETURN(int failed, coll.CountFailures(local));
+  Result<int> failed = coll.CountFailures(local);
+  if (!failed.ok()) return failed.status().WithContext(op + ": nothing was loaded");
   if (!local.ok()) return std::move(local).WithContext(op + ": nothing was loaded");
-  if (failed > 0) {
+  if (*failed > 0) {
     return FailedPreconditionError(fmt::format(
         "{}: {} other rank(s) could not verify the checkpoint; nothing was loaded on any rank; "
         "see their errors",
-        op, failed));
+        op, *failed));
   }
 
   // Phase 2: the state, sub-group by sub-group.
@@ -647,13 +676,14 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     }
     return OkStatus();
   }();
-  STRATA_ASSIGN_OR_RETURN(failed, coll.CountFailures(applied));
+  failed = coll.CountFailures(applied);
   const std::string partial =
       ": the optimizer state is partly loaded; load again, or recreate the optimizer";
+  if (!failed.ok()) return failed.status().WithContext(op + partial);
   if (!applied.ok()) return std::move(applied).WithContext(op + partial);
-  if (failed > 0) {
+  if (*failed > 0) {
     return FailedPreconditionError(
-        fmt::format("{}: {} other rank(s) failed while loading{}", op, failed, partial));
+        fmt::format("{}: {} other rank(s) failed while loading{}", op, *failed, partial));
   }
   // Phase 3 (a collective): the trainer's tensors from the loaded masters.
   return (opt.UploadParams()).WithContext(op);

@@ -135,7 +135,7 @@ Status OverlapError(std::span<const Param> params, const TensorBytes& later,
 // Every data and grad tensor of `params` is aligned to its elements and
 // disjoint from every other.
 Status CheckTensorMemory(std::span<const Param> params, DType param_dtype, DType grad_dtype,
-                     std::string_view op) {
+                         std::string_view op) {
   STRATA_ASSIGN_OR_RETURN(std::vector<TensorBytes> ranges,
                           TensorRanges(params, param_dtype, grad_dtype, op));
   auto registration = [](const TensorBytes& t) { return std::pair(t.param, t.grad); };
@@ -150,7 +150,7 @@ Status CheckTensorMemory(std::span<const Param> params, DType param_dtype, DType
     const TensorBytes& b = ranges[i];
     if (b.begin < a.end) {
       return registration(a) < registration(b) ? OverlapError(params, b, a, op)
-                                                : OverlapError(params, a, b, op);
+                                               : OverlapError(params, a, b, op);
     }
     if (b.end > a.end) furthest = i;
   }
@@ -292,9 +292,9 @@ struct OffloadOptimizer::Impl {
   TensorMap map;
   internal::TraceContext trace;
 
-  Stream grad_stream;  // GradPath's, and the decision's all-reduces
-  Stream device_stream;  // partial offload: updates and copies of the device state
-  Event device_event;    // on device_stream, after an update (several ranks: per sub-group)
+  Stream grad_stream;       // GradPath's, and the decision's all-reduces
+  Stream device_stream;     // partial offload: updates and copies of the device state
+  Event device_event;       // on device_stream, after an update (several ranks: per sub-group)
   Event device_user_event;  // on the trainer's stream, for device_stream to wait on
   internal::StageClock device_adam_clock;
   uint32_t device_count = 0;  // sub-groups on the device: the first ones
@@ -320,6 +320,7 @@ struct OffloadOptimizer::Impl {
   size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
   bool host_stats = false;              // the statistics were a host pass (accumulation)
 
+  ~Impl();
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
   Status ProbeRates();                                  // gpu_fraction "auto"
   Status InitPlan(std::span<const ParamGroup> groups);  // validation, layout, placement
@@ -442,8 +443,7 @@ Status OffloadOptimizer::Impl::ProbeRates() {
   const AdamShape shape = AdamShape::Of(config, static_cast<uint32_t>(world));
   if (r.cpu_adam_elems_per_sec <= 0) {
     STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
-    STRATA_ASSIGN_OR_RETURN(r.cpu_adam_elems_per_sec,
-                            MeasureCpuAdamRate(*cpu, shape, kProbeElems));
+    STRATA_ASSIGN_OR_RETURN(r.cpu_adam_elems_per_sec, MeasureCpuAdamRate(*cpu, shape, kProbeElems));
   }
   if (r.device_adam_elems_per_sec <= 0) {
     STRATA_ASSIGN_OR_RETURN(r.device_adam_elems_per_sec,
@@ -522,11 +522,10 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world)));
   STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
   for (const std::string& w : plan.warnings) LogWarning(fmt::format("rank {}: {}", rank, w));
-  LogInfo(fmt::format("rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups of {}{})\n{}",
-                      rank, world, params.size(), layout.tensor_elems, shard.elems(),
-                      sub_groups.size(), sub_group_elems,
-                      config.sub_group_elems == kSubGroupAuto ? ", sub_group_size auto" : "",
-                      FormatPlan(plan)));
+  LogInfo(fmt::format(
+      "rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups of {}{})\n{}", rank, world,
+      params.size(), layout.tensor_elems, shard.elems(), sub_groups.size(), sub_group_elems,
+      config.sub_group_elems == kSubGroupAuto ? ", sub_group_size auto" : "", FormatPlan(plan)));
   slots = inputs.buffer_count;  // config.buffer_count, at most one per sub-group
   return OkStatus();
 }
@@ -685,16 +684,13 @@ Status OffloadOptimizer::Impl::InitState() {
     const uint64_t elems = sub_groups[i].elems();
     const size_t param_bytes = DTypeSize(config.param_dtype);
     STRATA_RETURN_IF_ERROR(
-        (tiers->Fill(i,
-                     [&](std::span<float> s) {
-                       cpu->ParallelFor(s.size(), 1 << 20, [&](size_t b, size_t count) {
-                         const size_t convert = b < elems ? std::min(count, elems - b) : 0;
-                         ConvertIn(staging + b * param_bytes, config.param_dtype,
-                                   s.subspan(b, convert));
-                         std::fill_n(s.data() + b + convert, count - convert, 0.0f);
-                       });
-                     }))
-            .WithContext(fmt::format("write the initial state of {}", tiers->Name(i))));
+        (tiers->Fill(i, [&](std::span<float> s) {
+          cpu->ParallelFor(s.size(), 1 << 20, [&](size_t b, size_t count) {
+            const size_t convert = b < elems ? std::min(count, elems - b) : 0;
+            ConvertIn(staging + b * param_bytes, config.param_dtype, s.subspan(b, convert));
+            std::fill_n(s.data() + b + convert, count - convert, 0.0f);
+          });
+        })).WithContext(fmt::format("write the initial state of {}", tiers->Name(i))));
     if (slots == 1 && i + 1 < n) STRATA_RETURN_IF_ERROR(read(i + 1));
     progress.Add(elems * arrays * 4);
   }
@@ -755,8 +751,8 @@ Status OffloadOptimizer::Impl::AllReduceDoubles(std::span<double> values, Reduce
 
 // ---- The update -----------------------------------------------------------------
 
-Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, GradView grad,
-                                      void* out, const StepDecision& d) {
+Status OffloadOptimizer::Impl::Update(uint32_t i, std::span<float> state, GradView grad, void* out,
+                                      const StepDecision& d) {
   const uint64_t elems = sub_groups[i].elems();
   const size_t grad_bytes = DTypeSize(grad.dtype);
   for (const Run& run : runs[i]) {
@@ -815,11 +811,10 @@ Status OffloadOptimizer::Impl::UpdateOnDevice(uint32_t i, const StepDecision& d)
       [&]() -> Status {
         for (const internal::TensorMap::Piece& p : pieces) {
           const AdamHyper ah = AdamHyperFor(step_hypers[param_group[p.tensor]], d);
-          const std::byte* g =
-              grad.base != nullptr
-                  ? grad.base + p.offset_elems * grad_bytes
-                  : static_cast<const std::byte*>(params[p.tensor].grad) +
-                        p.tensor_offset_elems * grad_bytes;
+          const std::byte* g = grad.base != nullptr
+                                   ? grad.base + p.offset_elems * grad_bytes
+                                   : static_cast<const std::byte*>(params[p.tensor].grad) +
+                                         p.tensor_offset_elems * grad_bytes;
           kernels::DeviceTensor out{};
           if (world == 1) {
             out = {static_cast<std::byte*>(params[p.tensor].data) +
@@ -827,10 +822,10 @@ Status OffloadOptimizer::Impl::UpdateOnDevice(uint32_t i, const StepDecision& d)
                    p.elems, config.param_dtype};
           }
           const uint64_t at = p.offset_elems;
-          STRATA_RETURN_IF_ERROR(kernels::AdamStep(
-              *device, device_stream, ah,
-              {state + at, state + elems + at, state + 2 * elems + at, p.elems},
-              {g, p.elems, grad.dtype}, out));
+          STRATA_RETURN_IF_ERROR(
+              kernels::AdamStep(*device, device_stream, ah,
+                                {state + at, state + elems + at, state + 2 * elems + at, p.elems},
+                                {g, p.elems, grad.dtype}, out));
         }
         return OkStatus();
       });
@@ -893,14 +888,15 @@ Status OffloadOptimizer::Impl::HandOverAndDecide() {
     STRATA_ASSIGN_OR_RETURN(st, grads->LocalStats());
     if (world > 1) {
       double v[2] = {st.sum_sq, static_cast<double>(st.nonfinite_elems)};
-      STRATA_RETURN_IF_ERROR((AllReduceDoubles(v, ReduceOp::kSum))
-                                 .WithContext("all-reduce the gradient statistics"));
+      STRATA_RETURN_IF_ERROR(
+          (AllReduceDoubles(v, ReduceOp::kSum)).WithContext("all-reduce the gradient statistics"));
       st.sum_sq = v[0];
       st.nonfinite_elems = static_cast<uint64_t>(v[1]);
     }
   }
   last.times.grad_stats = NowSec() - ts;
-  STRATA_ASSIGN_OR_RETURN(StepDecision d, internal::DecideStep(*scaler, st, config.max_grad_norm, step));
+  STRATA_ASSIGN_OR_RETURN(StepDecision d,
+                          internal::DecideStep(*scaler, st, config.max_grad_norm, step));
   d.micro_steps = std::max<uint32_t>(grads->micro_steps(), 1);
   grad_read_bytes = grads->micro_steps() > 0 ? 4 : DTypeSize(grads->wire_dtype());
   host_stats = grads->micro_steps() > 0;
@@ -977,10 +973,10 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
       const double t0 = NowSec();
       Status s = grad.status();
       if (s.ok()) {
-        HostSlice slice(trace, {TraceTrack::kCpu, "adam", static_cast<int32_t>(i),
-                                sub_groups[i].elems() * (2 * 4 * arrays + param_bytes +
-                                                         DTypeSize(grad->dtype)),
-                                tiers->on_nvme(i) ? "nvme" : "host"});
+        HostSlice slice(
+            trace, {TraceTrack::kCpu, "adam", static_cast<int32_t>(i),
+                    sub_groups[i].elems() * (2 * 4 * arrays + param_bytes + DTypeSize(grad->dtype)),
+                    tiers->on_nvme(i) ? "nvme" : "host"});
         s = Update(i, state, *grad, staging, d);
       }
       adam_sec += NowSec() - t0;
@@ -1002,9 +998,14 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
     }
     for (uint32_t r : u.read_after) tiers->StartRead(k + r);
     // Params up. A sub-group that failed here still joins the all-gather
-    // (collectives must match) but is not uploaded on this rank.
-    STRATA_RETURN_IF_ERROR(publisher->Publish(i, u.slot, ok ? PublishMode::kUpload
-                                                            : PublishMode::kJoin));
+    // (collectives must match) but is not uploaded on this rank. A failed
+    // publish stops nothing either: the later sub-groups' all-gathers keep
+    // the ranks matched, and the tail below drains the publisher's stream
+    // before the step's closing all-reduce (on another stream) is issued.
+    if (Status s = publisher->Publish(i, u.slot, ok ? PublishMode::kUpload : PublishMode::kJoin);
+        !s.ok()) {
+      fail(std::move(s).WithContext(fmt::format("upload the params of {}", tiers->Name(i))));
+    }
     if (serial) {
       if (Status s = publisher->WaitSlot(u.slot); !s.ok()) {
         fail(std::move(s).WithContext(fmt::format("upload the params of {}", tiers->Name(i))));
@@ -1124,27 +1125,27 @@ void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
 }
 
 Status OffloadOptimizer::Impl::FailedStepError(std::string_view op) const {
-  return FailedPreconditionError(fmt::format(
-      "{}: step {} failed part way and is not finished ({}); its update reached some "
-      "sub-groups only. RetryStep() finishes it with the gradients it kept; loading a "
-      "checkpoint or a state_dict replaces the state",
-      op, pending->step, failure.ToString()));
+  return FailedPreconditionError(
+      fmt::format("{}: step {} failed part way and is not finished ({}); its update reached some "
+                  "sub-groups only. RetryStep() finishes it with the gradients it kept; loading a "
+                  "checkpoint or a state_dict replaces the state",
+                  op, pending->step, failure.ToString()));
 }
 
 // ---- OffloadOptimizer -------------------------------------------------------------
 
 OffloadOptimizer::OffloadOptimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-OffloadOptimizer::~OffloadOptimizer() {
-  if (!impl_) return;
-  // Work in flight uses the buffers: let it finish (errors are the steps' business).
-  if (impl_->grad_stream) impl_->device->StreamSynchronize(impl_->grad_stream).IgnoreError();
-  if (impl_->device_stream) {
-    impl_->device->StreamSynchronize(impl_->device_stream).IgnoreError();
-  }
-  impl_->tiers.reset();
-  impl_->publisher.reset();
-  impl_->grads.reset();
+OffloadOptimizer::~OffloadOptimizer() = default;
+
+OffloadOptimizer::Impl::~Impl() {
+  // Work in flight uses the buffers: let it finish (errors are the steps'
+  // business). Also where Create failed part way.
+  if (grad_stream) device->StreamSynchronize(grad_stream).IgnoreError();
+  if (device_stream) device->StreamSynchronize(device_stream).IgnoreError();
+  tiers.reset();
+  publisher.reset();
+  grads.reset();
 }
 
 Result<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
@@ -1235,10 +1236,10 @@ Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
                       b.data == nullptr ? "data" : "grad"));
     }
     if (p.elems > 0 && b.data == b.grad) {
-      return InvalidArgumentError(fmt::format(
-          "{} {}: data and grad are the same pointer {}; every tensor and grad must be "
-          "registered once",
-          kOp, who, b.data));
+      return InvalidArgumentError(
+          fmt::format("{} {}: data and grad are the same pointer {}; every tensor and grad must be "
+                      "registered once",
+                      kOp, who, b.data));
     }
     p.data = b.data;
     p.grad = b.grad;
@@ -1406,8 +1407,10 @@ Status OffloadOptimizer::UploadParams() {
                    m.config.param_dtype);
       }
     }
-    STRATA_RETURN_IF_ERROR(
-        m.publisher->Publish(i, slot, ok ? PublishMode::kUpload : PublishMode::kJoin));
+    if (Status s = m.publisher->Publish(i, slot, ok ? PublishMode::kUpload : PublishMode::kJoin);
+        !s.ok() && first_error.ok()) {
+      first_error = std::move(s);
+    }
   }
   if (Status s = m.publisher->Finish(); !s.ok() && first_error.ok()) first_error = std::move(s);
   m.publisher->TakeTimes();

@@ -24,7 +24,8 @@ Status ParamPublisher::Init() {
   uint64_t max_elems = 0, host_max_elems = 0;
   for (uint32_t i = 0; i < o_.sub_groups.size(); ++i) {
     max_elems = std::max(max_elems, o_.sub_groups[i].elems());
-    if (i >= o_.device_sub_groups) host_max_elems = std::max(host_max_elems, o_.sub_groups[i].elems());
+    if (i >= o_.device_sub_groups)
+      host_max_elems = std::max(host_max_elems, o_.sub_groups[i].elems());
   }
   STRATA_ASSIGN_OR_RETURN(stream_, dev.CreateStream());
   for (uint32_t s = 0; s < o_.slots; ++s) {
@@ -67,8 +68,8 @@ Status ParamPublisher::Publish(uint32_t i, uint32_t slot, PublishMode mode) {
               auto* dst = static_cast<std::byte*>((*o_.params)[p.tensor].data) +
                           p.tensor_offset_elems * param_bytes_;
               STRATA_RETURN_IF_ERROR(dev.CopyAsync(dst, staging + p.offset_elems * param_bytes_,
-                                                   p.elems * param_bytes_,
-                                                   CopyKind::kHostToDevice, stream_));
+                                                   p.elems * param_bytes_, CopyKind::kHostToDevice,
+                                                   stream_));
             }
             return OkStatus();
           }));
@@ -76,16 +77,18 @@ Status ParamPublisher::Publish(uint32_t i, uint32_t slot, PublishMode mode) {
     return dev.RecordEvent(slot_events_[slot], stream_);
   }
   std::byte* mine = bucket_.as<std::byte>() + o_.rank * elems * param_bytes_;
+  Status up = OkStatus();
   if (mode == PublishMode::kUpload) {
     h2d_bytes_ += elems * param_bytes_;
-    STRATA_RETURN_IF_ERROR(TimedOnStream(
-        dev, stream_, &h2d_clock_, *o_.trace,
-        {TraceTrack::kH2D, "h2d", sg, elems * param_bytes_, nullptr}, [&] {
-          return dev.CopyAsync(mine, staging, elems * param_bytes_, CopyKind::kHostToDevice,
-                               stream_);
-        }));
+    up = TimedOnStream(dev, stream_, &h2d_clock_, *o_.trace,
+                       {TraceTrack::kH2D, "h2d", sg, elems * param_bytes_, nullptr}, [&] {
+                         return dev.CopyAsync(mine, staging, elems * param_bytes_,
+                                              CopyKind::kHostToDevice, stream_);
+                       });
   }
-  STRATA_RETURN_IF_ERROR(GatherAndUnpack(i, mode));
+  // An upload that failed still joins the all-gather: the ranks' collectives match.
+  STRATA_RETURN_IF_ERROR(GatherAndUnpack(i, up.ok() ? mode : PublishMode::kJoin));
+  STRATA_RETURN_IF_ERROR(up);
   return dev.RecordEvent(slot_events_[slot], stream_);
 }
 
@@ -97,9 +100,8 @@ Status ParamPublisher::GatherAndUnpack(uint32_t i, PublishMode mode) {
   std::byte* mine = bucket + o_.rank * elems * param_bytes_;
   STRATA_RETURN_IF_ERROR(TimedOnStream(
       dev, stream_, &comm_clock_, *o_.trace,
-      {TraceTrack::kComm, "all-gather", sg, o_.world * elems * param_bytes_, nullptr}, [&] {
-        return o_.comm->AllGather(mine, bucket, elems, o_.param_dtype, stream_);
-      }));
+      {TraceTrack::kComm, "all-gather", sg, o_.world * elems * param_bytes_, nullptr},
+      [&] { return o_.comm->AllGather(mine, bucket, elems, o_.param_dtype, stream_); }));
   if (mode == PublishMode::kJoin) return OkStatus();
   return TimedOnStream(
       dev, stream_, &device_clock_, *o_.trace,

@@ -100,13 +100,15 @@ class ParamPublisher {
 
   ParamPublisherOptions o_;
   size_t param_bytes_ = 2;
-  Stream stream_;
   std::vector<PinnedBuffer> staging_;
   std::vector<Event> slot_events_;
   Event user_event_, done_event_;
   DeviceBuffer bucket_;  // several ranks
   StageClock h2d_clock_, comm_clock_, device_clock_;
   uint64_t h2d_bytes_ = 0;
+  // Last, so destroyed first: that waits for the queued copies, which use
+  // the buffers above (a step that failed part way leaves some queued).
+  Stream stream_;
 };
 
 }  // namespace strata::internal

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/testing/fault_comm.h"
 #include "runtime/testing/fault_storage.h"
 #include "runtime/testing/test_util.h"
 #include "tests/checkpoint/checkpoint_test_util.h"
@@ -96,8 +97,8 @@ INSTANTIATE_TEST_SUITE_P(
         // Every tier, and across fractions.
         RoundTripCase{"device_half_to_host", Where::kMixed, Where::kHost, OptimizerType::kAdamW,
                       0.5, 0.0},
-        RoundTripCase{"host_to_device_all", Where::kHost, Where::kHost, OptimizerType::kAdamW,
-                      0.0, 1.0},
+        RoundTripCase{"host_to_device_all", Where::kHost, Where::kHost, OptimizerType::kAdamW, 0.0,
+                      1.0},
         RoundTripCase{"device_mixed_to_device_nvme", Where::kMixed, Where::kNvme,
                       OptimizerType::kAdam, 0.3, 0.7}),
     [](const ::testing::TestParamInfo<RoundTripCase>& info) { return info.param.name; });
@@ -848,6 +849,70 @@ TEST(FailedSaveTest, APublishThatFailsAfterItsRenameKeepsTheSaveLatestJsonNames)
   Status s = check.Load(dir.path());
   ASSERT_TRUE(s.ok()) << s;
   ExpectSameSnapshot(*TakeSnapshot(check), *TakeSnapshot(c));
+}
+
+// The ranks cannot agree whether a save failed (the all-reduce itself fails):
+// each rank's own error comes first, nothing is removed (a rank that saw the
+// agreement succeed could publish the save), the message names the directory
+// left, and the previous save stays current.
+TEST(FailedSaveTest, AnAgreementThatFailsKeepsEachRanksErrorAndTheFiles) {
+  struct Case {
+    std::string what;
+    int agreement;  // 0 the lock, 1 the save's id, 2 the written parts, 3 the publish
+    std::string fail_open;
+    int failing_rank;
+  };
+  for (const Case& k : std::vector<Case>{{"rank 1's manifest", 2, "rank00001.json", 1},
+                                         {"latest.json", 3, "latest.json", 0}}) {
+    SCOPED_TRACE(k.what);
+    const uint64_t seed = TestSeed();
+    TempDir dir;
+    std::vector<testing::FaultComm*> comms(2);
+    Cluster c(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed,
+              testing::kCkptSizes, [&](int r, std::unique_ptr<Communicator> base) {
+                auto comm = std::make_unique<testing::FaultComm>(std::move(base));
+                comms[r] = comm.get();
+                return comm;
+              });
+    ASSERT_TRUE(c.status().ok());
+    ASSERT_TRUE(c.Train(seed, 2).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    const Snapshot first = *TakeSnapshot(c);
+    const std::vector<std::string> before = testing::DirNames(dir.path());
+
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    RiggedStorage rigged;
+    rigged.fail_open = k.fail_open;
+    for (testing::FaultComm* comm : comms) comm->Fail(testing::CommCall::kAllReduce, k.agreement);
+    std::vector<Status> status(2);
+    ASSERT_FALSE(c.Run([&](int r) {
+                    return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
+                  }).ok());
+    std::vector<std::string> left;
+    for (const std::string& name : testing::DirNames(dir.path())) {
+      if (std::find(before.begin(), before.end(), name) == before.end()) left.push_back(name);
+    }
+    ASSERT_EQ(left.size(), 1u) << "the save's directory is left";
+    EXPECT_FALSE(testing::DirNames(dir.File(left[0])).empty()) << "and its files";
+    for (int r = 0; r < 2; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      if (r == k.failing_rank) {
+        EXPECT_EQ(status[r].code(), StatusCode::kResourceExhausted) << status[r];
+        ExpectMentions(status[r], "open " + dir.path());
+        ExpectMentions(status[r], k.fail_open);
+      } else {
+        EXPECT_EQ(status[r].code(), StatusCode::kUnavailable) << status[r];
+      }
+      ExpectMentions(status[r], "the ranks could not agree on the outcome (rank " +
+                                    std::to_string(r) + ": the communicator broke)");
+      ExpectMentions(status[r], dir.File(left[0]) + " is left as it is");
+    }
+    Cluster check(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed + 1);
+    ASSERT_TRUE(check.status().ok());
+    Status s = check.Load(dir.path());
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectSameSnapshot(*TakeSnapshot(check), first);
+  }
 }
 
 // ---- Retention ------------------------------------------------------------------

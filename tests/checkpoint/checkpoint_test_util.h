@@ -68,14 +68,22 @@ inline OffloadConfig CkptConfig(Where where, OptimizerType optimizer = Optimizer
   return config;
 }
 
+// Wraps rank r's communicator (a test's fault injection).
+using CommWrapper =
+    std::function<std::unique_ptr<Communicator>(int rank, std::unique_ptr<Communicator>)>;
+
 // The trainers of `world` ranks: one model, one optimizer and one stream each.
 class Cluster {
  public:
   Cluster(int world, const OffloadConfig& config, uint64_t param_seed,
-          const std::vector<uint64_t>& sizes = kCkptSizes)
+          const std::vector<uint64_t>& sizes = kCkptSizes, const CommWrapper& wrap = {})
       : world_(world) {
     device_ = std::move(*CreateHostDevice());
     if (world > 1) comms_ = std::move(*CreateLocalGroup(world, *device_));
+    if (wrap) {
+      for (int r = 0; r < static_cast<int>(comms_.size()); ++r)
+        comms_[r] = wrap(r, std::move(comms_[r]));
+    }
     for (int r = 0; r < world; ++r) {
       storages_.push_back(CreateMemStorage());
       streams_.push_back(std::move(*device_->CreateStream()));

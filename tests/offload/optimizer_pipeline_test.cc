@@ -1,6 +1,7 @@
 // The engine's pipeline as a whole: the overlapped step takes about its
 // slowest stage, not the sum of its stages; serial and overlapped modes agree
-// bit for bit; several ranks fail Create together.
+// bit for bit; several ranks fail Create together; a step whose collective
+// fails is retried to the same result.
 //
 // Overlap: the stages are made slow by sleeping, not by work, so that the test
 // holds on a loaded 2-core machine and under TSan: the host device caps the
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "offload/optimizer.h"
+#include "runtime/testing/fault_comm.h"
 #include "runtime/testing/fault_storage.h"
 #include "tests/offload/optimizer_test_util.h"
 #include "tests/offload/test_seed.h"
@@ -186,8 +188,8 @@ TEST(EngineTrace, TheTimelineShowsTheStagesOfDifferentSubGroupsOverlapping) {
   const int32_t resident_from = static_cast<int32_t>(kSubGroups) - 4;
   EXPECT_EQ(opt->last_step().resident_bytes, 4 * opt->last_step().read_bytes / resident_from);
   for (int32_t i = 0; i < static_cast<int32_t>(kSubGroups); ++i) {
-    for (TraceTrack t : {TraceTrack::kDevice, TraceTrack::kD2H, TraceTrack::kCpu,
-                         TraceTrack::kH2D, TraceTrack::kNvmeWrite}) {
+    for (TraceTrack t : {TraceTrack::kDevice, TraceTrack::kD2H, TraceTrack::kCpu, TraceTrack::kH2D,
+                         TraceTrack::kNvmeWrite}) {
       ASSERT_TRUE(slice.count({t, i})) << TraceTrackName(t) << " of sub-group " << i;
     }
     EXPECT_EQ(slice.count({TraceTrack::kNvmeRead, i}), i < resident_from ? 1u : 0u)
@@ -341,6 +343,122 @@ void RunCreateFailsOnOneRank(FailAt fail_at) {
 TEST(EngineCreate, PlanRefusedOnOneRankFailsEveryRank) { RunCreateFailsOnOneRank(FailAt::kPlan); }
 TEST(EngineCreate, StateWriteFailingOnOneRankFailsEveryRank) {
   RunCreateFailsOnOneRank(FailAt::kStateWrite);
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// Two ranks on one host device, each with a FaultComm over the local group.
+class TwoRanks {
+ public:
+  static constexpr int kWorld = 2;
+  explicit TwoRanks(uint64_t seed) {
+    device_ = *CreateHostDevice({.h2d_bytes_per_sec = 256.0 * 1024});  // 2 KiB: ~8 ms
+    auto comms =
+        *CreateLocalGroup(kWorld, *device_, {.rendezvous_timeout = std::chrono::seconds(20)});
+    OffloadConfig config;
+    config.param_dtype = DType::kBF16;
+    config.sub_group_elems = 1024;
+    config.buffer_count = 4;
+    config.threads = kCpuThreads;
+    const std::vector<uint64_t> sizes = {3000, 5000};
+    for (int r = 0; r < kWorld; ++r) {
+      faults_.push_back(std::make_unique<testing::FaultComm>(std::move(comms[r])));
+      models_.push_back(std::make_unique<TestModel>(*device_, sizes, std::vector<uint32_t>{0, 0},
+                                                    DType::kBF16, DType::kF32));
+      std::mt19937_64 same(seed);
+      models_[r]->SetParams(same);
+      storages_.push_back(CreateMemStorage());
+      streams_.push_back(*device_->CreateStream());
+    }
+    opts_.resize(kWorld);
+    status_ = OnEveryRank([&](int r) -> Status {
+      STRATA_ASSIGN_OR_RETURN(
+          opts_[r],
+          OffloadOptimizer::Create({.device = device_.get(),
+                                    .comm = faults_[r].get(),
+                                    .storage = storages_[r].get(),
+                                    .stream = streams_[r]},
+                                   config, models_[r]->Groups(std::vector<GroupHyper>{{}})));
+      return OkStatus();
+    });
+  }
+  // fn(rank) on a thread per rank; the status of each.
+  std::vector<Status> OnEveryRank(const std::function<Status(int)>& fn) {
+    std::vector<Status> status(kWorld);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kWorld; ++r) threads.emplace_back([&, r] { status[r] = fn(r); });
+    for (auto& t : threads) t.join();
+    return status;
+  }
+  std::vector<Status> create_status() const { return status_; }
+  testing::FaultComm& fault(int r) { return *faults_[r]; }
+  TestModel& model(int r) { return *models_[r]; }
+  OffloadOptimizer& opt(int r) { return *opts_[r]; }
+  void DestroyOptimizers() { opts_.clear(); }
+
+ private:
+  std::unique_ptr<Device> device_;
+  std::vector<std::unique_ptr<testing::FaultComm>> faults_;
+  std::vector<std::unique_ptr<TestModel>> models_;
+  std::vector<std::unique_ptr<Storage>> storages_;
+  std::vector<Stream> streams_;
+  std::vector<std::unique_ptr<OffloadOptimizer>> opts_;
+  std::vector<Status> status_;
+};
+
+// A step that fails while params go up (the communicator breaks at the
+// second sub-group's all-gather) fails on every rank, naming the broken call;
+// the trainer then zeroes its grads, and RetryStep gives bitwise the params
+// and state of a step that never failed. Destroying the optimizers at once is
+// safe.
+TEST(EngineFailure, AStepWhoseAllGatherFailsIsRetriedToTheSameResult) {
+  const uint64_t seed = TestSeed();
+  TwoRanks failing(seed), clean(seed);
+  for (int r = 0; r < TwoRanks::kWorld; ++r) {
+    ASSERT_TRUE(failing.create_status()[r].ok()) << failing.create_status()[r];
+    ASSERT_TRUE(clean.create_status()[r].ok()) << clean.create_status()[r];
+  }
+  std::mt19937_64 rng(seed + 1);
+  for (int r = 0; r < TwoRanks::kWorld; ++r) {
+    const auto grads = failing.model(r).RandomGrads(rng, 0.5f);
+    failing.model(r).SetGrads(grads);
+    clean.model(r).SetGrads(grads);
+  }
+  for (const Status& s : clean.OnEveryRank([&](int r) { return clean.opt(r).Step(); })) {
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  for (int r = 0; r < TwoRanks::kWorld; ++r)
+    failing.fault(r).Fail(testing::CommCall::kAllGather, 1);
+  for (const Status& s : failing.OnEveryRank([&](int r) { return failing.opt(r).Step(); })) {
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("the communicator broke"), std::string::npos) << s;
+  }
+  for (int r = 0; r < TwoRanks::kWorld; ++r) {
+    failing.model(r).SetGrads(std::vector<std::vector<float>>{std::vector<float>(3000, 0.0f),
+                                                              std::vector<float>(5000, 0.0f)});
+  }
+  for (const Status& s : failing.OnEveryRank([&](int r) { return failing.opt(r).RetryStep(); })) {
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  for (int r = 0; r < TwoRanks::kWorld; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    for (size_t t = 0; t < 2; ++t) {
+      EXPECT_EQ(failing.model(r).ParamBytes(t), clean.model(r).ParamBytes(t)) << "tensor " << t;
+    }
+    OffloadOptimizer& a = failing.opt(r);
+    for (uint32_t i = 0; i < a.sub_groups().size(); ++i) {
+      const uint64_t n = a.sub_groups()[i].elems() * a.StateArrayCount();
+      std::vector<float> x(n), y(n);
+      ASSERT_TRUE(a.ReadState(i, x).ok());
+      ASSERT_TRUE(clean.opt(r).ReadState(i, y).ok());
+      EXPECT_EQ(0, std::memcmp(x.data(), y.data(), n * 4)) << "sub-group " << i;
+    }
+  }
+  failing.DestroyOptimizers();
 }
 
 }  // namespace
