@@ -324,6 +324,8 @@ class Engine {
   }
   // The step state machine (offload/optimizer.h).
   void RetryStep() { Run("retry_step", [&] { return HostSync(opt_->RetryStep()); }); }
+  // The params from the committed master weights (a collective).
+  void UploadParams() { Run("upload_params", [&] { return HostSync(opt_->UploadParams()); }); }
   bool step_failed() const { return opt_->step_state() == StepState::kFailed; }
   std::string step_failure() const {
     return opt_->step_failure().ok() ? "" : EscapeNonUtf8(opt_->step_failure().ToString());
@@ -701,6 +703,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("check_counters", &Engine::CheckCounters)
       .def("layout", &Engine::Layout)
       .def("retry_step", &Engine::RetryStep)
+      .def("upload_params", &Engine::UploadParams)
       .def_property_readonly("step_failed", &Engine::step_failed)
       .def_property_readonly("step_failure", &Engine::step_failure)
       .def("rebind_params", &Engine::RebindParams)

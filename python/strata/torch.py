@@ -47,6 +47,10 @@ _BUFFER_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 _STATE_DICT_VERSION = 1
+# Each registered param -> a weak reference to the OffloadAdam that trains it:
+# a second optimizer over the same tensor would overwrite the first one's update.
+_OWNERS = {}  # id(param) -> (weakref to the param, weakref to its OffloadAdam)
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
 
 
 def _trace_steps(where, value, none_ok=False):
@@ -125,6 +129,33 @@ def _check_hyper(where, lr, betas, eps, weight_decay):
             raise ValueError(f"OffloadAdam: {where}{field} is {value!r}; it must be {allowed}")
         if not (math.isfinite(v) and ok(v)):
             raise ValueError(f"OffloadAdam: {where}{field} is {value}; it must be {allowed}")
+
+
+def _check_flags(where, group):
+    """ValueError for a torch.optim Adam option OffloadAdam does not run, set in a group."""
+    for flag in _UNSUPPORTED_FLAGS:
+        if group.get(flag):
+            raise ValueError(f"OffloadAdam: {where} has {flag}=True; OffloadAdam runs Adam/AdamW "
+                             f"without {flag}: drop it (or use torch.optim for this model)")
+
+
+def _check_unique(groups):
+    """ValueError naming both places where one tensor is listed twice."""
+    seen = {}
+    for gi, g in enumerate(groups):
+        for pi, p in enumerate(g["params"]):
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            if id(p) in seen:
+                raise ValueError(f"OffloadAdam: {where} is the same tensor as {seen[id(p)]} "
+                                 f"(shape {tuple(p.shape)}); list each param once")
+            seen[id(p)] = where
+
+
+def _number(where, key, value):
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"OffloadAdam: {where}{key} is {value!r}; it must be a number") from None
 
 
 def _non_finite(tree, path=""):
@@ -276,6 +307,14 @@ def _one_thread(method):
     return run
 
 
+class _Closed:
+    """The engine of an OffloadAdam after close(): every use raises."""
+
+    def __getattr__(self, name):
+        raise StrataError(f"OffloadAdam: the optimizer was closed (close() or the end of its "
+                          f"`with` block); {name} needs its engine: build a new OffloadAdam")
+
+
 class _Registered:
     """A param the engine holds pointers to, as it was when registered (or rebound)."""
     __slots__ = ("param", "name", "where", "ptr", "grad_ptr", "shape", "dtype", "device")
@@ -306,7 +345,9 @@ class OffloadAdam(torch.optim.Optimizer):
             one dtype: float32, float16 (dynamic loss scaling, see below) or
             bfloat16.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (finite, lr >= 0,
-            betas in [0, 1), eps > 0, weight_decay >= 0).
+            betas in [0, 1), eps > 0, weight_decay >= 0). weight_decay defaults
+            to 0, as DeepSpeed's CPU Adam does; ``torch.optim.AdamW``'s default is
+            0.01: pass it when replacing an AdamW built without one.
         adamw: True: decoupled weight decay (``AdamW``); False: L2 decay added
             to the gradient (``torch.optim.Adam(weight_decay=...)``).
         max_grad_norm: clip by global L2 norm, exactly like
@@ -373,7 +414,11 @@ class OffloadAdam(torch.optim.Optimizer):
     param whose storage was replaced with the same shape and dtype
     (``model.double().float()``, ``p.data = p.data.clone()``, moves that
     reallocate) is re-registered; any other change raises an error that names
-    the param and what changed. The engine never touches freed memory.
+    the param and what changed. The engine never touches freed memory. Values
+    written into a param between steps (``model.load_state_dict``, in-place
+    ops under ``torch.no_grad()``) are where its next step starts; after a
+    write through ``p.data`` call ``reload_params()``. ``close()`` releases the
+    engine; an OffloadAdam cannot be copied or pickled.
 
     Gradients: ``step()`` reads each registered param's ``.grad``. Params with
     ``requires_grad=False`` at construction are not registered (never
@@ -431,6 +476,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._owner = None  # (thread id, method) inside a _one_thread method
         self._state_version = 0  # + 1 whenever the state may change (iter_state checks it)
         self._owner_lock = threading.Lock()
+        if isinstance(params, torch.Tensor):
+            raise TypeError("OffloadAdam: params argument given to the optimizer should be an "
+                            f"iterable of Tensors or dicts, but got {torch.typename(params)}")
         config = _config_dict(config)
         bad = _non_finite(config)
         if bad:
@@ -483,12 +531,14 @@ class OffloadAdam(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             _check_hyper(f"param_groups[{gi}]: ", g["lr"], g["betas"], g["eps"],
                          g["weight_decay"])
+            _check_flags(f"param_groups[{gi}]", g)
 
         # Frozen params (requires_grad=False) are not registered: the engine
         # would decay them, torch.optim leaves them alone.
         tensors = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not tensors:
             raise ValueError("OffloadAdam: no param requires grad; nothing to optimize")
+        _check_unique(self.param_groups)
         devices = sorted({str(p.device) for p in tensors})
         if len(devices) != 1:
             raise ValueError(f"OffloadAdam: params on more than one device ({', '.join(devices)}); "
@@ -577,6 +627,16 @@ class OffloadAdam(torch.optim.Optimizer):
                     where = f"param_groups[{gi}]['params'][{pi}]"
                     self._reg.append(_Registered(p, self._names.get(id(p), ""), where))
         self._group_ids = [[id(p) for p in g["params"]] for g in self.param_groups]
+        for key in [key for key, (p, o) in _OWNERS.items() if p() is None or o() is None]:
+            del _OWNERS[key]
+        for k, r in enumerate(self._reg):
+            param, owner = _OWNERS.get(id(r.param), (lambda: None, None))
+            if param() is r.param:
+                raise ValueError(
+                    f"OffloadAdam: {r.describe(k)} is already trained by another OffloadAdam "
+                    "that is alive; each would overwrite the other's update with its own "
+                    "master weights. Give each param to one optimizer (or drop the other one "
+                    "first: `del optimizer`, or optimizer.close())")
         # One dense grad buffer per param; the engine reads grads from these.
         self._grad_bufs = [torch.zeros_like(r.param, memory_format=torch.contiguous_format)
                            for r in self._reg]
@@ -627,6 +687,12 @@ class OffloadAdam(torch.optim.Optimizer):
         self._engine = _strata.Engine(device, json.dumps(self._config, allow_nan=False), groups,
                                       comm, stream)
         self._hypers = [self._hyper_of(g) for g in self.param_groups]
+        me = weakref.ref(self)
+        for r in self._reg:
+            _OWNERS[id(r.param)] = (weakref.ref(r.param), me)
+        # Each param's torch version counter when the engine last wrote it or took it
+        # as the master weight: a bump means the trainer wrote into it (see _adopt).
+        self._versions = [r.param._version for r in self._reg]
         # The step trace: steps kept by trace= (recording since construction), and
         # whether a trace() block records now.
         self._trace_steps = trace_steps
@@ -645,14 +711,22 @@ class OffloadAdam(torch.optim.Optimizer):
     # --- torch.optim.Optimizer interface ---
 
     @staticmethod
-    def _hyper_of(group):
-        return {"lr": float(group["lr"]), "betas": tuple(float(b) for b in group["betas"]),
-                "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"])}
+    def _hyper_of(group, where=""):
+        betas = group["betas"]
+        if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) \
+                or len(betas) != 2:
+            raise ValueError(f"OffloadAdam: {where}betas is {betas!r}; give two numbers "
+                             "(beta1, beta2)")
+        return {"lr": _number(where, "lr", group["lr"]),
+                "betas": tuple(_number(where, f"betas[{i}]", b) for i, b in enumerate(betas)),
+                "eps": _number(where, "eps", group["eps"]),
+                "weight_decay": _number(where, "weight_decay", group["weight_decay"])}
 
     def _sync_hypers(self):
         """Hands the groups' current hyperparameters (schedulers change them) to the engine."""
         for gi, g in enumerate(self.param_groups):
-            h = self._hyper_of(g)
+            _check_flags(f"param_groups[{gi}]", g)
+            h = self._hyper_of(g, f"param_groups[{gi}]: ")
             if h != self._hypers[gi]:
                 _check_hyper(f"param_groups[{gi}]: ", h["lr"], h["betas"], h["eps"],
                              h["weight_decay"])
@@ -673,10 +747,9 @@ class OffloadAdam(torch.optim.Optimizer):
                 "(the current .grad are not used), or load_checkpoint()/load_state_dict() to "
                 "replace the state")
 
-    def _check_params(self, op):
-        """Compares every param with what the engine registered: re-registers a param
-        whose storage was replaced (same shape, dtype, device), raises for any other
-        change, naming the param. The engine never sees a stale pointer."""
+    def _check_groups_unchanged(self, op):
+        """RuntimeError naming the group when the groups' param lists are not the ones
+        the optimizer was built with."""
         if len(self.param_groups) != len(self._group_ids):
             raise RuntimeError(
                 f"OffloadAdam.{op}: param_groups has {len(self.param_groups)} groups; the "
@@ -697,6 +770,16 @@ class OffloadAdam(torch.optim.Optimizer):
                         "was built, so it is not registered and would never be trained: build "
                         "the optimizer after unfreezing (or give frozen params their own "
                         "optimizer)")
+
+    def _check_params(self, op, strict=True):
+        """Compares every param with what the engine registered: re-registers a param
+        whose storage was replaced (same shape, dtype, device), raises for any other
+        change, naming the param. The engine never sees a stale pointer. Returns the
+        indices of the params re-registered; with strict=False nothing is raised and
+        the indices of the params changed otherwise come second."""
+        if strict:
+            self._check_groups_unchanged(op)
+        problems = []
         moved = []
         for k, r in enumerate(self._reg):
             p = r.param
@@ -728,10 +811,58 @@ class OffloadAdam(torch.optim.Optimizer):
                     # Same shape, dtype and device in new memory (also while a failed
                     # step awaits retry_step(): it kept the grads it did not apply).
                     moved.append(k)
-            if what:
+            if what and strict:
                 raise RuntimeError(f"OffloadAdam.{op}: {r.describe(k)} {what}")
+            if what:
+                problems.append(k)
         if moved:
             self._rebind(moved)
+        return moved if strict else (moved, problems)
+
+    def _written(self, moved=()):
+        """The params the trainer may have written since the engine last did: their
+        torch version counter moved (in-place writes: model.load_state_dict, clamp_ or
+        copy_ under no_grad), or their storage was replaced (`moved`)."""
+        changed = set(moved)
+        changed.update(k for k, r in enumerate(self._reg)
+                       if r.param._version != self._versions[k])
+        return sorted(changed)
+
+    def _mark_versions(self):
+        """The params as they are now are what the engine holds."""
+        self._versions = [r.param._version for r in self._reg]
+
+    @torch.no_grad()
+    def _adopt(self, indices):
+        """For params `indices`: every element whose value differs from what the engine
+        last wrote there (the fp32 master weight in the param's dtype) becomes the master
+        weight; the moments stay. Elements the trainer left alone keep their fp32 master
+        (a version bump without a change costs one read of the state, no precision)."""
+        layout = self._engine.layout()
+        n = self._engine.state_array_count
+        bits = {torch.float32: torch.int32, torch.float16: torch.int16,
+                torch.bfloat16: torch.int16}[self._dtype]
+        for sg, (begin, end) in enumerate(self._engine.sub_groups()):
+            hits = []
+            for k in indices:
+                offset, elems = layout[k]
+                lo, hi = max(begin, offset), min(end, offset + elems)
+                if lo < hi:
+                    hits.append((k, offset, lo, hi))
+            if not hits:
+                continue
+            arr = torch.empty((end - begin) * n, dtype=torch.float32)
+            self._engine.read_state(sg, arr.data_ptr(), arr.numel())
+            changed = False
+            for k, offset, lo, hi in hits:
+                value = self._reg[k].param.detach().reshape(-1)[lo - offset:hi - offset].to("cpu")
+                master = arr[lo - begin:hi - begin]
+                differ = value.view(bits) != master.to(self._dtype).view(bits)
+                if bool(differ.any()):
+                    master[differ] = value[differ].to(torch.float32)
+                    changed = True
+            if changed:
+                self._engine.write_state(sg, arr.data_ptr(), arr.numel())
 
     def _rebind(self, moved):
         """Re-registers the params in `moved` at their new storage (and grad buffer), in
@@ -811,6 +942,39 @@ class OffloadAdam(torch.optim.Optimizer):
             except Exception:  # torch torn down first at interpreter exit
                 pass
 
+    def __getstate__(self):
+        raise TypeError(
+            "OffloadAdam cannot be copied or pickled: its state lives in the engine (pinned "
+            "memory, NVMe files, a lock on nvme_path), not in Python objects. Save "
+            "optimizer.state_dict() (or save_checkpoint(dir)) and load it into a new "
+            "OffloadAdam built over the new model's params")
+
+    def __deepcopy__(self, memo):
+        self.__getstate__()
+
+    @_one_thread
+    def close(self):
+        """Releases the engine now: its host memory, its NVMe files and the lock on
+        nvme_path (as `del optimizer` does once nothing else refers to it). Any later
+        call raises. Also `with OffloadAdam(...) as optimizer:`."""
+        if isinstance(self._engine, _Closed):
+            return
+        for handle, _ in self._hooks.values():
+            handle.remove()
+        self._hooks = {}
+        for r in self._reg:
+            param, owner = _OWNERS.get(id(r.param), (None, None))
+            if owner is not None and owner() is self:
+                del _OWNERS[id(r.param)]
+        self._engine = _Closed()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
     def _registered_ids(self):
         ids = getattr(self, "_reg_ids", None)
         if ids is None:
@@ -838,6 +1002,12 @@ class OffloadAdam(torch.optim.Optimizer):
             fn()
         except StrataError as e:
             if self._engine.step_failed:
+                if str(e).startswith("DataLoss"):
+                    raise StrataError(
+                        f"{e}\nOffloadAdam: the step failed part way on state that is damaged: "
+                        "load_checkpoint() or load_state_dict() replaces the state (a "
+                        "retry_step() reads the same bytes again: only after the file was "
+                        "restored)") from e
                 raise StrataError(
                     f"{e}\nOffloadAdam: the step failed part way; call retry_step() to finish "
                     "it (once the cause is fixed), or load_checkpoint()/load_state_dict() to "
@@ -858,7 +1028,12 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._overlap_error:
             raise RuntimeError(f"{self._overlap_error}. Call zero_grad() and run the backward "
                                "again")
-        self._check_params("step")
+        moved = self._check_params("step")
+        written = self._written(moved)
+        if written:
+            self._state_version += 1
+            self._adopt(written)
+            self._mark_versions()
         self._sync_hypers()
         for k, (r, buf) in enumerate(zip(self._reg, self._grad_bufs)):
             if self._reported[k]:
@@ -895,6 +1070,32 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_params("retry_step")
         self._state_version += 1
         self._run(self._engine.retry_step)
+        self._mark_versions()  # the retry wrote every param
+
+    @_one_thread
+    @torch.no_grad()
+    def reload_params(self, params=None):
+        """Takes the params' current values as the fp32 master weights wherever they
+        differ from what the optimizer last wrote there (elementwise; the moments stay).
+        step() does this by itself for every write torch tracks (model.load_state_dict,
+        in-place ops under torch.no_grad(), a replaced storage); a write through
+        ``p.data`` (``p.data.clamp_(-c, c)``) is invisible to torch: call this after it.
+        params: tensors of this optimizer (default: every param)."""
+        self._refuse_if_failed("reload_params")
+        moved = self._check_params("reload_params")
+        indices = set(self._written(moved))
+        if params is None:
+            indices.update(range(len(self._reg)))
+        else:
+            index = {id(r.param): k for k, r in enumerate(self._reg)}
+            for i, p in enumerate([params] if isinstance(params, torch.Tensor) else params):
+                if id(p) not in index:
+                    raise ValueError(f"OffloadAdam.reload_params: params[{i}] (shape "
+                                     f"{tuple(p.shape)}) is not a param this optimizer trains")
+                indices.add(index[id(p)])
+        self._state_version += 1
+        self._adopt(sorted(indices))
+        self._mark_versions()
 
     @property
     def step_failed(self):
@@ -905,7 +1106,14 @@ class OffloadAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=False):
         """Zeroes the grads. set_to_none=False (default) points each param's .grad
         at the engine's zeroed buffer, so the next backward accumulates in place."""
-        self._engine.zero_grad()
+        # A param or grad buffer whose storage was replaced since the last step
+        # (model.double().float() swaps a grad's storage too) is re-registered first:
+        # the engine never zeroes freed memory.
+        # The engine zeroes what it holds; a grad buffer changed otherwise (model.half()
+        # gives it new storage of another dtype) is left to step(), which names it.
+        _, problems = self._check_params("zero_grad", strict=False)
+        if all(self._grad_bufs[k].data_ptr() == self._reg[k].grad_ptr for k in problems):
+            self._engine.zero_grad()
         self._reported = bytearray(len(self._reg))
         self._overlap_error = None
         for r, buf in zip(self._reg, self._grad_bufs):
@@ -978,8 +1186,14 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError("OffloadAdam.load_state_dict: not an optimizer state_dict (no "
                              "'state' and 'param_groups')")
         self._state_version += 1
+        failed = self._engine.step_failed
         if isinstance(state, dict) and "strata" in state:
             self._load_strata_state(state["strata"], saved_groups)
+            if failed:
+                # The failed step wrote some params already: they follow the loaded
+                # master weights again (a collective, like the failed step).
+                self._check_params("load_state_dict")
+                self._run(self._engine.upload_params)
         else:
             self._check_groups_match(saved_groups)
             self._load_torch_adam_state(state, saved_groups)
@@ -988,6 +1202,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = v
         self._sync_hypers()
+        self._mark_versions()
 
     def _check_groups_match(self, saved_groups):
         if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(
@@ -1138,6 +1353,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_params("load_checkpoint")
         self._state_version += 1
         self._engine.load(os.fspath(directory))
+        self._mark_versions()  # the load wrote every param
         for gi, g in enumerate(self.param_groups):
             if self._engine_group[gi] is None:
                 continue

@@ -1,6 +1,7 @@
 """Misuse loses nothing: a step that failed part way, state that comes in
 (validated whole before anything is written), two optimizers on one
 nvme_path, bad numbers, and the export to a model that load_state_dict takes."""
+import copy
 import json
 import math
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import strata
-from strata.torch import OffloadAdam, export_checkpoint, state_dict_from_checkpoint
+from strata.torch import OffloadAdam, StrataError, export_checkpoint, state_dict_from_checkpoint
 
 ATOL, RTOL = 2e-6, 1e-5
 
@@ -150,6 +151,33 @@ def test_a_failed_step_is_recovered_by_loading_a_checkpoint(tmp_path):
     opt.zero_grad()
     train(model, opt, 1)
     assert opt.step_count == 3
+
+
+def test_a_failed_step_recovered_by_load_state_dict_rewrites_the_params(tmp_path):
+    """The failed step had written some params already: a state_dict() load puts
+    them back with the master weights, and the next step is the clean run's."""
+    kw = nvme(tmp_path)
+    model, ref_model = Net(), Net()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **kw)
+    ref = OffloadAdam(ref_model.parameters(), lr=1e-2, **nvme(tmp_path, "ref"))
+    train(model, opt, 2)
+    train(ref_model, ref, 2)
+    sd = opt.state_dict()
+    saved = [p.detach().clone() for p in model.parameters()]
+    Corrupt(state_file(kw))  # a lasting fault
+    backward(model, 2)
+    with pytest.raises(strata.StrataError, match=r"(?s)DataLoss.*load_checkpoint\(\) or "
+                                                 r"load_state_dict\(\) replaces"):
+        opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), saved)), \
+        "the failed step wrote some params (else this test shows nothing)"
+    opt.load_state_dict(sd)
+    assert not opt.step_failed
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved))
+    opt.zero_grad()
+    train(model, opt, 1, 2)
+    train(ref_model, ref, 1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
 # ---- State that comes in is validated before anything is written --------------------
@@ -576,3 +604,49 @@ def test_iter_state_refuses_to_mix_two_steps():
     with pytest.raises(strata.StrataError, match="after 1 of its sub-groups were read"):
         next(states)
     assert len(list(opt.iter_state())) > 1  # a fresh read, between steps, works
+
+
+def test_what_torch_would_accept_and_offloadadam_cannot_run_is_refused():
+    w, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(TypeError, match="iterable of Tensors"):
+        OffloadAdam(w)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is the same tensor "
+                                         r"as param_groups\[0\]\['params'\]\[0\]"):
+        OffloadAdam([w, w])
+    for flag in ("amsgrad", "maximize"):
+        with pytest.raises(ValueError, match=rf"param_groups\[0\] has {flag}=True"):
+            OffloadAdam([{"params": [w], flag: True}])
+    opt = OffloadAdam([{"params": [w, b], "foreach": True}])  # a torch hint: harmless
+    with pytest.raises(ValueError, match="already trained by another OffloadAdam"):
+        OffloadAdam([b])
+    opt.param_groups[0]["maximize"] = True
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has maximize=True"):
+        opt.step()
+    opt.param_groups[0]["maximize"] = False
+    for key, value, message in (("lr", None, r"lr is None; it must be a number"),
+                                ("betas", 0.9, r"betas is 0.9; give two numbers"),
+                                ("betas", (0.9, "x"), r"betas\[1\] is 'x'; it must be a number")):
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=r"param_groups\[0\]: " + message):
+            opt.step()
+        opt.param_groups[0][key] = good
+    opt.step()
+
+
+def test_copying_or_pickling_is_refused_and_close_releases_the_engine(tmp_path):
+    import pickle
+    model = Net()
+    opt = OffloadAdam(model.parameters(), **nvme(tmp_path))
+    for copy_it in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            copy_it(opt)
+    train(model, opt, 1)
+    opt.close()
+    with pytest.raises(StrataError, match="the optimizer was closed"):
+        opt.step()
+    # Its nvme_path and its params are free again, while the old object lives.
+    with OffloadAdam(model.parameters(), **nvme(tmp_path)) as again:
+        train(model, again, 1)
+    with pytest.raises(StrataError, match="the optimizer was closed"):
+        again.state_dict()

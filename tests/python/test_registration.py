@@ -94,22 +94,21 @@ def test_replaced_storage_is_reregistered_and_training_is_unchanged(how, offload
 def test_params_that_trade_storage_are_reregistered():
     """New storage where another param's old storage was (allocators reuse freed
     blocks; here two params swap theirs): every param is re-registered at once, and
-    the engine's master weights stay each param's own."""
+    each continues from the values it now holds, as with torch.optim."""
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
                                    torch.nn.Linear(4, 4, bias=False))
     ours, twin = model(), model()
     opt = OffloadAdam(ours.parameters(), lr=1e-2)
-    opt_twin = OffloadAdam(twin.parameters(), lr=1e-2)
-    a, b = ours[0].weight, ours[1].weight
-    a.data, b.data = b.data, a.data
+    opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.0)
     for m, o in ((ours, opt), (twin, opt_twin)):
+        a, b = m[0].weight, m[1].weight
+        a.data, b.data = b.data, a.data
         for i, p in enumerate(m.parameters()):
             p.grad = torch.full_like(p, 0.1 * (i + 1))
         o.step()
-    for p, q in zip(ours.parameters(), twin.parameters()):
-        assert torch.equal(p, q)
+    assert_same(ours, twin)
 
 
 def test_params_whose_memory_overlaps_are_refused_naming_both():
@@ -246,3 +245,104 @@ def test_model_cuda_after_construction_is_refused():
     m.cuda()
     with pytest.raises(RuntimeError, match="moved from cpu to cuda"):
         opt.step()
+
+
+# ---- Writes into the params between steps -----------------------------------------
+#
+# The engine writes the params from its fp32 master weights at every step; a
+# value the trainer wrote into a param (model.load_state_dict after building
+# the optimizer, a clamp under no_grad, an embedding's max_norm, a new .data)
+# used to be overwritten by the next step as if never written. torch.optim
+# steps from the param's current value: so must OffloadAdam.
+
+def write_pretrained(model):
+    torch.manual_seed(7)
+    model.load_state_dict(torch.nn.Linear(16, 4).state_dict())
+
+
+def clamp_under_no_grad(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+
+
+def new_data(model):
+    model.bias.data = torch.full((4,), 5.0)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("write", [write_pretrained, clamp_under_no_grad, new_data])
+def test_values_written_into_params_are_where_the_next_step_starts(write, offload, tmp_path):
+    m_ours, m_ref = linear(), linear()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2, weight_decay=0.1,
+                       **offload_kwargs(offload, tmp_path))
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1)
+    train(m_ours, ours, 2)
+    train(m_ref, ref, 2)
+    write(m_ours)
+    write(m_ref)
+    train(m_ours, ours, 2)
+    train(m_ref, ref, 2)
+    assert_same(m_ours, m_ref)
+
+
+def test_a_write_through_data_is_taken_by_reload_params():
+    """torch does not track writes through .data: reload_params() takes them."""
+    m_ours, m_ref = linear(), linear()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.0)
+    for model, opt in ((m_ours, ours), (m_ref, ref)):
+        train(model, opt, 1)
+        for p in model.parameters():
+            p.data.clamp_(-0.01, 0.01)
+    ours.reload_params()
+    train(m_ours, ours, 1)
+    train(m_ref, ref, 1)
+    assert_same(m_ours, m_ref)
+    with pytest.raises(ValueError, match=r"params\[0\] \(shape \(3,\)\) is not a param"):
+        ours.reload_params([torch.zeros(3)])
+
+
+def test_a_version_bump_that_changes_nothing_keeps_the_fp32_master():
+    """bf16 params: an in-place write of the same values must not round the fp32
+    master weights to bf16 (they would drift from a run without the write)."""
+    def run(touch):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 4).to(torch.bfloat16)
+        opt = OffloadAdam(model.parameters(), lr=1e-3)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+            if touch:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1.0)  # bumps the version, changes no value
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([t.reshape(-1) for _, _, t in opt.iter_state()])
+    assert torch.equal(run(False), run(True))
+
+
+@pytest.mark.parametrize("convert", ["double_float", "half"])
+def test_zero_grad_after_a_conversion_touches_no_freed_memory(convert):
+    """zero_grad() right after model.double().float() zeroed the grad memory the
+    conversion had freed (heap corruption under the default allocator); now the
+    buffers are re-registered first, and after an unsupported conversion the engine
+    zeroes nothing and step() names it."""
+    m_ours, m_ref = linear(), linear()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.0)
+    train(m_ours, ours, 1)
+    train(m_ref, ref, 1)
+    if convert == "half":
+        m_ours.half()
+        ours.zero_grad()
+        with pytest.raises(RuntimeError, match=r"step: param 0 .* changed dtype"):
+            ours.step()
+        return
+    m_ours.double().float()
+    ours.zero_grad()
+    assert all(torch.count_nonzero(p.grad) == 0 for p in m_ours.parameters())
+    train(m_ours, ours, 2)
+    train(m_ref, ref, 2)
+    assert_same(m_ours, m_ref)
