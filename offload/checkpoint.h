@@ -26,10 +26,14 @@
 // (runtime/file_lock.h) from before the first byte until retention is done,
 // so a second job saving into DIR fails at once with the holder's pid.
 // Retention: after publishing, rank 0 keeps the newest `keep_checkpoints`
-// saves (at least 2: the new one and the one before it) and removes every
-// other save directory of its own (named step-<10 digits>-<12 hex digits>
-// and holding only a save's files), including the leftovers of saves that
-// crashed; anything else in DIR, the user's step-* files included, stays.
+// saves latest.json lists (at least 2: the new one and the one before it)
+// and the save the optimizer last loaded from, and removes the other save
+// directories of its own (named step-<10 digits>-<12 hex digits> and holding
+// only a save's files) that it can account for: the leftovers of saves that
+// crashed, and the saves the previous latest.json listed. A complete save it
+// cannot account for (not listed, of a later step, or every listed save
+// missing) is kept with a warning; anything else in DIR, the user's step-*
+// files included, stays.
 //
 // Every reader (load, export, `strata inspect --verify`) applies one
 // validator to the manifests: format version, one save, a consistent layout,

@@ -5,8 +5,10 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <charconv>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <regex>
 #include <set>
@@ -221,15 +223,34 @@ bool IsStaleLatestTemporary(const fs::path& p) {
   return std::regex_match(p.filename().string(), kLatestTemporaryName) && IsRegularFile(p);
 }
 
+// A save directory of Strata's own (see StrataSave below).
+struct OwnSave {
+  int64_t step = 0;       // from its name
+  bool complete = false;  // every rank's manifest is there: a save that loads
+};
+
+// The step in a save's name ("step-0000000012-<id>"); the largest step when
+// the digits do not fit (never taken for an older save).
+int64_t StepOfSaveName(const std::string& name) {
+  int64_t step = 0;
+  const char* begin = name.data() + 5;  // after "step-"
+  const char* end = name.data() + name.find('-', 5);
+  if (std::from_chars(begin, end, step).ec != std::errc()) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return step;
+}
+
 // A directory (not a symlink) named as Strata names a save, holding only a
 // save's data files, manifests (of this save id) and their temporaries: a
-// published save, or what a crashed one left. A lookalike is logged and kept.
-bool IsStrataSaveDir(const fs::path& p) {
+// published save, or what a crashed one left. A lookalike is logged and
+// kept (nullopt).
+std::optional<OwnSave> StrataSave(const fs::path& p) {
   const std::string name = p.filename().string();
-  if (name.rfind("step-", 0) != 0) return false;
-  auto keep = [&](std::string_view why) {
+  if (name.rfind("step-", 0) != 0) return std::nullopt;
+  auto keep = [&](std::string_view why) -> std::optional<OwnSave> {
     LogDebug(fmt::format("checkpoint retention: {} is not removed: {}", p.string(), why));
-    return false;
+    return std::nullopt;
   };
   std::error_code ec;
   if (!std::regex_match(name, kSaveDirName)) {
@@ -238,6 +259,8 @@ bool IsStrataSaveDir(const fs::path& p) {
   if (fs::symlink_status(p, ec).type() != fs::file_type::directory) {
     return keep("not a directory");
   }
+  std::set<std::string> manifests;
+  int64_t world_size = 0;
   for (const auto& e : fs::directory_iterator(p, ec)) {
     const std::string file = e.path().filename().string();
     if (!std::regex_match(file, kSaveFileName) || !IsRegularFile(e.path())) {
@@ -252,49 +275,130 @@ bool IsStrataSaveDir(const fs::path& p) {
           j["save_id"] != name) {
         return keep(fmt::format("{} is not a manifest of save {}", file, name));
       }
+      manifests.insert(file);
+      if (j.contains("world_size") && j["world_size"].is_number_unsigned()) {
+        world_size = std::max<int64_t>(world_size, static_cast<int64_t>(std::min<uint64_t>(
+                                                       j["world_size"].get<uint64_t>(), 1u << 20)));
+      }
     }
   }
   if (ec) return keep(fmt::format("cannot list it ({})", ec.message()));
-  return true;
+  OwnSave save{.step = StepOfSaveName(name), .complete = world_size > 0};
+  for (int64_t r = 0; r < world_size && save.complete; ++r) {
+    save.complete = manifests.count(RankName(static_cast<uint32_t>(r)) + ".json") > 0;
+  }
+  return save;
+}
+
+// The name of `save_dir` inside `dir` when it is a directory of `dir`; "".
+std::string NameInDir(const std::string& save_dir, const std::string& dir) {
+  if (save_dir.empty()) return "";
+  const fs::path p(save_dir);
+  std::error_code ec;
+  if (!fs::is_directory(p, ec) || !fs::equivalent(p.parent_path(), dir, ec) || ec) return "";
+  return p.filename().string();
 }
 
 // Rank 0, after every rank wrote its part, holding the save lock: point
-// latest.json at the save, then apply retention.
-Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& info,
-               uint32_t keep) {
+// latest.json at the save, then apply retention. `loaded` is the save the
+// optimizer last loaded from ("" when none).
+//
+// Retention removes only what it can account for. The new latest.json keeps
+// the new save and the newest ones the previous latest.json lists (keep in
+// all), plus the save the optimizer last loaded from. Of the other saves in
+// DIR it removes the incomplete ones (a crash's or a failed save's
+// leftovers) and the complete ones the previous latest.json listed, except
+// a save of a later step than a kept one (a rollback's, or one copied
+// back). A complete save it cannot account for (not listed: copied in, or
+// listed by a latest.json restored from a backup) is kept with a warning;
+// so is everything when every save the previous latest.json lists is gone.
+Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& info, uint32_t keep,
+               const std::string& loaded) {
   std::vector<std::string> history = {info.save_id};
   const std::optional<std::vector<std::string>> old = ReadHistory(storage, dir);
-  for (const std::string& h : old.value_or(std::vector<std::string>{})) {
-    if (history.size() >= std::max<uint32_t>(keep, 2)) break;
-    if (h != info.save_id && Exists(dir + "/" + h)) history.push_back(h);
+  const std::vector<std::string> listed = old.value_or(std::vector<std::string>{});
+  bool any_listed_exists = false;
+  for (const std::string& h : listed) {
+    if (h == info.save_id || !Exists(dir + "/" + h)) continue;
+    any_listed_exists = true;
+    if (history.size() < std::max<uint32_t>(keep, 2)) history.push_back(h);
+  }
+  // A save later than these (by step) is never removed: a rollback's, or
+  // one copied back.
+  int64_t oldest_kept = info.step;
+  for (const std::string& h : history) oldest_kept = std::min(oldest_kept, StepOfSaveName(h));
+  const std::string loaded_name = NameInDir(loaded, dir);
+  if (!loaded_name.empty() &&
+      std::find(history.begin(), history.end(), loaded_name) == history.end()) {
+    history.push_back(loaded_name);
   }
   STRATA_RETURN_IF_ERROR((WriteFileAtomically(storage, dir + "/" + std::string(kLatest),
                                               LatestJson(info, history).dump(2) + "\n"))
                              .WithContext("publish " + info.save_id));
   // Retention: the published file no longer needs anything else. Failures
   // only cost disk space, so they are warnings.
-  if (!old) {
-    LogWarning(
-        fmt::format("checkpoint retention: the previous {}/{} was unreadable, so no old "
-                    "save is removed; remove unwanted step-* directories by hand",
-                    dir, kLatest));
-    return OkStatus();
-  }
+  auto is_in = [](const std::vector<std::string>& v, const std::string& name) {
+    return std::find(v.begin(), v.end(), name) != v.end();
+  };
+  // Everything retention does not remove and does not list, to name it.
+  std::vector<std::string> unaccounted;
+  std::vector<std::pair<fs::path, std::string>> remove;  // and why
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    // A crashed save's directory, or a latest.json temporary it left (no
-    // other save runs: we hold the lock). Nothing else: DIR may hold the
-    // user's own files, named step-* or not.
-    const bool remove = std::find(history.begin(), history.end(), name) == history.end() &&
-                        (IsStaleLatestTemporary(entry.path()) || IsStrataSaveDir(entry.path()));
-    if (!remove) continue;
+    if (is_in(history, name)) continue;
+    // A latest.json temporary a crash left (no other save runs: we hold the lock).
+    if (IsStaleLatestTemporary(entry.path())) {
+      remove.emplace_back(entry.path(), "a temporary a crashed publish left");
+      continue;
+    }
+    // Nothing else but Strata's own saves: DIR may hold the user's files,
+    // named step-* or not.
+    const std::optional<OwnSave> save = StrataSave(entry.path());
+    if (!save) continue;
+    if (!save->complete) {
+      remove.emplace_back(entry.path(), "an incomplete save: a crashed or failed save's files");
+    } else if (save->step > oldest_kept) {
+      unaccounted.push_back(
+          fmt::format("{} (step {}, later than a save the rule keeps)", name, save->step));
+    } else if (!is_in(listed, name)) {
+      unaccounted.push_back(fmt::format("{} (not listed in {})", name, kLatest));
+    } else {
+      remove.emplace_back(entry.path(),
+                          fmt::format("step {}: older than the saves kept", save->step));
+    }
+  }
+  std::sort(unaccounted.begin(), unaccounted.end());
+  if (!old || (!listed.empty() && !any_listed_exists)) {
+    // What is still wanted cannot be told: nothing is removed.
+    for (const auto& [p, why] : remove) unaccounted.push_back(p.filename().string());
+    std::sort(unaccounted.begin(), unaccounted.end());
+    LogWarning(fmt::format(
+        "checkpoint retention: the previous {}/{} {}, so no old save is removed{}; remove "
+        "unwanted step-* directories by hand",
+        dir, kLatest,
+        !old ? "was unreadable"
+             : fmt::format("lists only saves that do not exist ({}; restored from a backup?)",
+                           fmt::join(listed, ", ")),
+        unaccounted.empty() ? "" : fmt::format(" (kept: {})", fmt::join(unaccounted, ", "))));
+    return OkStatus();
+  }
+  for (const auto& [p, why] : remove) {
     std::error_code rm;
-    fs::remove_all(entry.path(), rm);
+    fs::remove_all(p, rm);
     if (rm) {
       LogWarning(
-          fmt::format("checkpoint retention: remove {}: {}", entry.path().string(), rm.message()));
+          fmt::format("checkpoint retention: remove {} ({}): {}", p.string(), why, rm.message()));
+    } else {
+      LogInfo(fmt::format("checkpoint retention: removed {} ({})", p.string(), why));
     }
+  }
+  if (!unaccounted.empty()) {
+    LogWarning(fmt::format(
+        "checkpoint retention: kept {} in {} besides the saves {} lists ({}): retention never "
+        "removes a complete save it cannot account for; remove {} by hand when no longer wanted",
+        fmt::join(unaccounted, ", "), dir, kLatest, fmt::join(history, ", "),
+        unaccounted.size() == 1 ? "it" : "them"));
   }
   return OkStatus();
 }
@@ -326,6 +430,10 @@ Status RemoveRankFiles(Storage& storage, const std::string& save_dir, uint32_t r
   if (ec && ec != std::errc::no_such_file_or_directory) {
     return ErrnoError(ec.value(), "list " + save_dir);
   }
+  // The manifest first: what a failed removal leaves is then an incomplete
+  // save, which the next save's retention removes.
+  std::stable_partition(paths.begin(), paths.end(),
+                        [](const std::string& p) { return p.ends_with(".json"); });
   Status first;
   for (const std::string& path : paths) {
     Status s = storage.Remove(path);
@@ -569,7 +677,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   Status published = OkStatus();
   Outcome mine = Outcome::kPublished;
   if (rank == 0) {
-    published = Publish(*storage.storage, dir, info, o.keep_checkpoints);
+    published = Publish(*storage.storage, dir, info, o.keep_checkpoints, opt.loaded_checkpoint());
     if (!published.ok()) {
       mine = LatestMayName(*storage.storage, dir, save_id) ? Outcome::kMaybePublished
                                                            : Outcome::kNotPublished;
@@ -685,6 +793,10 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     return FailedPreconditionError(
         fmt::format("{}: {} other rank(s) failed while loading{}", op, *failed, partial));
   }
+  // Retention keeps the save the state came from (SaveCheckpoint).
+  std::error_code ec;
+  const fs::path canonical = fs::canonical(info.save_dir, ec);
+  opt.set_loaded_checkpoint(ec ? fs::absolute(info.save_dir, ec).string() : canonical.string());
   // Phase 3 (a collective): the trainer's tensors from the loaded masters.
   return (opt.UploadParams()).WithContext(op);
 }

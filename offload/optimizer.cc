@@ -319,6 +319,7 @@ struct OffloadOptimizer::Impl {
   std::vector<uint8_t> done;            // per sub-group, for the pending step
   size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
   bool host_stats = false;              // the statistics were a host pass (accumulation)
+  std::string loaded_checkpoint;        // the save the last checkpoint load read
 
   ~Impl();
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
@@ -1365,6 +1366,11 @@ Status OffloadOptimizer::WriteState(uint32_t index, std::span<const float> state
 }
 
 LossScalerState OffloadOptimizer::loss_scaler_state() const { return impl_->scaler->state(); }
+
+const std::string& OffloadOptimizer::loaded_checkpoint() const { return impl_->loaded_checkpoint; }
+void OffloadOptimizer::set_loaded_checkpoint(std::string save_dir) {
+  impl_->loaded_checkpoint = std::move(save_dir);
+}
 
 Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& scaler) {
   if (step < 0) {

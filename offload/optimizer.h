@@ -296,6 +296,11 @@ class OffloadOptimizer {
   // the same directory.
   Status Save(const std::string& dir);
   Status Load(const std::string& dir);
+  // The save directory (canonical path) the last successful checkpoint load
+  // read; "" when none. LoadCheckpoint sets it; SaveCheckpoint's retention
+  // never removes that save.
+  const std::string& loaded_checkpoint() const;
+  void set_loaded_checkpoint(std::string save_dir);
 
   // Recomputes the trainer's param tensors from the committed fp32 master
   // weights (cast to param_dtype, all-gathered), as a step does after its

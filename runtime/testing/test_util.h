@@ -10,18 +10,21 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <random>
-#include <sstream>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
+
+#include "runtime/log.h"
 
 namespace strata::testing {
 
@@ -123,5 +126,43 @@ inline std::vector<std::string> DirNames(const std::string& dir) {
   std::sort(out.begin(), out.end());
   return out;
 }
+
+// Collects every log line at `level` and above while it lives; restores the
+// previous sink and level after.
+class LogCapture {
+ public:
+  explicit LogCapture(LogLevel level = LogLevel::kDebug) : level_(GetLogLevel()) {
+    SetLogLevel(level);
+    previous_ = SetLogSink([this](LogLevel l, std::string_view message) {
+      std::lock_guard<std::mutex> lock(mu_);
+      lines_.emplace_back(l, std::string(message));
+    });
+  }
+  ~LogCapture() {
+    SetLogSink(std::move(previous_));
+    SetLogLevel(level_);
+  }
+  LogCapture(const LogCapture&) = delete;
+  LogCapture& operator=(const LogCapture&) = delete;
+  // The messages at `level` that contain `text`.
+  std::vector<std::string> Find(LogLevel level, std::string_view text) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> out;
+    for (const auto& [l, m] : lines_) {
+      if (l == level && m.find(text) != std::string::npos) out.push_back(m);
+    }
+    return out;
+  }
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    lines_.clear();
+  }
+
+ private:
+  LogLevel level_;
+  LogSink previous_;
+  std::mutex mu_;
+  std::vector<std::pair<LogLevel, std::string>> lines_;
+};
 
 }  // namespace strata::testing

@@ -1015,5 +1015,116 @@ TEST(RetentionTest, UserFilesNamedLikeSavesSurviveAndOnlyStrataSavesAreRemoved) 
   EXPECT_TRUE(fs::exists(published[3]));
 }
 
+// The history of latest.json as written.
+std::vector<std::string> History(const std::string& dir) {
+  std::ifstream in(dir + "/latest.json");
+  return nlohmann::json::parse(in)["history"].get<std::vector<std::string>>();
+}
+
+// A latest.json restored from a backup lists saves that retention removed
+// since: none of them exists. Retention then cannot tell what is wanted and
+// removes nothing (it used to remove every save but the new one, the save
+// just loaded from included).
+TEST(RetentionTest, ALatestJsonListingOnlyMissingSavesRemovesNothing) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  std::string backup;
+  for (int s = 0; s < 4; ++s) {
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    if (s == 1) backup = testing::ReadFileBytes(dir.File("latest.json"));
+  }
+  const std::vector<std::string> saves = SaveDirs(dir.path());  // steps 3 and 4
+  ASSERT_EQ(saves.size(), 2u);
+  std::ofstream(dir.File("latest.json"), std::ios::trunc) << backup;  // names steps 2 and 1
+
+  Cluster resumed(1, CkptConfig(Where::kHost), seed + 1);
+  ASSERT_TRUE(resumed.status().ok());
+  Status s = resumed.Load(dir.File(saves[1]));
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(resumed.Train(seed, 1).ok());
+  testing::LogCapture log;
+  ASSERT_TRUE(resumed.Save(dir.path()).ok());
+  for (const std::string& save : saves) {
+    EXPECT_TRUE(fs::exists(dir.File(save))) << save << " was removed";
+  }
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 3u);
+  const auto warned = log.Find(LogLevel::kWarning, "lists only saves that do not exist");
+  ASSERT_EQ(warned.size(), 1u);
+  EXPECT_NE(warned[0].find(saves[0]), std::string::npos) << warned[0];
+  EXPECT_TRUE(log.Find(LogLevel::kInfo, "checkpoint retention: removed").empty());
+  // The save loaded from stays listed, so the next saves account for it.
+  EXPECT_EQ(
+      History(dir.path()),
+      (std::vector<std::string>{(*CheckpointReader::Open(dir.path()))->info().save_id, saves[1]}));
+}
+
+// A save copied back into DIR from a backup and loaded: the next save keeps
+// it (the optimizer loaded from it) and the saves of later steps (a save
+// newer than the kept ones is never removed); it used to remove all but two.
+// Later saves remove, and log, only what latest.json listed.
+TEST(RetentionTest, ASaveCopiedBackAndLoadedIsKeptAndSoAreLaterOnes) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir, backup;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  const std::string first = SaveDirs(dir.path())[0];
+  fs::copy(dir.File(first), backup.File(first), fs::copy_options::recursive);
+  for (int s = 0; s < 3; ++s) {
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+  }
+  ASSERT_FALSE(fs::exists(dir.File(first)));
+  fs::copy(backup.File(first), dir.File(first), fs::copy_options::recursive);
+  const std::vector<std::string> before = SaveDirs(dir.path());  // steps 1, 3, 4
+  ASSERT_EQ(before.size(), 3u);
+
+  Cluster resumed(1, CkptConfig(Where::kHost), seed + 1);
+  ASSERT_TRUE(resumed.status().ok());
+  Status s = resumed.Load(dir.File(first) + "/");
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(resumed.Train(seed, 1).ok());
+  {
+    testing::LogCapture log;
+    ASSERT_TRUE(resumed.Save(dir.path()).ok());  // step 2
+    for (const std::string& save : before) {
+      EXPECT_TRUE(fs::exists(dir.File(save))) << save << " was removed";
+    }
+    EXPECT_TRUE(log.Find(LogLevel::kInfo, "checkpoint retention: removed").empty());
+    const auto kept = log.Find(LogLevel::kWarning, "later than a save the rule keeps");
+    ASSERT_EQ(kept.size(), 1u);
+    EXPECT_NE(kept[0].find(before[1]), std::string::npos) << kept[0];
+  }
+  const std::string second = (*CheckpointReader::Open(dir.path()))->info().save_id;
+  // The saves that follow keep the one loaded from; what latest.json listed
+  // and is older than every kept save goes, with a log line each.
+  ASSERT_TRUE(resumed.Train(seed, 1).ok());
+  ASSERT_TRUE(resumed.Save(dir.path()).ok());  // step 3
+  ASSERT_TRUE(resumed.Train(seed, 1).ok());
+  testing::LogCapture log;
+  ASSERT_TRUE(resumed.Save(dir.path()).ok());  // step 4
+  EXPECT_TRUE(fs::exists(dir.File(first))) << "the save loaded from was removed";
+  EXPECT_FALSE(fs::exists(dir.File(second)));
+  const auto removed = log.Find(LogLevel::kInfo, "checkpoint retention: removed");
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_NE(removed[0].find(second), std::string::npos) << removed[0];
+  EXPECT_EQ(History(dir.path()).back(), first);
+
+  // A new optimizer, which loaded nothing, keeps the documented rule for
+  // what latest.json lists: the new save and the one before it.
+  Cluster fresh(1, CkptConfig(Where::kHost), seed + 2);
+  ASSERT_TRUE(fresh.status().ok());
+  ASSERT_TRUE(fresh.Train(seed, 1).ok());
+  ASSERT_TRUE(fresh.Save(dir.path()).ok());
+  EXPECT_FALSE(fs::exists(dir.File(first)));
+  EXPECT_EQ(History(dir.path()).size(), 2u);
+}
+
 }  // namespace
 }  // namespace strata
