@@ -7,12 +7,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -36,11 +36,36 @@ struct strata_comm {
 
 struct strata_optimizer {
   mutable strata::OneCaller caller;  // refuses a second thread's call while one runs
-  strata::Stream stream;  // the wrapped native stream, if one was given
+  strata::Stream stream;             // the wrapped native stream, if one was given
   // Outlives opt, which records into it; a 1-step ring until trace_enable.
   std::unique_ptr<strata::TraceRecorder> trace;
   std::unique_ptr<strata::OffloadOptimizer> opt;
   strata::TensorShapes shapes;  // empty until strata_optimizer_set_param_shape
+
+  // What the value getters read, taken when a call ends: a getter from another
+  // thread reads this copy, never the engine's fields while a call writes them.
+  struct Values {
+    double loss_scale = 1.0;
+    int64_t step_count = 0;
+    bool step_failed = false;
+    std::string step_failure;
+    std::string stats;
+  };
+  mutable std::mutex values_mu;
+  mutable Values values;
+  void Refresh() const {
+    Values v{.loss_scale = opt->loss_scale(),
+             .step_count = opt->step_count(),
+             .step_failed = opt->step_state() == strata::StepState::kFailed,
+             .step_failure = opt->step_failure().ok() ? "" : opt->step_failure().ToString(),
+             .stats = strata::FormatStepStats(opt->last_step())};
+    std::lock_guard lock(values_mu);
+    values = std::move(v);
+  }
+  Values Read() const {
+    std::lock_guard lock(values_mu);
+    return values;
+  }
 };
 
 namespace {
@@ -83,6 +108,7 @@ template <typename F>
 int Exclusive(const strata_optimizer* opt, const char* fn, F&& body) {
   if (Status entered = opt->caller.Enter(fn); !entered.ok()) return Report(entered);
   const int status = Guard(fn, std::forward<F>(body));
+  opt->Refresh();
   opt->caller.Leave();
   return status;
 }
@@ -105,8 +131,8 @@ Status HostSync(strata_optimizer& opt, Status s) {
 }
 
 strata::GroupHyper ToHyper(const strata_hyper& h) {
-  return {.lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps,
-          .weight_decay = h.weight_decay};
+  return {
+      .lr = h.lr, .beta1 = h.beta1, .beta2 = h.beta2, .eps = h.eps, .weight_decay = h.weight_decay};
 }
 
 strata_hyper FromHyper(const strata::GroupHyper& h) {
@@ -179,8 +205,8 @@ int strata_comm_nccl_create(strata_device* device, const uint8_t id[STRATA_NCCL_
   return Guard("strata_comm_nccl_create", [&]() -> Status {
     strata::NcclUniqueId uid;
     std::memcpy(uid.bytes.data(), id, uid.bytes.size());
-    STRATA_ASSIGN_OR_RETURN(
-        auto comm, strata::CreateNcclCommunicator(uid, rank, world_size, *device->device));
+    STRATA_ASSIGN_OR_RETURN(auto comm,
+                            strata::CreateNcclCommunicator(uid, rank, world_size, *device->device));
     *out = new strata_comm{std::move(comm)};
     return strata::OkStatus();
   });
@@ -241,6 +267,7 @@ int strata_optimizer_create(strata_device* device, strata_comm* comm, void* stre
     STRATA_ASSIGN_OR_RETURN(handle->trace, strata::TraceRecorder::Create({.steps = 1}));
     context.trace = handle->trace.get();
     STRATA_ASSIGN_OR_RETURN(handle->opt, strata::OffloadOptimizer::Create(context, config, groups));
+    handle->Refresh();
     *out = handle.release();
     return strata::OkStatus();
   });
@@ -255,7 +282,8 @@ int strata_optimizer_grad_ready(strata_optimizer* opt, uint32_t index) {
 
 int strata_optimizer_reduce_gradients(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_reduce_gradients", "opt");
-  return Exclusive(opt, "strata_optimizer_reduce_gradients", [&] { return opt->opt->ReduceGradients(); });
+  return Exclusive(opt, "strata_optimizer_reduce_gradients",
+                   [&] { return opt->opt->ReduceGradients(); });
 }
 
 int strata_optimizer_step(strata_optimizer* opt) {
@@ -266,15 +294,15 @@ int strata_optimizer_step(strata_optimizer* opt) {
 int strata_optimizer_zero_grad(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_zero_grad", "opt");
   return Exclusive(opt, "strata_optimizer_zero_grad",
-               [&] { return HostSync(*opt, opt->opt->ZeroGrad()); });
+                   [&] { return HostSync(*opt, opt->opt->ZeroGrad()); });
 }
 
 double strata_optimizer_loss_scale(const strata_optimizer* opt) {
-  return opt == nullptr ? 1.0 : opt->opt->loss_scale();
+  return opt == nullptr ? 1.0 : opt->Read().loss_scale;
 }
 
 int64_t strata_optimizer_step_count(const strata_optimizer* opt) {
-  return opt == nullptr ? 0 : opt->opt->step_count();
+  return opt == nullptr ? 0 : opt->Read().step_count;
 }
 
 int strata_optimizer_rank(const strata_optimizer* opt) {
@@ -294,8 +322,8 @@ int strata_optimizer_get_hyper(const strata_optimizer* opt, uint32_t group, stra
   if (out == nullptr) return ReportNull("strata_optimizer_get_hyper", "out");
   return Exclusive(opt, "strata_optimizer_get_hyper", [&]() -> Status {
     if (group >= opt->opt->num_groups()) {
-      return strata::OutOfRangeError(fmt::format("strata_optimizer_get_hyper: group {} of {}",
-                                                 group, opt->opt->num_groups()));
+      return strata::OutOfRangeError(
+          fmt::format("strata_optimizer_get_hyper: group {} of {}", group, opt->opt->num_groups()));
     }
     *out = FromHyper(opt->opt->group_hyper(group));
     return strata::OkStatus();
@@ -306,7 +334,7 @@ int strata_optimizer_set_hyper(strata_optimizer* opt, uint32_t group, const stra
   if (opt == nullptr) return ReportNull("strata_optimizer_set_hyper", "opt");
   if (hyper == nullptr) return ReportNull("strata_optimizer_set_hyper", "hyper");
   return Exclusive(opt, "strata_optimizer_set_hyper",
-               [&] { return opt->opt->SetGroupHyper(group, ToHyper(*hyper)); });
+                   [&] { return opt->opt->SetGroupHyper(group, ToHyper(*hyper)); });
 }
 
 int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr) {
@@ -353,7 +381,7 @@ int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* o
 
 size_t strata_optimizer_format_stats(const strata_optimizer* opt, char* buf, size_t capacity) {
   if (opt == nullptr) return CopyText("", buf, capacity);
-  return CopyText(strata::FormatStepStats(opt->opt->last_step()), buf, capacity);
+  return CopyText(opt->Read().stats, buf, capacity);
 }
 
 size_t strata_optimizer_format_plan(const strata_optimizer* opt, char* buf, size_t capacity) {
@@ -362,27 +390,24 @@ size_t strata_optimizer_format_plan(const strata_optimizer* opt, char* buf, size
 }
 
 int strata_optimizer_step_state(const strata_optimizer* opt) {
-  return opt != nullptr && opt->opt->step_state() == strata::StepState::kFailed
-             ? STRATA_STEP_FAILED
-             : STRATA_STEP_READY;
+  return opt != nullptr && opt->Read().step_failed ? STRATA_STEP_FAILED : STRATA_STEP_READY;
 }
 
 size_t strata_optimizer_format_step_failure(const strata_optimizer* opt, char* buf,
                                             size_t capacity) {
-  if (opt == nullptr || opt->opt->step_failure().ok()) return CopyText("", buf, capacity);
-  return CopyText(opt->opt->step_failure().ToString(), buf, capacity);
+  return CopyText(opt == nullptr ? "" : opt->Read().step_failure, buf, capacity);
 }
 
 int strata_optimizer_retry_step(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_retry_step", "opt");
   return Exclusive(opt, "strata_optimizer_retry_step",
-               [&] { return HostSync(*opt, opt->opt->RetryStep()); });
+                   [&] { return HostSync(*opt, opt->opt->RetryStep()); });
 }
 
 int strata_optimizer_rebind_param(strata_optimizer* opt, uint32_t index, void* data, void* grad) {
   if (opt == nullptr) return ReportNull("strata_optimizer_rebind_param", "opt");
   return Exclusive(opt, "strata_optimizer_rebind_param",
-               [&] { return opt->opt->RebindParam(index, data, grad); });
+                   [&] { return opt->opt->RebindParam(index, data, grad); });
 }
 
 int strata_optimizer_rebind_params(strata_optimizer* opt, const strata_binding* bindings,
@@ -494,7 +519,7 @@ int strata_optimizer_save(strata_optimizer* opt, const char* dir) {
   if (opt == nullptr) return ReportNull("strata_optimizer_save", "opt");
   if (dir == nullptr) return ReportNull("strata_optimizer_save", "dir");
   return Exclusive(opt, "strata_optimizer_save",
-               [&] { return strata::SaveCheckpoint(*opt->opt, dir, {.shapes = opt->shapes}); });
+                   [&] { return strata::SaveCheckpoint(*opt->opt, dir, {.shapes = opt->shapes}); });
 }
 
 int strata_optimizer_load(strata_optimizer* opt, const char* dir) {

@@ -41,8 +41,9 @@
  *     used from different threads. A call that returns a status, made on an
  *     optimizer while another thread's call on it runs, is refused with
  *     STRATA_FAILED_PRECONDITION naming the running call (it never runs
- *     beside it). The value getters (loss_scale, step_count, format_*) are
- *     not checked: call them from the driving thread.
+ *     beside it). The value getters (loss_scale, step_count, step_state,
+ *     format_*) may be called from any thread, never refused: they return
+ *     the values as of the end of the last call.
  * The config is the DeepSpeed-style JSON of docs/config.md.
  */
 #ifndef STRATA_OFFLOAD_STRATA_C_H_

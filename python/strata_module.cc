@@ -11,13 +11,13 @@
 // collectives on device stream threads; with a Python communicator
 // (torch.distributed over gloo) those threads take the GIL to call Python,
 // while the thread that called step() waits with the GIL released.
+#include <fmt/format.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <fmt/format.h>
-
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -39,7 +39,7 @@ namespace strata {
 namespace {
 
 // Python exception types, made once at import.
-py::object* g_error = nullptr;           // StrataError(RuntimeError)
+py::object* g_error = nullptr;             // StrataError(RuntimeError)
 py::object* g_invalid_argument = nullptr;  // InvalidArgumentError(StrataError, ValueError)
 py::object* g_resource = nullptr;          // ResourceExhaustedError(StrataError, MemoryError)
 
@@ -57,11 +57,11 @@ void Check(const Status& status) {
 }
 
 // Unwraps a Result into `lhs` or raises.
-#define STRATA_ASSIGN_OR_RAISE(lhs, expr)                    \
-  do {                                                       \
-    auto strata_py_r_ = (expr);                              \
-    if (!strata_py_r_.ok()) Raise(strata_py_r_.status());    \
-    lhs = *std::move(strata_py_r_);                          \
+#define STRATA_ASSIGN_OR_RAISE(lhs, expr)                 \
+  do {                                                    \
+    auto strata_py_r_ = (expr);                           \
+    if (!strata_py_r_.ok()) Raise(strata_py_r_.status()); \
+    lhs = *std::move(strata_py_r_);                       \
   } while (false)
 
 // Runs `f` (returning a Status) without the GIL, then raises on failure.
@@ -186,8 +186,8 @@ class PythonCommunicator final : public Communicator {
 
 // "debug", "info", "warning", "error", "off"; ValueError otherwise.
 LogLevel LevelFromName(const std::string& name) {
-  for (LogLevel l : {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError,
-                     LogLevel::kOff}) {
+  for (LogLevel l :
+       {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError, LogLevel::kOff}) {
     if (name == LogLevelName(l)) return l;
   }
   Raise(InvalidArgumentError(
@@ -243,8 +243,8 @@ class Engine {
          py::object comm, py::object stream) {
     STRATA_ASSIGN_OR_RAISE(config_, ParseConfigJson(config_json));
     Check(ValidateConfig(config_));
-    STRATA_ASSIGN_OR_RAISE(
-        device_, OpenDevice(device_name, {.external_memory = ExternalMemory::kAccept}));
+    STRATA_ASSIGN_OR_RAISE(device_,
+                           OpenDevice(device_name, {.external_memory = ExternalMemory::kAccept}));
     std::vector<ParamGroup> param_groups;
     for (py::handle g : groups) {
       py::dict d = py::reinterpret_borrow<py::dict>(g);
@@ -286,8 +286,11 @@ class Engine {
     // Every engine has a recorder: off, it costs the engine one relaxed load
     // per event, and its ring holds one step until trace_start grows it.
     STRATA_ASSIGN_OR_RAISE(trace_, TraceRecorder::Create({.steps = 1}));
-    EngineContext context{.device = device_.get(), .comm = comm_.get(), .storage = nullptr,
-                          .stream = {}, .trace = trace_.get()};
+    EngineContext context{.device = device_.get(),
+                          .comm = comm_.get(),
+                          .storage = nullptr,
+                          .stream = {},
+                          .trace = trace_.get()};
     if (!stream.is_none()) {
       STRATA_ASSIGN_OR_RAISE(
           stream_, device_->WrapNativeStream(reinterpret_cast<void*>(stream.cast<uintptr_t>())));
@@ -297,6 +300,7 @@ class Engine {
       STRATA_ASSIGN_OR_RETURN(opt_, OffloadOptimizer::Create(context, config_, param_groups));
       return OkStatus();
     });
+    Refresh();
   }
 
   ~Engine() {
@@ -311,25 +315,36 @@ class Engine {
 
   // On the host device the trainer's CPU code is not ordered on a device
   // stream: wait until the tensors are written before returning to it.
-  void Step() { Run("step", [&] { return HostSync(opt_->Step()); }); }
-  void ZeroGrad() { Run("zero_grad", [&] { return HostSync(opt_->ZeroGrad()); }); }
-  void ReduceGradients() { Run("reduce_gradients", [&] { return opt_->ReduceGradients(); }); }
-  void GradReady(uint32_t i) { Run("grad_ready", [&] { return opt_->GradReady(i); }); }
+  void Step() {
+    Run("step", [&] { return HostSync(opt_->Step()); });
+  }
+  void ZeroGrad() {
+    Run("zero_grad", [&] { return HostSync(opt_->ZeroGrad()); });
+  }
+  void ReduceGradients() {
+    Run("reduce_gradients", [&] { return opt_->ReduceGradients(); });
+  }
+  void GradReady(uint32_t i) {
+    Run("grad_ready", [&] { return opt_->GradReady(i); });
+  }
   // Checkpoints record the tensors' shapes, and a load checks them.
   void Save(const std::string& dir) {
     Run("save_checkpoint", [&] { return SaveCheckpoint(*opt_, dir, {.shapes = shapes_}); });
   }
   void Load(const std::string& dir) {
-    Run("load_checkpoint", [&] { return HostSync(LoadCheckpoint(*opt_, dir, {.shapes = shapes_})); });
+    Run("load_checkpoint",
+        [&] { return HostSync(LoadCheckpoint(*opt_, dir, {.shapes = shapes_})); });
   }
   // The step state machine (offload/optimizer.h).
-  void RetryStep() { Run("retry_step", [&] { return HostSync(opt_->RetryStep()); }); }
-  // The params from the committed master weights (a collective).
-  void UploadParams() { Run("upload_params", [&] { return HostSync(opt_->UploadParams()); }); }
-  bool step_failed() const { return opt_->step_state() == StepState::kFailed; }
-  std::string step_failure() const {
-    return opt_->step_failure().ok() ? "" : EscapeNonUtf8(opt_->step_failure().ToString());
+  void RetryStep() {
+    Run("retry_step", [&] { return HostSync(opt_->RetryStep()); });
   }
+  // The params from the committed master weights (a collective).
+  void UploadParams() {
+    Run("upload_params", [&] { return HostSync(opt_->UploadParams()); });
+  }
+  bool step_failed() const { return Read().step_failed; }
+  std::string step_failure() const { return Read().step_failure; }
   // (index, data, grad) per moved param, all or none (OffloadOptimizer::RebindParams).
   void RebindParams(const std::vector<std::tuple<uint32_t, uintptr_t, uintptr_t>>& moves) {
     std::vector<ParamBinding> b;
@@ -354,7 +369,9 @@ class Engine {
     for (const TensorSlot& t : opt_->layout().tensors) out.emplace_back(t.offset_elems, t.elems);
     return out;
   }
-  void Synchronize() { Run("synchronize", [&] { return opt_->device().Synchronize(); }); }
+  void Synchronize() {
+    Run("synchronize", [&] { return opt_->device().Synchronize(); });
+  }
 
   // The step trace (runtime/trace.h). Each call first waits for the device,
   // so no engine thread records while the ring is resized or read.
@@ -397,8 +414,8 @@ class Engine {
     return d;
   }
 
-  double loss_scale() const { return opt_->loss_scale(); }
-  int64_t step_count() const { return opt_->step_count(); }
+  double loss_scale() const { return Read().loss_scale; }
+  int64_t step_count() const { return Read().step_count; }
   int rank() const { return opt_->rank(); }
   int world_size() const { return opt_->world_size(); }
   uint32_t num_groups() const { return opt_->num_groups(); }
@@ -408,7 +425,7 @@ class Engine {
     if (g >= opt_->num_groups()) {
       Raise(OutOfRangeError(fmt::format("group {} of {}", g, opt_->num_groups())));
     }
-    const GroupHyper& h = opt_->group_hyper(g);
+    const GroupHyper h = Read().hypers[g];
     py::dict d;
     d["lr"] = h.lr;
     d["betas"] = py::make_tuple(h.beta1, h.beta2);
@@ -416,10 +433,13 @@ class Engine {
     d["weight_decay"] = h.weight_decay;
     return d;
   }
-  void SetGroupHyper(uint32_t g, py::dict d) { Check(opt_->SetGroupHyper(g, HyperFrom(d))); }
+  void SetGroupHyper(uint32_t g, py::dict d) {
+    const GroupHyper h = HyperFrom(d);
+    Run("set_group_hyper", [&] { return opt_->SetGroupHyper(g, h); });
+  }
 
   py::dict LastStep() const {
-    const StepStats& s = opt_->last_step();
+    const StepStats s = Read().last;
     py::dict d;
     d["step"] = s.step;
     d["skipped"] = s.skipped;
@@ -498,11 +518,13 @@ class Engine {
     Run("read_state", [&] { return opt_->ReadState(i, {reinterpret_cast<float*>(ptr), n}); });
   }
   void WriteState(uint32_t i, uintptr_t ptr, uint64_t n) {
-    Run("write_state", [&] { return opt_->WriteState(i, {reinterpret_cast<const float*>(ptr), n}); });
+    Run("write_state", [&] {
+      return opt_->WriteState(i, {reinterpret_cast<const float*>(ptr), n});
+    });
   }
 
   py::dict ScalerState() const {
-    const LossScalerState s = opt_->loss_scaler_state();
+    const LossScalerState s = Read().scaler;
     py::dict d;
     d["scale"] = s.scale;
     d["iteration"] = s.iteration;
@@ -510,7 +532,10 @@ class Engine {
     d["hysteresis_left"] = s.hysteresis_left;
     return d;
   }
-  void RestoreCounters(int64_t step, py::dict d) { Check(opt_->RestoreCounters(step, ScalerFrom(d))); }
+  void RestoreCounters(int64_t step, py::dict d) {
+    const LossScalerState scaler = ScalerFrom(d);
+    Run("restore_counters", [&] { return opt_->RestoreCounters(step, scaler); });
+  }
 
  private:
   // Call() for an engine call, refused (StrataError) while another
@@ -521,10 +546,43 @@ class Engine {
   void Run(const char* op, F&& f) {
     Check(caller_.Enter(op));
     struct Leave {
-      OneCaller& caller;
-      ~Leave() { caller.Leave(); }
-    } leave{caller_};
+      Engine& engine;
+      ~Leave() {
+        engine.Refresh();
+        engine.caller_.Leave();
+      }
+    } leave{*this};
     Call(std::forward<F>(f));
+  }
+
+  // What the getters read, taken when a call ends: a getter from another thread
+  // (a monitor reading loss_scale while the training thread steps) reads this
+  // copy, never the engine's fields while a call writes them.
+  struct Values {
+    double loss_scale = 0;
+    int64_t step_count = 0;
+    bool step_failed = false;
+    std::string step_failure;
+    StepStats last;
+    std::vector<GroupHyper> hypers;
+    LossScalerState scaler;
+  };
+  void Refresh() {
+    Values v{.loss_scale = opt_->loss_scale(),
+             .step_count = opt_->step_count(),
+             .step_failed = opt_->step_state() == StepState::kFailed,
+             .step_failure =
+                 opt_->step_failure().ok() ? "" : EscapeNonUtf8(opt_->step_failure().ToString()),
+             .last = opt_->last_step(),
+             .hypers = {},
+             .scaler = opt_->loss_scaler_state()};
+    for (uint32_t g = 0; g < opt_->num_groups(); ++g) v.hypers.push_back(opt_->group_hyper(g));
+    std::lock_guard lock(values_mu_);
+    values_ = std::move(v);
+  }
+  Values Read() const {
+    std::lock_guard lock(values_mu_);
+    return values_;
   }
 
   Status HostSync(Status s) {
@@ -563,6 +621,8 @@ class Engine {
   std::unique_ptr<TraceRecorder> trace_;  // outlives opt_, which records into it
   std::unique_ptr<OffloadOptimizer> opt_;
   OneCaller caller_;  // refuses a second thread's call while one runs (Run)
+  mutable std::mutex values_mu_;
+  Values values_;  // Refresh() after every call
 };
 
 // A checkpoint opened for reading (strata.torch.state_dict_from_checkpoint).
@@ -642,12 +702,12 @@ PYBIND11_MODULE(_strata, m) {
   m.doc() = "Strata offload engine bindings; use strata.torch.OffloadAdam.";
   static py::object error = py::reinterpret_steal<py::object>(
       PyErr_NewException("strata.StrataError", PyExc_RuntimeError, nullptr));
-  static py::object invalid = py::reinterpret_steal<py::object>(PyErr_NewException(
-      "strata.InvalidArgumentError", py::make_tuple(error, py::handle(PyExc_ValueError)).ptr(),
-      nullptr));
-  static py::object resource = py::reinterpret_steal<py::object>(PyErr_NewException(
-      "strata.ResourceExhaustedError",
-      py::make_tuple(error, py::handle(PyExc_MemoryError)).ptr(), nullptr));
+  static py::object invalid = py::reinterpret_steal<py::object>(
+      PyErr_NewException("strata.InvalidArgumentError",
+                         py::make_tuple(error, py::handle(PyExc_ValueError)).ptr(), nullptr));
+  static py::object resource = py::reinterpret_steal<py::object>(
+      PyErr_NewException("strata.ResourceExhaustedError",
+                         py::make_tuple(error, py::handle(PyExc_MemoryError)).ptr(), nullptr));
   strata::g_error = &error;
   strata::g_invalid_argument = &invalid;
   strata::g_resource = &resource;
@@ -722,5 +782,4 @@ PYBIND11_MODULE(_strata, m) {
         py::arg("dtype") = "fp32", py::arg("max_shard_bytes") = 0, py::arg("force") = false,
         "Writes a checkpoint's weights as safetensors (offload/checkpoint.h ExportSafetensors); "
         "returns the files written.");
-
 }

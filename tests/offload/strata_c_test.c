@@ -552,6 +552,52 @@ static void Errors(strata_device* dev) {
   strata_comm_free(NULL);
 }
 
+/* A monitor thread reads the value getters while the driving thread steps: never
+ * refused, the step count it sees only grows, the texts are whole. */
+typedef struct {
+  strata_optimizer* opt;
+  atomic_int stop;
+  int backwards, reads;
+} Monitor;
+
+static void* Watch(void* arg) {
+  Monitor* m = arg;
+  int64_t last = 0;
+  char text[512];
+  while (!atomic_load(&m->stop)) {
+    const int64_t n = strata_optimizer_step_count(m->opt);
+    if (n < last) ++m->backwards;
+    last = n;
+    if (strata_optimizer_loss_scale(m->opt) != 1.0) ++m->backwards;
+    if (strata_optimizer_step_state(m->opt) != STRATA_STEP_READY) ++m->backwards;
+    (void)strata_optimizer_format_stats(m->opt, text, sizeof text);
+    if (strata_optimizer_format_step_failure(m->opt, text, sizeof text) != 0) ++m->backwards;
+    ++m->reads;
+  }
+  return NULL;
+}
+
+static void MonitorThread(strata_device* dev) {
+  enum { kN = 1 << 16 };
+  float* w = calloc(kN, sizeof(float));
+  float* g = calloc(kN, sizeof(float));
+  strata_param p = {"w", w, g, kN, 0};
+  Monitor m = {.opt = NULL, .backwards = 0, .reads = 0};
+  atomic_init(&m.stop, 0);
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, 1, &m.opt));
+  pthread_t watcher;
+  EXPECT(pthread_create(&watcher, NULL, Watch, &m) == 0);
+  for (int i = 0; i < 30; ++i) CHECK_OK(strata_optimizer_step(m.opt));
+  atomic_store(&m.stop, 1);
+  pthread_join(watcher, NULL);
+  EXPECT(m.backwards == 0);
+  EXPECT(strata_optimizer_step_count(m.opt) == 30);
+  printf("monitor thread: %d reads beside 30 steps\n", m.reads);
+  strata_optimizer_free(m.opt);
+  free(w);
+  free(g);
+}
+
 int main(void) {
   strata_device* dev = NULL;
   CHECK_OK(strata_device_open("host", &dev));
@@ -582,6 +628,7 @@ int main(void) {
 
   Errors(dev);
   TwoThreads(dev);
+  MonitorThread(dev);
   strata_device_free(dev);
   if (failures) {
     fprintf(stderr, "%d failure(s)\n", failures);

@@ -650,3 +650,33 @@ def test_copying_or_pickling_is_refused_and_close_releases_the_engine(tmp_path):
         train(model, again, 1)
     with pytest.raises(StrataError, match="the optimizer was closed"):
         again.state_dict()
+
+
+def test_a_monitor_thread_reads_the_properties_while_the_training_thread_steps():
+    """Getters are not calls into the engine: a monitor thread reads the values as
+    of the end of the last call (they used to read the engine's fields while a step
+    wrote them), and is never refused."""
+    model = Net()
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    seen, errors, done = [], [], threading.Event()
+
+    def monitor():
+        try:
+            while not done.is_set():
+                seen.append(opt.step_count)
+                last = opt.last_step()
+                assert last["step"] <= opt.step_count
+                assert opt.loss_scale == 1.0 and not opt.step_failed
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=monitor)
+    t.start()
+    try:
+        train(model, opt, 20)
+    finally:
+        done.set()
+        t.join()
+    assert not errors, errors
+    assert seen and seen == sorted(seen) and 0 <= seen[0] and seen[-1] <= 20
+    assert opt.step_count == 20 and opt.last_step()["step"] == 20
