@@ -684,8 +684,15 @@ class OffloadAdam(torch.optim.Optimizer):
             stream = self._stream.cuda_stream
         self._state_dict_dir = (None if state_dict_dir is None
                                 else os.path.abspath(os.fspath(state_dict_dir)))
-        self._engine = _strata.Engine(device, json.dumps(self._config, allow_nan=False), groups,
-                                      comm, stream)
+        try:
+            self._engine = _strata.Engine(device, json.dumps(self._config, allow_nan=False),
+                                          groups, comm, stream)
+        except StrataError as e:
+            if "held by this process" not in str(e):
+                raise
+            raise type(e)(f"{e}\nOffloadAdam: an optimizer of this process still holds it (a "
+                          "notebook cell run again?): call its close(), or drop every reference "
+                          "to it, before building this one") from e
         self._hypers = [self._hyper_of(g) for g in self.param_groups]
         me = weakref.ref(self)
         for r in self._reg:
