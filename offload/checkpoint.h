@@ -163,10 +163,20 @@ struct CheckpointInfo {
 // The array names of an optimizer's state, master first.
 std::vector<std::string> StateArrayNames(OptimizerType type);
 
+// A checkpoint whose tensors are keyed alike: two of one non-empty name, or
+// a name equal to "param.<i>", which unnamed tensor i is given (saves made
+// before OffloadOptimizer::Create refused such names). A state_dict or an
+// export keyed by name would keep only one of them.
+enum class DuplicateNames : uint8_t {
+  kRefuse,  // FailedPrecondition naming both tensors (state_dict, export)
+  kAllow,   // tensors are used by index (Load, inspect)
+};
+
 struct ReaderOptions {
   Storage* storage = nullptr;
   uint32_t queue_depth = 8;
   DirectIo direct = DirectIo::kAuto;
+  DuplicateNames duplicate_names = DuplicateNames::kRefuse;
 };
 
 // Reads a checkpoint: the save latest.json names (or DIR itself when it is a

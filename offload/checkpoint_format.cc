@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <unordered_map>
 
 #include "offload/checkpoint_internal.h"
 
@@ -310,6 +311,20 @@ std::optional<Latest> ParseLatest(const std::string& text) {
     }
   }
   return out;
+}
+
+std::string KeyName(const CheckpointInfo& info, uint32_t tensor) {
+  const std::string& name = info.tensors[tensor].name;
+  return name.empty() ? fmt::format("param.{}", tensor) : name;
+}
+
+std::optional<std::pair<uint32_t, uint32_t>> DuplicateKey(const CheckpointInfo& info) {
+  std::unordered_map<std::string, uint32_t> seen;
+  for (uint32_t i = 0; i < info.tensors.size(); ++i) {
+    auto [it, inserted] = seen.emplace(KeyName(info, i), i);
+    if (!inserted) return std::pair(it->second, i);
+  }
+  return std::nullopt;
 }
 
 // ---- Small file IO ------------------------------------------------------------------

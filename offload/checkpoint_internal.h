@@ -50,6 +50,12 @@ json CommonPart(json j);
 Status ValidateCommon(const CheckpointInfo& info);
 Status ValidateRank(const CheckpointInfo& info, const RankManifest& rank);
 
+// The name a tensor is keyed by in state_dicts and exports: its own, or
+// "param.<i>" when it has none.
+std::string KeyName(const CheckpointInfo& info, uint32_t tensor);
+// The first two tensors keyed alike (KeyName), nullopt when every key is unique.
+std::optional<std::pair<uint32_t, uint32_t>> DuplicateKey(const CheckpointInfo& info);
+
 // latest.json: the save it names, and the saves it keeps (newest first).
 json LatestJson(const CheckpointInfo& info, const std::vector<std::string>& history);
 struct Latest {

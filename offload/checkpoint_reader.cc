@@ -265,6 +265,16 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
     info.ranks.push_back(std::move(rank));
     if (info.ranks.size() == info.world_size) break;
   }
+  if (options.duplicate_names == DuplicateNames::kRefuse) {
+    if (const auto dup = DuplicateKey(info)) {
+      return FailedPreconditionError(fmt::format(
+          "open checkpoint {}: tensors {} and {} are both named '{}' (a save made before "
+          "duplicate param names were refused): a state_dict or export keyed by name would keep "
+          "only one of them. Load it into an optimizer of the same params with unique names "
+          "(load matches tensors by index) and save again; that save exports",
+          info.save_dir, dup->first, dup->second, KeyName(info, dup->second)));
+    }
+  }
   const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
   for (uint32_t i = 0; i < depth; ++i) impl->bufs.emplace_back(info.chunk_bytes);
   impl->reqs.resize(depth);

@@ -561,6 +561,10 @@ Status CheckSameModel(const CheckpointInfo& info, OffloadOptimizer& opt, const T
     return other(fmt::format("it has {} param groups, this optimizer {}", info.groups.size(),
                              opt.num_groups()));
   }
+  std::set<std::string> named, duplicated;
+  for (const CheckpointTensor& t : info.tensors) {
+    if (!t.name.empty() && !named.insert(t.name).second) duplicated.insert(t.name);
+  }
   for (uint32_t i = 0; i < info.tensors.size(); ++i) {
     const CheckpointTensor& t = info.tensors[i];
     const Param& p = opt.params()[i];
@@ -572,7 +576,9 @@ Status CheckSameModel(const CheckpointInfo& info, OffloadOptimizer& opt, const T
       return other(fmt::format("tensor {} ('{}') is in group {} in the checkpoint, {} here", i,
                                t.name, t.group, opt.param_group(i)));
     }
-    if (!t.name.empty() && !p.name.empty() && t.name != p.name) {
+    // A name the checkpoint gives several tensors (a save made before
+    // duplicates were refused) says nothing: such tensors match by index.
+    if (!t.name.empty() && !p.name.empty() && t.name != p.name && !duplicated.count(t.name)) {
       return other(
           fmt::format("tensor {} is '{}' in the checkpoint, '{}' here", i, t.name, p.name));
     }
@@ -712,12 +718,21 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   // Phase 1, nothing changes: the checkpoint is complete, ours, and intact.
   Status local = [&]() -> Status {
     STRATA_ASSIGN_OR_RETURN(
-        reader, CheckpointReader::Open(
-                    dir, {.storage = o.storage, .queue_depth = o.queue_depth, .direct = o.direct}));
+        reader, CheckpointReader::Open(dir, {.storage = o.storage,
+                                             .queue_depth = o.queue_depth,
+                                             .direct = o.direct,
+                                             .duplicate_names = DuplicateNames::kAllow}));
     const CheckpointInfo& info = reader->info();
     const std::string manifest = info.save_dir + "/" + RankName(0) + ".json";
     STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, "load checkpoint"));
     STRATA_RETURN_IF_ERROR(CheckSameModel(info, opt, o.shapes, manifest));
+    if (const auto dup = DuplicateKey(info); dup && opt.rank() == 0) {
+      LogWarning(fmt::format(
+          "load checkpoint {}: tensors {} and {} are both named '{}' (saved before duplicate "
+          "names were refused); the tensors are loaded by index, and the next save records "
+          "this optimizer's names",
+          info.save_dir, dup->first, dup->second, KeyName(info, dup->second)));
+    }
     if (info.world_size != static_cast<uint32_t>(opt.world_size()) &&
         o.reshard == Reshard::kForbid) {
       return FailedPreconditionError(fmt::format(

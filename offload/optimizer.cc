@@ -53,6 +53,8 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string_view>
+#include <unordered_map>
 #include <utility>
 
 #include "cpu_adam/cpu_adam.h"
@@ -153,6 +155,38 @@ Status CheckTensorMemory(std::span<const Param> params, DType param_dtype, DType
                                                : OverlapError(params, a, b, op);
     }
     if (b.end > a.end) furthest = i;
+  }
+  return OkStatus();
+}
+
+// Checkpoints and exports key the tensors by name ("param.<i>" for an
+// unnamed one): two params of one name would leave one of them out of a
+// state_dict. InvalidArgument naming both.
+Status CheckUniqueNames(std::span<const Param> params, std::span<const uint32_t> group,
+                        std::string_view op) {
+  std::unordered_map<std::string_view, uint32_t> named;
+  for (uint32_t i = 0; i < params.size(); ++i) {
+    if (params[i].name.empty()) continue;
+    auto [it, inserted] = named.emplace(params[i].name, i);
+    if (!inserted) {
+      const uint32_t j = it->second;
+      return InvalidArgumentError(fmt::format(
+          "{}: params {} (group {}) and {} (group {}) are both named '{}'; checkpoints and "
+          "exports key tensors by name, so one would replace the other: give every param a "
+          "unique name, e.g. from model.named_parameters() of the whole model (not of each "
+          "submodule), or none",
+          op, j, group[j], i, group[i], params[i].name));
+    }
+  }
+  for (uint32_t i = 0; i < params.size(); ++i) {
+    if (!params[i].name.empty()) continue;
+    const std::string given = fmt::format("param.{}", i);
+    if (auto it = named.find(given); it != named.end()) {
+      return InvalidArgumentError(fmt::format(
+          "{}: param {} is named '{}', the name unnamed param {} gets in checkpoints and "
+          "exports, so one would replace the other: name param {} too, or rename param {}",
+          op, it->second, given, i, i, it->second));
+    }
   }
   return OkStatus();
 }
@@ -501,6 +535,7 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       specs.push_back({.elems = p.elems, .dtype = config.param_dtype});
     }
   }
+  STRATA_RETURN_IF_ERROR(CheckUniqueNames(params, param_group, kOp));
   STRATA_RETURN_IF_ERROR(CheckTensorMemory(params, config.param_dtype, config.grad_dtype, kOp));
   STRATA_ASSIGN_OR_RETURN(layout,
                           PlanFlatLayout(specs, {.align_elems = config.align_elems,

@@ -53,7 +53,8 @@
 // the calling thread until the CPU update of every sub-group is done.
 //
 // Errors: Create returns InvalidArgument for bad groups (null pointers, no
-// tensors, groups that differ across ranks), and the planner's
+// tensors, groups that differ across ranks, two params of one non-empty
+// name, which checkpoints key tensors by), and the planner's
 // ResourceExhausted when the state does not fit. With several ranks Create
 // fails on every rank together: the ranks whose own part worked return
 // FailedPrecondition ("another rank failed to create its optimizer"). Step

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -27,8 +28,21 @@ struct InspectArgs {
 constexpr size_t kListedTensors = 50;
 
 Status RunInspect(const InspectArgs& args) {
-  STRATA_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(args.dir));
+  // Load takes a save whose tensors share a name (by index): so does inspect.
+  STRATA_ASSIGN_OR_RETURN(
+      auto reader, CheckpointReader::Open(args.dir, {.duplicate_names = DuplicateNames::kAllow}));
   const CheckpointInfo& info = reader->info();
+  std::string duplicate;  // the first name two tensors share, as export would key them
+  {
+    std::map<std::string, size_t> seen;
+    for (size_t i = 0; i < info.tensors.size() && duplicate.empty(); ++i) {
+      const std::string& n = info.tensors[i].name;
+      const std::string key = n.empty() ? fmt::format("param.{}", i) : n;
+      if (auto [it, inserted] = seen.emplace(key, i); !inserted) {
+        duplicate = fmt::format("tensors {} and {} are both named '{}'", it->second, i, key);
+      }
+    }
+  }
   Status verified;
   if (args.verify) verified = reader->Verify();
   uint64_t files = 0;
@@ -69,6 +83,8 @@ Status RunInspect(const InspectArgs& args) {
         {"tensors", tensors},
         {"groups", groups}};
     if (!verified.ok()) out["error"] = verified.ToString();
+    out["duplicate_names"] =
+        duplicate.empty() ? nlohmann::json(nullptr) : nlohmann::json(duplicate);
     PrintJson(out, 2);
     return verified;
   }
@@ -93,6 +109,12 @@ Status RunInspect(const InspectArgs& args) {
     std::printf("  checksums    verified: every chunk and file matches its XXH3\n");
   } else {
     std::printf("  checksums    FAILED (below)\n");
+  }
+  if (!duplicate.empty()) {
+    std::printf(
+        "  names        %s: export and state_dict_from_checkpoint refuse it; load it into an "
+        "optimizer of the same params with unique names and save again\n",
+        duplicate.c_str());
   }
   for (uint32_t g = 0; g < info.groups.size(); ++g) {
     const GroupHyper& h = info.groups[g];

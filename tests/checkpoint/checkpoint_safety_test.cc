@@ -169,6 +169,45 @@ TEST(ValidatorTest, ReadersRefuseWhatLoadRefusesNamingTheField) {
   }
 }
 
+// ---- Names ----------------------------------------------------------------------------
+
+// A save made before OffloadOptimizer::Create refused two params of one name
+// (per-submodule named_parameters()): state_dict_from_checkpoint keyed it by
+// name and silently dropped tensors. Readers for a state_dict or an export
+// now refuse it, naming both tensors; load takes it by index, and a save
+// after that load exports.
+TEST(DuplicateNamesTest, ReadersRefuseAnOldSaveWithDuplicateNamesAndLoadTakesItByIndex) {
+  const uint64_t seed = TestSeed();
+  TempDir dir, resaved, out;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  std::string first;
+  EditManifest(dir.path(), [&](nlohmann::json& j) {
+    first = j["tensors"][0]["name"];
+    j["tensors"][3]["name"] = first;
+  });
+  auto reader = CheckpointReader::Open(dir.path());
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kFailedPrecondition) << reader.status();
+  ExpectMentions(reader.status(), "tensors 0 and 3 are both named '" + first + "'");
+  ExpectMentions(reader.status(), "save again");
+  auto exported = ExportSafetensors(dir.path(), out.File("m.safetensors"));
+  ASSERT_FALSE(exported.ok());
+  ExpectMentions(exported.status(), "tensors 0 and 3 are both named");
+  EXPECT_TRUE(fs::is_empty(out.path()));
+  EXPECT_TRUE(CheckpointReader::Open(dir.path(), {.duplicate_names = DuplicateNames::kAllow}).ok());
+
+  Cluster target(1, CkptConfig(Where::kHost), seed + 1);
+  ASSERT_TRUE(target.status().ok());
+  Status s = target.Load(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(target), *TakeSnapshot(c));
+  ASSERT_TRUE(target.Save(resaved.path()).ok());
+  ASSERT_TRUE(ExportSafetensors(resaved.path(), out.File("m.safetensors")).ok());
+}
+
 // ---- Export ---------------------------------------------------------------------------
 
 struct Safetensors {

@@ -995,6 +995,47 @@ TEST(EngineValidation, BadGroupsAreInvalidArgumentNamingTheParam) {
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
 }
 
+// Checkpoints and exports key tensors by name: two params of one name (as
+// per-submodule named_parameters() give) used to train and save, and
+// state_dict_from_checkpoint then silently kept only one of them.
+TEST(EngineValidation, ParamsOfOneNameAreRefusedNamingBoth) {
+  auto device = *CreateHostDevice();
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
+  OffloadConfig config = MakeConfig(Case{});
+  auto create = [&](const std::vector<ParamGroup>& groups) {
+    return OffloadOptimizer::Create(
+        {.device = device.get(), .comm = nullptr, .storage = nullptr, .stream = {}}, config,
+        groups);
+  };
+  auto groups = model.Groups(kHypers);
+  groups[0].params[1].name = "weight";
+  groups[1].params[2].name = "weight";
+  auto r = create(groups);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("params 1 (group 0) and 6 (group 1) are both named 'weight'"),
+            std::string::npos)
+      << r.status();
+  EXPECT_NE(r.status().message().find("give every param a unique name"), std::string::npos)
+      << r.status();
+  // A name an unnamed param gets in exports ("param.<i>") is taken too.
+  groups = model.Groups(kHypers);
+  groups[0].params[2].name = "";
+  groups[1].params[0].name = "param.2";
+  r = create(groups);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("param 4 is named 'param.2', the name unnamed param 2 gets"),
+            std::string::npos)
+      << r.status();
+  // Unnamed params may be many.
+  groups = model.Groups(kHypers);
+  for (ParamGroup& g : groups) {
+    for (Param& p : g.params) p.name.clear();
+  }
+  r = create(groups);
+  EXPECT_TRUE(r.ok()) << r.status();
+}
+
 TEST(EngineValidation, AccessorsAndSetters) {
   auto device = *CreateHostDevice();
   TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
