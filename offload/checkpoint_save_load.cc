@@ -715,6 +715,7 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   const std::string op = fmt::format("load checkpoint {} (rank {})", dir, opt.rank());
   STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
   std::unique_ptr<CheckpointReader> reader;
+  LossScalerState scaler_state;  // what the optimizer's loss scaler is restored to
   // Phase 1, nothing changes: the checkpoint is complete, ours, and intact.
   Status local = [&]() -> Status {
     STRATA_ASSIGN_OR_RETURN(
@@ -756,7 +757,23 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     // The reader's validator checked the counters and hyperparameters; what
     // is left depends on this optimizer's config (a static loss scale).
     STRATA_ASSIGN_OR_RETURN(LossScaler scaler, LossScaler::Create(opt.config().loss_scaler));
-    STRATA_RETURN_IF_ERROR((scaler.Restore(info.scaler)).WithContext(manifest + ": loss_scaler"));
+    scaler_state = info.scaler;
+    const std::string_view here = DTypeName(opt.config().param_dtype);
+    if (info.param_dtype != here && (info.param_dtype == "fp16" || here == "fp16")) {
+      // A scale of fp16 training means nothing to another dtype, and a
+      // bf16/fp32 save's scale (1) would leave fp16 gradients unscaled, most
+      // of them flushed to zero: the scaler starts as the config says.
+      scaler_state = scaler.state();
+      if (opt.rank() == 0) {
+        LogInfo(fmt::format(
+            "load checkpoint {}: saved with {} params, this optimizer's are {}: the loss scaler "
+            "starts from this config's initial scale {} (the saved scale {} is not carried over); "
+            "the step count {} is kept",
+            info.save_dir, info.param_dtype, here, scaler_state.scale, info.scaler.scale,
+            info.step));
+      }
+    }
+    STRATA_RETURN_IF_ERROR((scaler.Restore(scaler_state)).WithContext(manifest + ": loss_scaler"));
     return OkStatus();
   }();
   Result<int> failed = coll.CountFailures(local);
@@ -793,7 +810,7 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
       progress.Add(s.size_bytes());
     }
     progress.Finish();
-    STRATA_RETURN_IF_ERROR(opt.RestoreCounters(info.step, info.scaler));
+    STRATA_RETURN_IF_ERROR(opt.RestoreCounters(info.step, scaler_state));
     for (uint32_t g = 0; g < info.groups.size(); ++g) {
       STRATA_RETURN_IF_ERROR(opt.SetGroupHyper(g, info.groups[g]));
     }

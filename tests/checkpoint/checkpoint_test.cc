@@ -915,6 +915,50 @@ TEST(FailedSaveTest, AnAgreementThatFailsKeepsEachRanksErrorAndTheFiles) {
   }
 }
 
+// ---- The loss scaler across param dtypes ---------------------------------------------
+
+// A bf16 (or fp32) save's loss scaler is scale 1: restored into an fp16
+// optimizer, it ran at loss scale 1 and most fp16 gradients flushed to zero.
+// Now the scaler starts from this config's initial scale (logged); the step
+// count and the state are the save's. An fp16 save keeps its scale.
+TEST(ScalerTest, AnFp16OptimizerLoadingABf16SaveStartsFromItsInitialScale) {
+  const uint64_t seed = TestSeed();
+  TempDir dir, fp16_dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  ASSERT_EQ(c.opt(0).loss_scale(), 1.0);
+
+  OffloadConfig fp16 = CkptConfig(Where::kHost);
+  fp16.param_dtype = DType::kF16;
+  fp16.loss_scaler = {.mode = LossScaleMode::kDynamic, .initial_scale_power = 10};
+  Cluster target(1, fp16, seed + 1);
+  ASSERT_TRUE(target.status().ok());
+  {
+    testing::LogCapture log(LogLevel::kInfo);
+    Status s = target.Load(dir.path());
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(
+        log.Find(LogLevel::kInfo, "the loss scaler starts from this config's initial scale").size(),
+        1u);
+  }
+  EXPECT_EQ(target.opt(0).step_count(), 2);
+  EXPECT_EQ(target.opt(0).loss_scale(), 1024.0);
+  EXPECT_EQ(target.opt(0).loss_scaler_state(),
+            (LossScalerState{.scale = 1024.0, .hysteresis_left = 2}));
+  EXPECT_EQ(TakeSnapshot(target)->state, TakeSnapshot(c)->state);
+
+  // fp16 to fp16: the saved scaler, as it was.
+  ASSERT_TRUE(target.Train(seed, 1).ok());
+  ASSERT_TRUE(target.Save(fp16_dir.path()).ok());
+  Cluster again(1, fp16, seed + 2);
+  ASSERT_TRUE(again.status().ok());
+  ASSERT_TRUE(again.Load(fp16_dir.path()).ok());
+  EXPECT_EQ(again.opt(0).loss_scaler_state(), target.opt(0).loss_scaler_state());
+  EXPECT_EQ(again.opt(0).step_count(), 3);
+}
+
 // ---- Retention ------------------------------------------------------------------
 
 std::vector<std::string> SaveDirs(const std::string& dir) {
