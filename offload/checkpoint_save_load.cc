@@ -553,6 +553,20 @@ Status CheckSameModel(const CheckpointInfo& info, OffloadOptimizer& opt, const T
         file, info.optimizer, fmt::join(info.arrays, ", "),
         OptimizerTypeName(opt.config().optimizer), fmt::join(arrays, ", ")));
   }
+  const std::string_view mine = OptimizerTypeName(opt.config().optimizer);
+  if (info.optimizer != mine) {
+    // Adam and AdamW keep the same arrays, but the moments would go on
+    // under another weight decay (L2 in the gradient, or decoupled).
+    auto decay = [](std::string_view type) {
+      return type == "AdamW"  ? "decoupled weight decay: adam_w_mode true, OffloadAdam(adamw=True)"
+             : type == "Adam" ? "L2 weight decay: adam_w_mode false, OffloadAdam(adamw=False)"
+                              : "";
+    };
+    return FailedPreconditionError(fmt::format(
+        "{}: the checkpoint was saved by {} ({}); this optimizer is {} ({}): the update would "
+        "continue under another rule; configure the optimizer the checkpoint was saved with",
+        file, info.optimizer, decay(info.optimizer), mine, decay(mine)));
+  }
   if (info.tensors.size() != opt.params().size()) {
     return other(fmt::format("it has {} tensors, this optimizer {}", info.tensors.size(),
                              opt.params().size()));

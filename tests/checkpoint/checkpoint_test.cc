@@ -530,6 +530,27 @@ TEST_F(BadInputTest, AnotherModelIsFailedPrecondition) {
   ExpectMentions(s, "AdamW");
 }
 
+// Adam and AdamW keep the same arrays: a save of one used to load silently
+// into the other, whose update then went on under another weight decay.
+TEST_F(BadInputTest, AdamAndAdamWSavesAreRefusedByTheOtherNamingBoth) {
+  Cluster adam(1, CkptConfig(Where::kHost, OptimizerType::kAdam), seed_);
+  ASSERT_TRUE(adam.status().ok());
+  const Snapshot before = *TakeSnapshot(adam);
+  Status s = adam.opt(0).Load(dir_.path());  // saved by AdamW
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, "the checkpoint was saved by AdamW (decoupled weight decay");
+  ExpectMentions(s, "this optimizer is Adam (L2 weight decay: adam_w_mode false");
+  ExpectMentions(s, "configure the optimizer the checkpoint was saved with");
+  ExpectSameSnapshot(*TakeSnapshot(adam), before);
+
+  TempDir adam_dir;
+  ASSERT_TRUE(adam.Save(adam_dir.path()).ok());
+  s = target_->opt(0).Load(adam_dir.path());  // an AdamW optimizer
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, "the checkpoint was saved by Adam (L2 weight decay");
+  ExpectSameSnapshot(*TakeSnapshot(*target_), before_);
+}
+
 TEST_F(BadInputTest, FlippedByteInEachDataFileIsDataLossNamingIt) {
   std::mt19937_64 rng(seed_);
   for (const char* name :
