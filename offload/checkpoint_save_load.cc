@@ -15,6 +15,7 @@
 
 #include "offload/checkpoint_internal.h"
 #include "runtime/device.h"
+#include "runtime/file_lock.h"
 #include "runtime/log.h"
 
 namespace strata {
@@ -633,13 +634,16 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
     locked = [&]() -> Status {
       STRATA_RETURN_IF_ERROR(MakeDir(dir));
       auto l = storage.storage->Lock(dir + "/" + std::string(kSaveLock));
-      if (!l.ok() && l.status().code() == StatusCode::kFailedPrecondition) {
+      if (!l.ok() && LockHeldByAnother(l.status())) {
         return FailedPreconditionError(fmt::format(
             "{}; another save into {} is running (another job, or another optimizer of this "
             "process): wait for it to finish, or save into another directory",
             l.status().message(), dir));
       }
-      STRATA_ASSIGN_OR_RETURN(lock, std::move(l));
+      if (!l.ok()) {
+        return l.status().WithContext("take the save lock of " + dir);
+      }
+      lock = std::move(l).value();
       return OkStatus();
     }();
   }

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "runtime/file_lock.h"
 #include "runtime/units.h"
 
 namespace strata {
@@ -124,7 +125,7 @@ Status StateStore::Init(Storage& storage) {
   for (const std::string& dir : options_.paths) {
     const std::string lock = dir + "/strata-rank" + std::to_string(options_.rank) + ".lock";
     auto held = storage.Lock(lock);
-    if (!held.ok() && held.status().code() == StatusCode::kFailedPrecondition) {
+    if (!held.ok() && LockHeldByAnother(held.status())) {
       return FailedPreconditionError(
           "open state store: " + std::string(held.status().message()) +
           "; another optimizer keeps rank " + std::to_string(options_.rank) + "'s state in " +
@@ -132,6 +133,7 @@ Status StateStore::Init(Storage& storage) {
           "twice in nvme_path): give each optimizer its own nvme_path directory, or stop the "
           "other one");
     }
+    // A lock file that cannot be made: its errno and the fix, no holder.
     if (!held.ok()) return held.status().WithContext("open state store");
     locks_.push_back(std::move(held).value());
   }

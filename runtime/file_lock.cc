@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -35,7 +36,30 @@ Result<FileLock> FileLock::Acquire(const std::string& path) {
       return NotFoundError(
           fmt::format("lock {}: its directory does not exist; create it first", path));
     }
-    return ErrnoError(err, "lock " + path);
+    // Not a holder's doing (that is flock's EWOULDBLOCK below): the file
+    // cannot be made or opened for writing.
+    const std::string dir = path.substr(0, path.find_last_of('/') + 1);
+    struct stat st {};
+    const bool exists = ::lstat(path.c_str(), &st) == 0;
+    std::string fix;
+    if (err == EROFS) {
+      fix = fmt::format("{} is on a read-only filesystem; give a directory on a writable one", dir);
+    } else if (err == EACCES || err == EPERM) {
+      fix = exists ? fmt::format(
+                         "the lock file exists and this user (uid {}) may not write it (it is "
+                         "uid {}'s, mode {:o}); give a directory of your own, or remove the file "
+                         "when no process of its owner uses the directory",
+                         ::geteuid(), st.st_uid, st.st_mode & 07777)
+                   : fmt::format(
+                         "this user (uid {}) may not create files in {}; give a directory it "
+                         "can write",
+                         ::geteuid(), dir);
+    } else {
+      fix = fmt::format("the lock file cannot be {}; give a writable directory",
+                        exists ? "opened for writing" : "created");
+    }
+    const Status cause = ErrnoError(err, "lock " + path);
+    return Status(cause.code(), fmt::format("{}: {}", cause.message(), fix));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
@@ -58,7 +82,7 @@ Result<FileLock> FileLock::Acquire(const std::string& path) {
     } else if (pid > 0) {
       holder = fmt::format("process {}", pid);
     }
-    return FailedPreconditionError(fmt::format("lock {}: held by {}", path, holder));
+    return FailedPreconditionError(fmt::format("lock {}{}{}", path, kLockHeldText, holder));
   }
   // Ours now: record who holds it, for the next one who asks.
   const std::string text = fmt::format("{}\n", static_cast<long>(::getpid()));

@@ -18,18 +18,34 @@
 // an unguarded FileLock and one warning, rather than failing every run there.
 //
 // Errors: FailedPrecondition when another holder has it, naming the path and
-// the holder's pid ("held by process 4242", or "held by this process");
-// NotFound when the directory is missing; the errno of open/flock otherwise.
+// the holder's pid ("held by process 4242", or "held by this process";
+// LockHeldByAnother tells it apart); NotFound when the directory is missing;
+// the errno of open/flock otherwise, with the reason and what to do when the
+// lock file cannot be created or opened for writing (EACCES, EPERM, EROFS:
+// FailedPrecondition too, but no holder: a writable directory is the fix).
 // Never blocks. Thread-safe (a FileLock is a value; Acquire may run
 // concurrently from several threads). Locks on NFS work where the kernel
 // maps flock to fcntl locks (Linux >= 2.6.12).
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "runtime/status.h"
 
 namespace strata {
+
+// In the message of every lock error that means another holder has the lock
+// (FileLock, and Storage::Lock of every backend).
+inline constexpr std::string_view kLockHeldText = ": held by ";
+
+// Whether `status` (of FileLock::Acquire or Storage::Lock, with any context)
+// says another holder has the lock, as opposed to a lock file that could not
+// be made or opened (EACCES, EROFS), which is FailedPrecondition as well.
+inline bool LockHeldByAnother(const Status& status) {
+  return status.code() == StatusCode::kFailedPrecondition &&
+         status.message().find(kLockHeldText) != std::string_view::npos;
+}
 
 class FileLock {
  public:

@@ -234,7 +234,9 @@ class Storage {
   // File backends: a FileLock on the file `path` (runtime/file_lock.h:
   // flock, the holder's pid inside, released when the process dies); mem: a
   // name taken in this storage. FailedPrecondition naming `path` and, where
-  // known, the holder's pid while someone else holds it; never blocks.
+  // known, the holder's pid while someone else holds it (LockHeldByAnother
+  // in runtime/file_lock.h tells it from a lock file that cannot be created
+  // or opened, EACCES or EROFS, whose errno is named); never blocks.
   virtual Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) = 0;
 };
 

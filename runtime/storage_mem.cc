@@ -9,6 +9,7 @@
 #include <set>
 #include <vector>
 
+#include "runtime/file_lock.h"
 #include "runtime/storage.h"
 #include "runtime/storage_internal.h"
 
@@ -131,7 +132,8 @@ class MemStorage final : public Storage {
   Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
     std::lock_guard<std::mutex> lock(locks_->mu);
     if (!locks_->held.insert(path).second) {
-      return FailedPreconditionError("lock " + path + ": held by this process (mem storage)");
+      return FailedPreconditionError("lock " + path + std::string(kLockHeldText) +
+                                     "this process (mem storage)");
     }
     return std::unique_ptr<StorageLock>(std::make_unique<MemLock>(locks_, path));
   }

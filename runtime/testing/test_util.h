@@ -9,6 +9,8 @@
 #pragma once
 
 #include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -17,7 +19,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <span>
 #include <sstream>
@@ -125,6 +129,40 @@ inline std::vector<std::string> DirNames(const std::string& dir) {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// Runs `check` as a user whom file modes apply to: in this process when it
+// is not root, else in a child switched to uid/gid 65534 (nobody), as
+// EACCES tests need (root passes every permission check). `check` returns ""
+// when its expectations held, else what failed. nullopt when the child could
+// not switch users (skip the test).
+inline std::optional<std::string> RunUnprivileged(const std::function<std::string()>& check) {
+  if (::geteuid() != 0) return check();
+  int fds[2];
+  if (::pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    constexpr uid_t kNobody = 65534;
+    if (::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) ::_exit(100);
+    const std::string failed = check();
+    ssize_t written = 0;
+    while (written < static_cast<ssize_t>(failed.size())) {
+      const ssize_t n = ::write(fds[1], failed.data() + written, failed.size() - written);
+      if (n <= 0) break;
+      written += n;
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string failed;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof(buf))) > 0;) failed.append(buf, n);
+  ::close(fds[0]);
+  int status = 0;
+  if (::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return "the child did not exit";
+  if (WEXITSTATUS(status) == 100) return std::nullopt;
+  return failed;
 }
 
 // Collects every log line at `level` and above while it lives; restores the

@@ -677,10 +677,22 @@ TEST(DurabilityTest, TornWritesAreCaughtAndThePreviousSaveStillLoads) {
 
 // ---- A failed save removes what it wrote -------------------------------------------
 
+// The save directories in `dir`, sorted (by step).
+std::vector<std::string> SaveDirs(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) == 0) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 // The posix storage, failing what a test names by file name (the file, or an
 // AtomicFileWriter temporary of it): opening it to write (ENOSPC, a full disk),
 // renaming onto it (EIO, nothing renamed; or EIO after the rename, as when
-// the directory fsync fails), removing it (EACCES). Counts the data files
+// the directory fsync fails), removing it (EACCES), taking a lock (EROFS, as
+// FileLock on a read-only mount). Counts the data files
 // committed. Set up before the save starts; then read-only, so shared by
 // every rank's thread.
 class RiggedStorage final : public Storage {
@@ -690,6 +702,7 @@ class RiggedStorage final : public Storage {
   std::string fail_rename;
   RenameFault rename_fault = RenameFault::kBefore;
   std::string fail_remove;
+  bool read_only_lock = false;  // Lock fails as FileLock does on a read-only mount
 
   std::string_view name() const override { return "rigged(posix)"; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& o) override {
@@ -712,6 +725,12 @@ class RiggedStorage final : public Storage {
     return OkStatus();
   }
   Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    if (read_only_lock) {
+      return Status(StatusCode::kFailedPrecondition,
+                    std::string(ErrnoError(EROFS, "lock " + path).message()) +
+                        ": the directory is on a read-only filesystem; give a directory on a "
+                        "writable one");
+    }
     return base_->Lock(path);
   }
 
@@ -725,6 +744,31 @@ class RiggedStorage final : public Storage {
   }
   std::unique_ptr<Storage> base_ = CreatePosixStorage();
 };
+
+// A save lock that cannot be taken for another reason than a holder (a
+// read-only mount, a directory this user cannot write) names that reason on
+// every rank; it used to say "another save into DIR is running".
+TEST(FailedSaveTest, ASaveLockThatCannotBeMadeNamesItsCauseNotAnotherSave) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  RiggedStorage rigged;
+  rigged.read_only_lock = true;
+  std::vector<Status> status(2);
+  ASSERT_TRUE(c.Run([&](int r) {
+                 status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
+                 return OkStatus();
+               }).ok());
+  EXPECT_EQ(status[0].code(), StatusCode::kFailedPrecondition) << status[0];
+  ExpectMentions(status[0], "take the save lock of " + dir.path());
+  ExpectMentions(status[0], "EROFS");
+  ExpectMentions(status[0], "nothing was written");
+  EXPECT_EQ(status[0].message().find("another save"), std::string::npos) << status[0];
+  EXPECT_FALSE(status[1].ok());
+  ExpectMentions(status[1], "see rank 0's error");
+  EXPECT_TRUE(SaveDirs(dir.path()).empty());
+}
 
 // A save that fails part way, after data files were written (a full disk at
 // rank 1's manifest, an IO error at rank 0's second data file, latest.json
@@ -981,16 +1025,6 @@ TEST(ScalerTest, AnFp16OptimizerLoadingABf16SaveStartsFromItsInitialScale) {
 }
 
 // ---- Retention ------------------------------------------------------------------
-
-std::vector<std::string> SaveDirs(const std::string& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("step-", 0) == 0) out.push_back(name);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 TEST(RetentionTest, KeepsTheNewestSavesAndRemovesLeftovers) {
   const uint64_t seed = TestSeed();

@@ -523,6 +523,36 @@ TEST_F(StoreTest, CrashLosesOnlyUnsyncedGenerations) {
 // Two runs (or two optimizers of one process) pointed at one nvme_path: the
 // second store of a rank fails before it touches a file, naming the
 // directory and the holder, and the first store's state is intact.
+// An nvme_path this user cannot write (or a read-only mount) is named with
+// its errno and the fix; it used to read "another optimizer keeps rank 1's
+// state in ...". As root this runs as nobody (root passes permission checks).
+TEST_F(StoreTest, AnUnwritableDirectoryIsNamedNotBlamedOnAnotherOptimizer) {
+  namespace fs = std::filesystem;
+  fs::permissions(dir_.path(), fs::perms::owner_all | fs::perms::group_read |
+                                   fs::perms::group_exec | fs::perms::others_read |
+                                   fs::perms::others_exec);
+  fs::permissions(paths_[0], fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                                 fs::perms::group_exec | fs::perms::others_read |
+                                 fs::perms::others_exec);
+  const StateStoreOptions options = Options(1, 8192, 2, 4096);
+  auto failed = testing::RunUnprivileged([&]() -> std::string {
+    auto storage = CreatePosixStorage();
+    auto store = StateStore::Create(*storage, options);
+    if (store.ok()) return "created a store in an unwritable directory";
+    const std::string m(store.status().message());
+    for (const std::string& needle :
+         {"open state store: lock " + paths_[0] + "/strata-rank1.lock: EACCES",
+          std::string("give a directory it can write")}) {
+      if (m.find(needle) == std::string::npos) return "no '" + needle + "' in " + m;
+    }
+    if (m.find("another optimizer") != std::string::npos) return "blames another optimizer: " + m;
+    return "";
+  });
+  if (!failed) GTEST_SKIP() << "cannot switch to uid 65534";
+  EXPECT_EQ(*failed, "");
+  EXPECT_FALSE(fs::exists(paths_[0] + "/strata-rank1.state"));
+}
+
 TEST_F(StoreTest, ASecondStoreOfARankOnOneDirectoryIsRefusedAndTruncatesNothing) {
   for (auto make : {+[] { return CreatePosixStorage(); }, +[] { return CreateMemStorage(); }}) {
     auto storage = make();

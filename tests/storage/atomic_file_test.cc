@@ -308,5 +308,65 @@ TEST(FileLockTest, AnotherProcessIsNamedAndItsDeathReleasesTheLock) {
   EXPECT_TRUE(after.ok()) << after.status();
 }
 
+// A lock file that cannot be created, or opened for writing, names its errno,
+// the path and the fix, and never says "held by" (which the state store and
+// the save lock read as another user of the directory: an nvme_path this
+// user cannot write was reported as "another optimizer keeps rank 0's
+// state"). Root passes every permission check: as root this runs as nobody.
+TEST(FileLockTest, ALockFileThatCannotBeMadeNamesItsErrnoNotAHolder) {
+  namespace fs = std::filesystem;
+  TempDir dir;
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                  fs::perms::others_read | fs::perms::others_exec);
+  const std::string locked = dir.File("locked");
+  fs::create_directories(locked);
+  fs::permissions(locked, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                              fs::perms::group_exec | fs::perms::others_read |
+                              fs::perms::others_exec);
+  // A shared directory (1777) holding a lock file another user left, 0644.
+  const std::string shared = dir.File("shared");
+  fs::create_directories(shared);
+  fs::permissions(shared, fs::perms::all | fs::perms::sticky_bit);
+  std::ofstream(shared + "/a.lock") << "1\n";
+  fs::permissions(shared + "/a.lock", fs::perms::owner_read | fs::perms::owner_write |
+                                          fs::perms::group_read | fs::perms::others_read);
+  auto failed = testing::RunUnprivileged([&]() -> std::string {
+    auto expect = [](const Result<FileLock>& r, const std::vector<std::string>& needles) {
+      if (r.ok()) return std::string("acquired");
+      const Status& s = r.status();
+      if (s.code() != StatusCode::kFailedPrecondition) return "code of " + s.ToString();
+      if (LockHeldByAnother(s)) return "reads as held: " + s.ToString();
+      for (const std::string& n : needles) {
+        if (s.message().find(n) == std::string_view::npos)
+          return "no '" + n + "' in " + s.ToString();
+      }
+      return std::string();
+    };
+    std::string f = expect(FileLock::Acquire(locked + "/a.lock"),
+                           {"lock " + locked + "/a.lock: EACCES",
+                            "may not create files in " + locked, "give a directory it can write"});
+    if (!f.empty()) return f;
+    struct stat st {};
+    if (::stat((shared + "/a.lock").c_str(), &st) != 0) return std::string("stat");
+    if (st.st_uid == ::geteuid()) return std::string();  // not root: this user's own file
+    return expect(FileLock::Acquire(shared + "/a.lock"),
+                  {"lock " + shared + "/a.lock: EACCES", "the lock file exists",
+                   "remove the file when no process of its owner uses the directory"});
+  });
+  if (!failed) GTEST_SKIP() << "cannot switch to uid 65534";
+  EXPECT_EQ(*failed, "");
+  // Held by another: LockHeldByAnother says so, with any context.
+  auto first = FileLock::Acquire(dir.File("b.lock"));
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = FileLock::Acquire(dir.File("b.lock"));
+  ASSERT_FALSE(second.ok());
+  EXPECT_TRUE(LockHeldByAnother(second.status().WithContext("open state store")))
+      << second.status();
+  auto mem = CreateMemStorage();
+  auto m1 = mem->Lock("/x.lock");
+  ASSERT_TRUE(m1.ok());
+  EXPECT_TRUE(LockHeldByAnother(mem->Lock("/x.lock").status()));
+}
+
 }  // namespace
 }  // namespace strata
