@@ -198,6 +198,10 @@ class CheckpointReader {
   Status ReadFlat(uint32_t array, ElemRange range, std::span<float> out);
   // Elements [offset_elems, + out.size()) of tensor `tensor`.
   Status ReadTensor(uint32_t array, uint32_t tensor, uint64_t offset_elems, std::span<float> out);
+  // Opens every data file of `ranks` (all when empty) and checks its size
+  // against the manifest, reading nothing: NotFound (missing) or DataLoss
+  // (truncated, longer) naming the file. `strata inspect` without --verify.
+  Status CheckFiles(std::span<const uint32_t> ranks = {});
   // Reads every byte of the data files of `ranks` (all when empty) and checks
   // sizes, chunk checksums and whole-file checksums. DataLoss naming the file.
   Status Verify(std::span<const uint32_t> ranks = {});

@@ -1,9 +1,13 @@
 // The checkpoint format as JSON (docs/checkpoint.md), the one validator every
 // reader applies, and the small-file IO the other checkpoint files share.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <xxhash.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -347,6 +351,31 @@ Result<std::string> ReadSmallFile(Storage& storage, const std::string& path) {
 bool Exists(const std::string& path) {
   std::error_code ec;
   return std::filesystem::exists(path, ec);
+}
+
+Result<bool> Present(const std::string& path, std::string_view op) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return true;
+  const int err = errno;
+  if (err == ENOENT || err == ENOTDIR) return false;
+  const Status cause = ErrnoError(err, fmt::format("{}: stat {}", op, path));
+  if (err != EACCES) return cause;
+  // The nearest directory on the way that this user may not search.
+  std::string why;
+  for (std::filesystem::path dir = std::filesystem::path(path).lexically_normal().parent_path();
+       !dir.empty() && dir != dir.root_path(); dir = dir.parent_path()) {
+    struct stat d {};
+    if (::stat(dir.c_str(), &d) == 0 &&
+        ::faccessat(AT_FDCWD, dir.c_str(), R_OK | X_OK, AT_EACCESS) != 0) {
+      why = fmt::format("; this user (uid {}) may not read {} (mode {:03o}, owner uid {})",
+                        ::geteuid(), dir.string(), d.st_mode & 07777, d.st_uid);
+      break;
+    }
+  }
+  return Status(cause.code(),
+                fmt::format("{}{}: give this user read and search permission on the checkpoint "
+                            "(chmod -R u+rX, or ask its owner), or read it as a user who can",
+                            cause.message(), why));
 }
 
 Result<StorageRef> StorageRef::Of(Storage* given) {

@@ -69,6 +69,11 @@ std::optional<Latest> ParseLatest(const std::string& text);
 
 Result<std::string> ReadSmallFile(Storage& storage, const std::string& path);
 bool Exists(const std::string& path);
+// Whether `path` exists; an error other than ENOENT/ENOTDIR (EACCES: a
+// directory on the way this user may not search) is the errno naming the
+// path and, for EACCES, the directory, its mode and owner, and the fix,
+// after "<op>: ".
+Result<bool> Present(const std::string& path, std::string_view op);
 
 // The storage the caller gave, or one made for this call.
 struct StorageRef {

@@ -3,6 +3,7 @@
 // reads flat ranges of the arrays chunk by chunk, each chunk verified against
 // its checksum as it arrives.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -42,6 +43,20 @@ class AlignedBytes {
   std::byte* data_ = nullptr;
   size_t size_ = 0;
 };
+
+// The save directories in `dir` (step-*), oldest first, for a message.
+std::string SavesIn(const std::string& dir) {
+  std::vector<std::string> saves;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    std::error_code is;
+    if (name.rfind("step-", 0) == 0 && e.is_directory(is)) saves.push_back(name);
+  }
+  if (saves.empty()) return "none";
+  std::sort(saves.begin(), saves.end());
+  return fmt::format("{}", fmt::join(saves, ", "));
+}
 
 }  // namespace
 
@@ -182,13 +197,23 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
   Storage& storage = *impl->storage.storage;
   CheckpointInfo info;
   info.root = dir;
+  namespace fs = std::filesystem;
   std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) {
+  STRATA_ASSIGN_OR_RETURN(const bool exists, Present(dir, "open checkpoint " + dir));
+  if (!exists || !fs::is_directory(dir, ec)) {
     return NotFoundError(fmt::format(
         "open checkpoint {}: no such directory; pass the directory given to Save", dir));
   }
   const std::string latest = dir + "/" + std::string(kLatest);
-  if (Exists(latest)) {
+  STRATA_ASSIGN_OR_RETURN(const bool has_latest, Present(latest, "open checkpoint " + dir));
+  if (has_latest) {
+    if (!fs::is_regular_file(latest, ec)) {
+      return FailedPreconditionError(fmt::format(
+          "open checkpoint: {} is not a file ({}), so it names no save: move it away (the next "
+          "save writes a new one), or load one of the saves in {} by its directory ({})",
+          latest, fs::is_directory(latest, ec) ? "a directory" : "not a regular file", dir,
+          SavesIn(dir)));
+    }
     STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(storage, latest));
     const std::optional<Latest> parsed = ParseLatest(text);
     if (!parsed) {
@@ -203,18 +228,29 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
           fmt::format("open checkpoint: {} names '{}', not a save directory", latest, name));
     }
     info.save_dir = dir + "/" + name;
-  } else if (Exists(dir + "/" + RankName(0) + ".json")) {
-    info.save_dir = dir;
+    STRATA_ASSIGN_OR_RETURN(const bool there, Present(info.save_dir, "open checkpoint " + dir));
+    if (!there) {
+      return NotFoundError(fmt::format(
+          "open checkpoint: {} names {}, which does not exist in {} (saves there: {}): load one "
+          "of them by its directory, or restore {}",
+          latest, name, dir, SavesIn(dir), name));
+    }
   } else {
-    return NotFoundError(
-        fmt::format("open checkpoint {}: no {} and no {}.json: this is not a checkpoint; pass the "
-                    "directory given to Save, or one of its step-* directories",
-                    dir, kLatest, RankName(0)));
+    STRATA_ASSIGN_OR_RETURN(const bool is_save,
+                            Present(dir + "/" + RankName(0) + ".json", "open checkpoint " + dir));
+    if (!is_save) {
+      return NotFoundError(fmt::format(
+          "open checkpoint {}: no {} and no {}.json: this is not a checkpoint; pass the "
+          "directory given to Save, or one of its step-* directories",
+          dir, kLatest, RankName(0)));
+    }
+    info.save_dir = dir;
   }
   json common0;
   for (uint32_t r = 0;; ++r) {
     const std::string path = info.save_dir + "/" + RankName(r) + ".json";
-    if (!Exists(path)) {
+    STRATA_ASSIGN_OR_RETURN(const bool present, Present(path, "open checkpoint"));
+    if (!present) {
       return NotFoundError(fmt::format(
           "open checkpoint: {} is missing{}: copy every rank's files into the save directory, "
           "or load an earlier checkpoint",
@@ -322,6 +358,21 @@ Status CheckpointReader::ReadTensor(uint32_t array, uint32_t tensor, uint64_t of
   }
   const uint64_t begin = info_.tensors[tensor].offset_elems + offset_elems;
   return ReadFlat(array, {begin, begin + out.size()}, out);
+}
+
+Status CheckpointReader::CheckFiles(std::span<const uint32_t> ranks) {
+  std::vector<uint32_t> all;
+  if (ranks.empty()) {
+    for (uint32_t r = 0; r < info_.world_size; ++r) all.push_back(r);
+    ranks = all;
+  }
+  for (uint32_t r : ranks) {
+    for (uint32_t a = 0; a < info_.arrays.size(); ++a) {
+      STRATA_RETURN_IF_ERROR(
+          impl_->FileOf(r, a).status().WithContext("check checkpoint " + info_.save_dir));
+    }
+  }
+  return OkStatus();
 }
 
 Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {

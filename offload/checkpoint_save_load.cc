@@ -468,7 +468,11 @@ Status WithRemoval(Status error, const Status& removed, const std::string& save_
 }
 
 // Whether DIR/latest.json may name `save_id`: it does, or it cannot be read.
+// Not when it is no regular file (a directory): no rename replaced it.
 bool LatestMayName(Storage& storage, const std::string& dir, const std::string& save_id) {
+  std::error_code ec;
+  const fs::file_type type = fs::symlink_status(dir + "/" + std::string(kLatest), ec).type();
+  if (!ec && type != fs::file_type::regular && type != fs::file_type::symlink) return false;
   const std::optional<std::vector<std::string>> history = ReadHistory(storage, dir);
   return !history || (!history->empty() && history->front() == save_id);
 }
@@ -644,6 +648,18 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
         return l.status().WithContext("take the save lock of " + dir);
       }
       lock = std::move(l).value();
+      // Publishing replaces latest.json by a rename, which a directory there
+      // refuses: found out only after every rank wrote its part.
+      const std::string latest = dir + "/" + std::string(kLatest);
+      std::error_code ec;
+      const fs::file_type type = fs::symlink_status(latest, ec).type();
+      if (type != fs::file_type::not_found && type != fs::file_type::regular &&
+          !(type == fs::file_type::symlink && fs::is_regular_file(latest, ec))) {
+        return FailedPreconditionError(fmt::format(
+            "{} is {}, not the file Save writes (it names the current save, and each save "
+            "replaces it): move it away, or save into another directory",
+            latest, type == fs::file_type::directory ? "a directory" : "not a regular file"));
+      }
       return OkStatus();
     }();
   }

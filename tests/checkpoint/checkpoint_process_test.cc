@@ -263,6 +263,36 @@ TEST(CliTest, InspectAndExport) {
   EXPECT_EQ(r.code, 0) << "export reads only the master weights: " << r.err;
 }
 
+// Without --verify, inspect still opens every data file and checks its size
+// against the manifest: a save missing a file (an incomplete copy) or with a
+// truncated one exits 1 naming it (it used to print the save as fine).
+TEST(CliTest, InspectWithoutVerifyChecksThatEveryDataFileIsThere) {
+  const uint64_t seed = TestSeed();
+  TempDir dir, tmp;
+  Cluster c(2, testing::CkptConfig(testing::Where::kHost, OptimizerType::kAdamW, 512, 2), seed);
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  const std::string save_dir = (*CheckpointReader::Open(dir.path()))->info().save_dir;
+  Ran r = RunStrata("inspect " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("every data file is there with its size"), std::string::npos) << r.out;
+
+  const std::string victim = save_dir + "/rank00001.exp_avg.f32";
+  std::filesystem::resize_file(victim, 4096);
+  r = RunStrata("inspect " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.err.find("DataLoss"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(victim + " has 4096 bytes"), std::string::npos) << r.err;
+
+  std::filesystem::remove(victim);
+  r = RunStrata("inspect --json " + dir.path(), tmp);
+  EXPECT_EQ(r.code, 1) << r.out;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("files_present"), false);
+  EXPECT_NE(j.at("error").get<std::string>().find(victim + " is missing"), std::string::npos)
+      << j.dump();
+}
+
 // `inspect --json` of a checkpoint under a directory whose name is not
 // UTF-8 prints the JSON with U+FFFD for the bad byte (it once aborted with
 // nlohmann's type_error.316, exit 134).

@@ -473,6 +473,94 @@ TEST_F(BadInputTest, MissingManifestIsNotFound) {
   ExpectMentions(s, "rank00000.json");
 }
 
+// latest.json naming a save that is gone says so and lists the saves there
+// (it said "rank00000.json is missing: copy every rank's files").
+TEST_F(BadInputTest, LatestJsonNamingAMissingSaveSaysSoAndListsTheSaves) {
+  const std::string id = std::filesystem::path(save_dir_).filename().string();
+  const std::string moved = dir_.File("step-0000000001-0123456789ab");
+  std::filesystem::rename(save_dir_, moved);
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  ExpectMentions(s, dir_.File("latest.json") + " names " + id + ", which does not exist in " +
+                        dir_.path() + " (saves there: step-0000000001-0123456789ab)");
+  ExpectMentions(s, "load one of them by its directory, or restore " + id);
+  std::filesystem::remove_all(moved);
+  s = LoadExpectingFailure(dir_.path());
+  ExpectMentions(s, "(saves there: none)");
+}
+
+// latest.json that is a directory: load says what is wrong and what to do
+// (it said EISDIR only); save refuses before writing anything (it wrote the
+// save, failed to publish, and said the save "is complete and kept").
+TEST_F(BadInputTest, LatestJsonThatIsADirectoryIsNamedByLoadAndSave) {
+  const std::string latest = dir_.File("latest.json");
+  std::filesystem::remove(latest);
+  std::filesystem::create_directory(latest);
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, latest + " is not a file (a directory), so it names no save: move it away");
+  ExpectMentions(s, std::filesystem::path(save_dir_).filename().string());
+  const auto before = testing::DirNames(dir_.path());
+  s = target_->Save(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, latest + " is a directory, not the file Save writes");
+  ExpectMentions(s, "nothing was written");
+  EXPECT_EQ(s.message().find("complete and kept"), std::string::npos) << s;
+  EXPECT_EQ(testing::DirNames(dir_.path()), before);
+}
+
+// A checkpoint, or a save directory, this user cannot read (mode 000) is
+// EACCES naming the directory; it read as "not a checkpoint" and
+// "rank00000.json is missing". As root this runs as nobody.
+TEST_F(BadInputTest, AnUnreadableCheckpointIsEaccesNamingTheDirectory) {
+  namespace fs = std::filesystem;
+  const fs::perms readable = fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                             fs::perms::others_read | fs::perms::others_exec;
+  fs::permissions(dir_.path(), readable);
+  auto open = [&](const std::string& locked, const std::string& dir) {
+    fs::permissions(locked, fs::perms::none);
+    auto failed = testing::RunUnprivileged([&]() -> std::string {
+      auto r = CheckpointReader::Open(dir);
+      if (r.ok()) return "opened";
+      const std::string m = r.status().ToString();
+      for (const std::string& needle :
+           {std::string("EACCES"), "may not read " + locked + " (mode 000",
+            std::string("give this user read and search permission")}) {
+        if (m.find(needle) == std::string::npos) return "no '" + needle + "' in " + m;
+      }
+      return "";
+    });
+    fs::permissions(locked, readable);
+    return failed;
+  };
+  auto failed = open(dir_.path(), dir_.path());
+  if (!failed) GTEST_SKIP() << "cannot switch to uid 65534";
+  EXPECT_EQ(*failed, "");
+  EXPECT_EQ(open(save_dir_, dir_.path()), "");
+  EXPECT_EQ(open(save_dir_, save_dir_ + "/"), "");
+}
+
+// Inspect without --verify: every data file is there with its size.
+TEST_F(BadInputTest, CheckFilesNamesAMissingOrTruncatedDataFile) {
+  auto reader = CheckpointReader::Open(dir_.path());
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_TRUE((*reader)->CheckFiles().ok());
+  std::filesystem::resize_file(File("rank00000.master.f32"), 4096);
+  reader = CheckpointReader::Open(dir_.path());
+  Status s = (*reader)->CheckFiles();
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  ExpectMentions(s, File("rank00000.master.f32") + " has 4096 bytes");
+  std::filesystem::remove(File("rank00000.exp_avg_sq.f32"));
+  reader = CheckpointReader::Open(dir_.path());
+  s = (*reader)->CheckFiles(std::vector<uint32_t>{0});
+  ExpectMentions(s, "rank00000.master.f32");
+  std::filesystem::remove(File("rank00000.master.f32"));
+  reader = CheckpointReader::Open(dir_.path());
+  s = (*reader)->CheckFiles();
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  ExpectMentions(s, File("rank00000.master.f32") + " is missing");
+}
+
 TEST_F(BadInputTest, TruncatedDataFileIsDataLoss) {
   const std::string f = File("rank00000.master.f32");
   std::filesystem::resize_file(f, std::filesystem::file_size(f) - 4096);
