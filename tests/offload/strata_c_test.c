@@ -415,15 +415,31 @@ static void* StepUntilStopped(void* arg) {
   return NULL;
 }
 
+/* One fp32 tensor of n zeros, its grad, and an optimizer of the default config. */
+typedef struct {
+  float* w;
+  float* g;
+  strata_optimizer* opt;
+} OneTensor;
+
+static OneTensor MakeOneTensor(strata_device* dev, size_t n) {
+  OneTensor t = {calloc(n, sizeof(float)), calloc(n, sizeof(float)), NULL};
+  strata_param p = {"w", t.w, t.g, n, 0};
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, 1, &t.opt));
+  return t;
+}
+
+static void FreeOneTensor(OneTensor* t) {
+  strata_optimizer_free(t->opt);
+  free(t->w);
+  free(t->g);
+}
+
 static void TwoThreads(strata_device* dev) {
-  enum { kN = 1 << 18 };
-  float* w = calloc(kN, sizeof(float));
-  float* g = calloc(kN, sizeof(float));
-  strata_param p = {"w", w, g, kN, 0};
-  Race race = {.opt = NULL, .failures = 0};
+  OneTensor t = MakeOneTensor(dev, 1 << 18);
+  Race race = {.opt = t.opt, .failures = 0};
   atomic_init(&race.stop, 0);
   atomic_init(&race.refused, 0);
-  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, 1, &race.opt));
   pthread_t stepper;
   EXPECT(pthread_create(&stepper, NULL, StepUntilStopped, &race) == 0);
   int refused_here = 0, ok_here = 0;
@@ -447,9 +463,7 @@ static void TwoThreads(strata_device* dev) {
   CHECK_OK(strata_optimizer_set_lr(race.opt, 0, 1e-3));
   printf("two threads: %d refused here, %d in the stepping thread, %d set_lr calls ran\n",
          refused_here, atomic_load(&race.refused), ok_here);
-  strata_optimizer_free(race.opt);
-  free(w);
-  free(g);
+  FreeOneTensor(&t);
 }
 
 static void Errors(strata_device* dev) {
@@ -578,13 +592,9 @@ static void* Watch(void* arg) {
 }
 
 static void MonitorThread(strata_device* dev) {
-  enum { kN = 1 << 16 };
-  float* w = calloc(kN, sizeof(float));
-  float* g = calloc(kN, sizeof(float));
-  strata_param p = {"w", w, g, kN, 0};
-  Monitor m = {.opt = NULL, .backwards = 0, .reads = 0};
+  OneTensor t = MakeOneTensor(dev, 1 << 16);
+  Monitor m = {.opt = t.opt, .backwards = 0, .reads = 0};
   atomic_init(&m.stop, 0);
-  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, 1, &m.opt));
   pthread_t watcher;
   EXPECT(pthread_create(&watcher, NULL, Watch, &m) == 0);
   for (int i = 0; i < 30; ++i) CHECK_OK(strata_optimizer_step(m.opt));
@@ -593,9 +603,7 @@ static void MonitorThread(strata_device* dev) {
   EXPECT(m.backwards == 0);
   EXPECT(strata_optimizer_step_count(m.opt) == 30);
   printf("monitor thread: %d reads beside 30 steps\n", m.reads);
-  strata_optimizer_free(m.opt);
-  free(w);
-  free(g);
+  FreeOneTensor(&t);
 }
 
 int main(void) {
