@@ -287,6 +287,7 @@ std::string FormatStepStats(const StepStats& s) {
       s.step, FormatSeconds(t.step), s.skipped ? " skipped" : "", FormatSeconds(t.d2h),
       FormatSeconds(t.comm), FormatSeconds(t.read), FormatSeconds(t.adam), FormatSeconds(t.write),
       FormatSeconds(t.h2d), FormatSeconds(t.device), s.loss_scale, s.grad_norm);
+  if (s.nonfinite_elems > 0) out += fmt::format(", {} non-finite grads", s.nonfinite_elems);
   if (t.device_adam > 0) out += fmt::format(", device adam {}", FormatSeconds(t.device_adam));
   if (s.clip_coef < 1.0f) out += fmt::format(", clip {:.4g}", s.clip_coef);
   if (s.read_bytes + s.write_bytes > 0) {
@@ -354,6 +355,13 @@ struct OffloadOptimizer::Impl {
   size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
   bool host_stats = false;              // the statistics were a host pass (accumulation)
   std::string loaded_checkpoint;        // the save the last checkpoint load read
+  // The statistics of a step the loss scaler refused (an overflow at
+  // min_scale): no update, but last_step() shows them.
+  std::optional<StepDecision> refused;
+  // Steps skipped for non-finite gradients with no scaler to back off, and
+  // their count at the last warning (one per 100 at most).
+  uint64_t unscaled_skips = 0;
+  uint64_t unscaled_skips_warned = 0;
 
   ~Impl();
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
@@ -393,6 +401,7 @@ struct OffloadOptimizer::Impl {
   // before ended with, still in their buffers (state_tiers.h).
   internal::PipelineSchedule Schedule(int64_t update_step) const;
   void FillStats(const StepDecision& d, double t0);
+  void WarnUnscaledSkip(const StepDecision& d);
   Status FailedStepError(std::string_view op) const;
   void EndFailedStep() {
     pending.reset();
@@ -931,8 +940,17 @@ Status OffloadOptimizer::Impl::HandOverAndDecide() {
     }
   }
   last.times.grad_stats = NowSec() - ts;
-  STRATA_ASSIGN_OR_RETURN(StepDecision d,
-                          internal::DecideStep(*scaler, st, config.max_grad_norm, step));
+  Result<StepDecision> decided = internal::DecideStep(*scaler, st, config.max_grad_norm, step);
+  if (!decided.ok()) {
+    refused = StepDecision{.skip = true,
+                           .step = step,
+                           .loss_scale = scaler->scale(),
+                           .grad_norm = std::sqrt(st.sum_sq) / scaler->scale(),
+                           .micro_steps = std::max<uint32_t>(grads->micro_steps(), 1),
+                           .nonfinite_elems = st.nonfinite_elems};
+    return decided.status();
+  }
+  StepDecision d = *decided;
   d.micro_steps = std::max<uint32_t>(grads->micro_steps(), 1);
   grad_read_bytes = grads->micro_steps() > 0 ? 4 : DTypeSize(grads->wire_dtype());
   host_stats = grads->micro_steps() > 0;
@@ -1082,9 +1100,16 @@ Status OffloadOptimizer::Impl::Step() {
   if (!pending) {
     // The first reads do not depend on the gradients: start them now.
     for (uint32_t r : Schedule(step + 1).initial_reads) tiers->StartRead(device_count + r);
+    refused.reset();
     Status decided = HandOverAndDecide();
     if (!decided.ok()) {
       tiers->DrainReads();
+      if (refused) {
+        // The overflow stays visible: its norm, count and scale.
+        last.skipped = true;
+        FillStats(*refused, t0);
+        refused.reset();
+      }
       return std::move(decided).WithContext(fmt::format("step {}", step + 1));
     }
     std::fill(done.begin(), done.end(), 0);
@@ -1096,6 +1121,7 @@ Status OffloadOptimizer::Impl::Step() {
       ResetReadiness();
       last.skipped = true;
       FillStats(d, t0);
+      if (scaler->options().mode != LossScaleMode::kDynamic) WarnUnscaledSkip(d);
       return OkStatus();
     }
   }
@@ -1124,10 +1150,33 @@ Status OffloadOptimizer::Impl::Step() {
   return OkStatus();
 }
 
+// A dynamic scaler's skips are its normal work (the scale goes down); without
+// one (bf16/fp32, or a static scale) a skipped step changes nothing and would
+// otherwise go unnoticed, possibly for the rest of the run.
+void OffloadOptimizer::Impl::WarnUnscaledSkip(const StepDecision& d) {
+  ++unscaled_skips;
+  if (rank != 0 || (unscaled_skips > 1 && unscaled_skips - unscaled_skips_warned < 100)) return;
+  const uint64_t since = unscaled_skips - unscaled_skips_warned;
+  unscaled_skips_warned = unscaled_skips;
+  LogWarning(fmt::format(
+      "step {} skipped: {} gradient elements are NaN or inf (grad norm {}){}; {} step{} skipped "
+      "for non-finite gradients so far{}, the params and optimizer state unchanged by them. "
+      "Look for NaN/inf in the loss and the data (a learning rate too high, an overflow in "
+      "the forward); fp16 training needs a dynamic loss scale (fp16.loss_scale 0). This "
+      "warning repeats at most once per 100 skipped steps",
+      d.step + 1, d.nonfinite_elems, d.grad_norm,
+      scaler->options().mode == LossScaleMode::kStatic
+          ? fmt::format(" and the static loss scale {} does not back off", d.loss_scale)
+          : std::string(" and there is no loss scaler to back off"),
+      unscaled_skips, unscaled_skips == 1 ? "" : "s",
+      unscaled_skips == 1 ? "" : fmt::format(" ({} since the last warning)", since)));
+}
+
 void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
   last.step = step;
   last.loss_scale = d.loss_scale;
   last.grad_norm = d.grad_norm;
+  last.nonfinite_elems = d.nonfinite_elems;
   last.clip_coef = d.clip_coef;
   last.micro_steps = d.micro_steps;
   const internal::GradPathTimes g = grads->TakeTimes();

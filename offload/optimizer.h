@@ -175,9 +175,11 @@ enum class PipelineMode : uint8_t { kOverlapped = 0, kSerial = 1 };
 
 struct StepStats {
   int64_t step = 0;           // optimizer steps taken so far (skipped ones not counted)
-  bool skipped = false;       // non-finite gradients: no update, the loss scale went down
+  bool skipped = false;       // non-finite gradients: no update (a dynamic loss scale went down)
   double loss_scale = 1.0;    // the scale this step's gradients carried
   double grad_norm = 0.0;     // global L2 norm of the unscaled gradients, before clipping
+  // Gradient elements that were NaN or inf (all ranks); > 0 means skipped.
+  uint64_t nonfinite_elems = 0;
   float clip_coef = 1.0f;     // ClipCoefficient; 1 when not clipped
   uint32_t micro_steps = 0;   // gradients accumulated into this step
   StageTimes times;

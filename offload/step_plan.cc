@@ -12,6 +12,7 @@ Result<StepDecision> DecideStep(LossScaler& scaler, const GradStats& global,
   out.loss_scale = d.scale_used;
   out.grad_norm = std::sqrt(global.sum_sq) / d.scale_used;
   out.step = steps_taken;
+  out.nonfinite_elems = global.nonfinite_elems;
   if (d.skip_step) {
     out.skip = true;
     return out;

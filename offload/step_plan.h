@@ -23,6 +23,7 @@ struct StepDecision {
   float clip_coef = 1;     // 1 when not clipped
   double grad_norm = 0;    // L2 norm of the unscaled gradients, before clipping
   uint32_t micro_steps = 1;  // gradients accumulated into the step (for StepStats)
+  uint64_t nonfinite_elems = 0;  // NaN or inf gradient elements, over all ranks
 };
 
 // From the global statistics of the scaled gradients (summed over ranks):

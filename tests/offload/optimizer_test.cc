@@ -535,6 +535,81 @@ void RunInfSkips(double gpu_fraction) {
 TEST(EngineLossScaler, AnInfInAnySubGroupSkipsTheStepAndChangesNothing) { RunInfSkips(0.0); }
 TEST(EngineLossScaler, AnInfInAnyTierWithDeviceSubGroupsSkipsTheStep) { RunInfSkips(0.3); }
 
+// Without a loss scaler (bf16/fp32) a step with NaN/inf gradients is skipped
+// and changes nothing; it used to be silent, so a run could skip every step
+// unseen. The first skip warns, then at most one warning per 100 skips,
+// each saying how many; last_step() counts the non-finite elements.
+TEST(EngineLossScaler, SkipsWithoutAScalerWarnTheFirstThenOncePerHundred) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto storage = CreateMemStorage();
+  const OffloadConfig config = MakeConfig(Case{.param_dtype = DType::kF32});
+  ASSERT_EQ(config.loss_scaler.mode, LossScaleMode::kNone);
+  TestModel model(*device, kSizes, kGroupOf, DType::kF32, DType::kF32);
+  model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, storage.get(), config, model);
+  auto grads = model.RandomGrads(rng, 0.5f);
+  grads[0][3] = std::numeric_limits<float>::quiet_NaN();
+  grads[2][5] = std::numeric_limits<float>::infinity();
+  model.SetGrads(grads);
+  testing::LogCapture log(LogLevel::kWarning);
+  for (int s = 0; s < 250; ++s) {
+    ASSERT_TRUE(opt->Step().ok());
+    EXPECT_TRUE(opt->last_step().skipped);
+    EXPECT_EQ(opt->last_step().nonfinite_elems, 2u);
+  }
+  EXPECT_EQ(opt->step_count(), 0);
+  EXPECT_NE(FormatStepStats(opt->last_step()).find("2 non-finite grads"), std::string::npos);
+  const auto warned = log.Find(LogLevel::kWarning, "gradient elements are NaN or inf");
+  ASSERT_EQ(warned.size(), 3u);
+  EXPECT_NE(warned[0].find("step 1 skipped: 2 gradient elements are NaN or inf"), std::string::npos)
+      << warned[0];
+  EXPECT_NE(warned[0].find("no loss scaler to back off; 1 step skipped"), std::string::npos)
+      << warned[0];
+  EXPECT_NE(warned[1].find("101 steps skipped for non-finite gradients so far (100 since the "
+                           "last warning)"),
+            std::string::npos)
+      << warned[1];
+  EXPECT_NE(warned[2].find("201 steps skipped"), std::string::npos) << warned[2];
+  // A clean step goes through and reports no non-finite gradients.
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->Step().ok());
+  EXPECT_FALSE(opt->last_step().skipped);
+  EXPECT_EQ(opt->last_step().nonfinite_elems, 0u);
+  EXPECT_EQ(opt->step_count(), 1);
+}
+
+// An overflow at min_scale fails the step (FailedPrecondition, as DeepSpeed
+// raises); last_step() keeps that step's statistics, so the overflow is
+// visible (it was blanked: step 0, grad norm 0).
+TEST(EngineLossScaler, AnOverflowAtMinScaleKeepsItsStatisticsInLastStep) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto storage = CreateMemStorage();
+  OffloadConfig config = MakeConfig(Case{.param_dtype = DType::kF16, .grad_dtype = DType::kF16});
+  config.loss_scaler = {.mode = LossScaleMode::kDynamic, .initial_scale_power = 0, .hysteresis = 1};
+  TestModel model(*device, kSizes, kGroupOf, DType::kF16, DType::kF16);
+  model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, storage.get(), config, model);
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->Step().ok());
+  auto grads = model.RandomGrads(rng, 0.5f);
+  grads[0][3] = std::numeric_limits<float>::infinity();
+  model.SetGrads(grads);
+  Status s = opt->Step();
+  ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  const StepStats& last = opt->last_step();
+  EXPECT_EQ(last.step, 1);
+  EXPECT_TRUE(last.skipped);
+  EXPECT_EQ(last.nonfinite_elems, 1u);
+  EXPECT_EQ(last.loss_scale, 1.0);
+  EXPECT_TRUE(std::isinf(last.grad_norm)) << last.grad_norm;
+  EXPECT_NE(FormatStepStats(last).find("1 non-finite grads"), std::string::npos)
+      << FormatStepStats(last);
+}
+
 TEST(EngineLossScaler, InfOnOneRankSkipsTheStepOnEveryRank) {
   const uint64_t seed = TestSeed();
   std::mt19937_64 rng(seed);
