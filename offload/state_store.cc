@@ -8,10 +8,17 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/file_lock.h"
+#include "runtime/log.h"
 #include "runtime/units.h"
 
 namespace strata {
 namespace {
+
+std::string JoinPaths(const std::vector<std::string>& paths) {
+  std::string out;
+  for (const std::string& p : paths) out += (out.empty() ? "" : ", ") + p;
+  return out;
+}
 
 constexpr uint64_t kSlotMagic = 0x5845415441525453ull;  // "STRATAEX"
 // 2: slots on block boundaries, the payload checksum over 1 MiB pieces.
@@ -101,9 +108,26 @@ StateStore::~StateStore() {
   // A broken file drains what it still has in flight when it closes, and its
   // requests live in ops_: close the files first.
   files_.clear();
+  if (options_.close != StoreClose::kRemove || file_paths_.empty()) return;
+  if (!broken_.ok()) {
+    LogWarning("state store: kept " + JoinPaths(file_paths_) + " after the IO queue failed (" +
+               std::string(broken_.message()) +
+               "); nothing reopens it: remove it by hand once the cause is known");
+    return;
+  }
+  // The locks (members) are released after this: no other store of this
+  // rank can have opened the files meanwhile.
+  for (const std::string& path : file_paths_) {
+    Status removed = storage_->Remove(path);
+    if (!removed.ok() && removed.code() != StatusCode::kNotFound) {
+      LogWarning("state store: remove " + path + ": " + std::string(removed.message()) +
+                 "; remove it by hand");
+    }
+  }
 }
 
 Status StateStore::Init(Storage& storage) {
+  storage_ = &storage;
   const uint32_t num_paths = static_cast<uint32_t>(options_.paths.size());
   slot_bytes_ = kHeaderBytes + RoundUp(options_.extent_bytes, kAlign);
   const uint64_t chunks = (slot_bytes_ + options_.block_bytes - 1) / options_.block_bytes;

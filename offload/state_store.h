@@ -83,6 +83,15 @@ enum class StoreOpen : uint8_t {
   kOpenExisting,  // reopen after a restart: check the geometry, scan the headers
 };
 
+// What the destructor does with the state files.
+enum class StoreClose : uint8_t {
+  kKeep,  // leave them, to reopen with StoreOpen::kOpenExisting
+  // Remove them, still holding the lock (the engine's: nothing reopens
+  // them). Not after the IO queue failed: then they stay, and a warning
+  // names them.
+  kRemove,
+};
+
 struct StateStoreOptions {
   std::vector<std::string> paths;  // directories, one per drive
   uint32_t rank = 0;
@@ -92,6 +101,7 @@ struct StateStoreOptions {
   uint32_t queue_depth = 8;        // requests in flight per file
   DirectIo direct = DirectIo::kAuto;
   StoreOpen open = StoreOpen::kCreate;
+  StoreClose close = StoreClose::kKeep;
   // Runs body(begin, count) over [0, n) in pieces on any threads and returns
   // when all ran: PayloadHash and VerifyPayload hash an extent's 1 MiB
   // pieces with it (the engine passes its CPU optimizer's threads). Empty:
@@ -198,6 +208,7 @@ class StateStore {
   uint64_t slot_bytes_ = 0;
   uint64_t per_file_slot_bytes_ = 0;
   uint64_t data_offset_ = kSuperblockBytes;  // the first slot: a block boundary
+  Storage* storage_ = nullptr;               // the caller's; outlives the store
   std::vector<std::string> file_paths_;
   // One lock per path (strata-rank<r>.lock, runtime/file_lock.h), held for
   // the store's life: a second store of this rank on a path fails to open.

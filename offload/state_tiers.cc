@@ -76,6 +76,7 @@ Status StateTiers::Init() {
                                                         .num_extents = nvme_count(),
                                                         .block_bytes = c.aio.block_bytes,
                                                         .queue_depth = c.aio.queue_depth,
+                                                        .close = StoreClose::kRemove,
                                                         .parallel_for = ParallelFor()}));
   const uint32_t k = std::max<uint32_t>(1, std::min(o_.nvme_buffers, nvme_count()));
   std::vector<std::span<std::byte>> spans;

@@ -257,6 +257,30 @@ Result<std::unique_ptr<OffloadOptimizer>> MakeOptimizer(Device& device, Storage*
 // Steps alternate the order of their NVMe sub-groups, so each starts with
 // the extents the one before left in the buffers: buffer_count fewer extents
 // read per step, the same results bit for bit.
+// The optimizer's NVMe state is of no use once it is gone (nothing reopens
+// it; checkpoints hold what is kept): destroying the optimizer removes
+// strata-rank<r>.state, and only the lock file stays (it used to stay too).
+TEST(EngineNvme, DestroyingTheOptimizerRemovesItsStateFile) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto storage = CreatePosixStorage();
+  testing::TempDir dir;
+  OffloadConfig config = MakeConfig(Case{.where = Where::kNvme});
+  config.nvme_paths = {dir.path()};
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
+  model.SetParams(rng);
+  {
+    auto opt = MakeOptimizer(*device, storage.get(), config, model);
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    ASSERT_GT((*opt)->plan().nvme_sub_groups, 0u);
+    model.SetGrads(model.RandomGrads(rng, 0.5f));
+    ASSERT_TRUE((*opt)->Step().ok());
+    EXPECT_TRUE(std::filesystem::exists(dir.File("strata-rank0.state")));
+  }
+  EXPECT_EQ(testing::DirNames(dir.path()), std::vector<std::string>{"strata-rank0.lock"});
+}
+
 TEST(EngineNvme, ExtentsStillInTheirBuffersAreNotReadAgain) {
   const uint64_t seed = TestSeed();
   std::mt19937_64 rng(seed);

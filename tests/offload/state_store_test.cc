@@ -325,6 +325,51 @@ TEST_F(StoreTest, BrokenQueueStopsTheStoreAndKeepsWhatWasCommitted) {
   }
 }
 
+// StoreClose::kRemove (the engine's): closing removes the state files, under
+// the lock; the lock files stay (file_lock.h). After a broken queue the
+// files stay, with a warning naming them. kKeep leaves them to reopen.
+TEST_F(StoreTest, RemoveOnCloseRemovesTheStateFilesButNotAfterABrokenQueue) {
+  namespace fs = std::filesystem;
+  auto storage = CreatePosixStorage();
+  StateStoreOptions o = Options(2, 8192, 2, 4096);
+  o.close = StoreClose::kRemove;
+  const std::string state0 = paths_[0] + "/strata-rank1.state";
+  const std::string state1 = paths_[1] + "/strata-rank1.state";
+  {
+    auto store = StateStore::Create(*storage, o);
+    ASSERT_TRUE(store.ok()) << store.status();
+    AlignedBuffer a((*store)->ExtentBufferBytes());
+    FillPattern((*store)->Payload(a.span()), 1);
+    ASSERT_TRUE(WriteWait(**store, 0, a.span()).ok());
+    EXPECT_TRUE(fs::exists(state0));
+    EXPECT_TRUE(fs::exists(state1));
+  }
+  EXPECT_FALSE(fs::exists(state0));
+  EXPECT_FALSE(fs::exists(state1));
+  EXPECT_TRUE(fs::exists(paths_[0] + "/strata-rank1.lock"));
+
+  auto fault = FaultStorage::Create(CreatePosixStorage(), {.seed = 3});
+  testing::LogCapture log(LogLevel::kWarning);
+  {
+    auto store = StateStore::Create(*fault, o);
+    ASSERT_TRUE(store.ok()) << store.status();
+    AlignedBuffer a((*store)->ExtentBufferBytes());
+    fault->SetOptions({.seed = 4, .queue_fail_one_in = 1});
+    EXPECT_FALSE(WriteWait(**store, 0, a.span()).ok());
+    fault->SetOptions({});
+  }
+  EXPECT_TRUE(fs::exists(state0));
+  EXPECT_TRUE(fs::exists(state1));
+  const auto kept = log.Find(LogLevel::kWarning, "after the IO queue failed");
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_NE(kept[0].find(state0), std::string::npos) << kept[0];
+
+  o.close = StoreClose::kKeep;  // the default: reopened below
+  { ASSERT_TRUE(StateStore::Create(*storage, o).ok()); }
+  o.open = StoreOpen::kOpenExisting;
+  EXPECT_TRUE(StateStore::Create(*storage, o).ok());
+}
+
 TEST_F(StoreTest, TornWriteIsDataLossNeverStaleOrCorruptData) {
   auto fault = FaultStorage::Create(CreateMemStorage(), {.seed = 1});
   auto store = StateStore::Create(*fault, Options(1, 1 << 20, 1, 1 << 20)).value();
