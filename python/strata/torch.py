@@ -226,19 +226,68 @@ class _TorchDistributedComm:
 
     Called from the engine's stream thread with the GIL held, one collective at
     a time, in the same order on every rank. The memoryviews are raw bytes of
-    the engine's buffers; tensors made from them share that memory.
+    the engine's buffers. What goes to torch.distributed is tensors torch owns
+    (copies): a tensor over a Python buffer that gloo's thread frees last needs
+    the GIL, which at interpreter exit aborted the process.
+
+    Each collective first all-reduces a small header (which collective, dtype,
+    op and count): ranks that issue different ones (a rank skipped a step, or
+    saves while another steps) raise on every rank, naming both, instead of
+    meeting in a transfer of another size (gloo aborts the process on that).
     """
+
+    _CALLS = ("all-reduce", "reduce-scatter", "all-gather", "barrier")
 
     def __init__(self, group, rank, world_size):
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self._dtypes = sorted(_BUFFER_DTYPES)
+
+    def _describe(self, code, count):
+        call, rest = divmod(int(code), 64)
+        dtype, op = divmod(rest, 4)
+        what = self._CALLS[call] if 0 <= call < len(self._CALLS) else f"collective {call}"
+        if what == "barrier":
+            return what
+        kind = self._dtypes[dtype] if 0 <= dtype < len(self._dtypes) else f"dtype {dtype}"
+        return f"{what} of {int(count)} x {kind}" + (f" ({('sum', 'max')[op]})" if op < 2 else "")
+
+    def _run(self, what, fn):
+        try:
+            fn()
+        except RuntimeError as e:
+            text = str(e)
+            if "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
+                raise RuntimeError(f"{what}: another rank exited or failed (its connection "
+                                   f"closed): see that rank's output for its error ({text})") \
+                    from None
+            if "Timed out" in text or "timed out" in text:
+                raise RuntimeError(f"{what}: another rank did not join within the process "
+                                   "group's timeout: it stopped calling the optimizer, or issues "
+                                   "other calls (init_process_group(timeout=...) sets the wait) "
+                                   f"({text})") from None
+            raise
+
+    def _agree(self, call, dtype, op, count):
+        code = self._CALLS.index(call) * 64 + self._dtypes.index(dtype) * 4 + op
+        mine = self._describe(code, count)
+        header = torch.tensor([code, count, -code, -count], dtype=torch.float64)
+        self._run(mine, lambda: dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group))
+        if header[0] != code or header[1] != count or header[2] != -code or header[3] != -count:
+            other = (self._describe(header[0], header[1]) if header[0] != code or
+                     header[1] != count else self._describe(-header[2], -header[3]))
+            raise RuntimeError(
+                f"rank {self.rank} issues {mine} while another rank issues {other}: every rank "
+                "must call step(), save_checkpoint() and load_checkpoint() together (a rank "
+                "skipped a step, or saves while another steps)")
+        return mine
 
     @staticmethod
-    def _view(mv, dtype, count):
+    def _tensor(mv, dtype, count):
         t = _BUFFER_DTYPES[dtype]
         if t in (torch.float16, torch.bfloat16):
-            # Moved as bytes: gloo has neither bf16 nor int16, and nothing is summed here.
+            # Moved as bytes: gloo has neither bf16 nor int16.
             return torch.frombuffer(mv, dtype=torch.uint8, count=2 * count)
         return torch.frombuffer(mv, dtype=t, count=count)
 
@@ -247,27 +296,30 @@ class _TorchDistributedComm:
         return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
 
     def all_reduce(self, send, recv, count, dtype, op):
-        s = torch.frombuffer(send, dtype=_BUFFER_DTYPES[dtype], count=count)
-        r = torch.frombuffer(recv, dtype=_BUFFER_DTYPES[dtype], count=count)
-        if s.data_ptr() != r.data_ptr():
-            r.copy_(s)
-        dist.all_reduce(r, op=self._op(op), group=self.group)
+        what = self._agree("all-reduce", dtype, ("sum", "max").index(op), count)
+        t = torch.frombuffer(send, dtype=_BUFFER_DTYPES[dtype], count=count).clone()
+        self._run(what, lambda: dist.all_reduce(t, op=self._op(op), group=self.group))
+        torch.frombuffer(recv, dtype=_BUFFER_DTYPES[dtype], count=count).copy_(t)
 
     def reduce_scatter(self, send, recv, recv_count, dtype, op):
         # gloo has no reduce_scatter: all-reduce a copy, keep this rank's block.
+        what = self._agree("reduce-scatter", dtype, ("sum", "max").index(op), recv_count)
         full = torch.frombuffer(send, dtype=_BUFFER_DTYPES[dtype],
                                 count=recv_count * self.world_size).clone()
-        dist.all_reduce(full, op=self._op(op), group=self.group)
+        self._run(what, lambda: dist.all_reduce(full, op=self._op(op), group=self.group))
         r = torch.frombuffer(recv, dtype=_BUFFER_DTYPES[dtype], count=recv_count)
         r.copy_(full[self.rank * recv_count:(self.rank + 1) * recv_count])
 
     def all_gather(self, send, recv, send_count, dtype):
-        s = self._view(send, dtype, send_count).clone()  # send may alias recv
-        r = self._view(recv, dtype, send_count * self.world_size)
-        dist.all_gather(list(r.chunk(self.world_size)), s, group=self.group)
+        what = self._agree("all-gather", dtype, 3, send_count)
+        s = self._tensor(send, dtype, send_count).clone()  # send may alias recv
+        out = [torch.empty_like(s) for _ in range(self.world_size)]
+        self._run(what, lambda: dist.all_gather(out, s, group=self.group))
+        self._tensor(recv, dtype, send_count * self.world_size).copy_(torch.cat(out))
 
     def barrier(self):
-        dist.barrier(group=self.group)
+        what = self._agree("barrier", self._dtypes[0], 3, 0)
+        self._run(what, lambda: dist.barrier(group=self.group))
 
 
 def _grad_hook(ref, k):
@@ -664,6 +716,11 @@ class OffloadAdam(torch.optim.Optimizer):
             group = process_group if process_group is not None else dist.group.WORLD
             world = dist.get_world_size(group)
             rank = dist.get_rank(group)
+            if rank < 0:
+                raise ValueError(
+                    f"OffloadAdam: this process (global rank {dist.get_rank()}) is not a member "
+                    "of process_group; build the optimizer only on the group's ranks, or pass "
+                    "a group this rank belongs to")
             if world > 1:
                 self._group = group
                 if self._device.type == "cuda":

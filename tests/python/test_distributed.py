@@ -105,3 +105,51 @@ def test_two_gloo_ranks_match_one_rank(offload, dtype, overlap, tmp_path):
             torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=1e-5)
         else:
             assert torch.equal(a, b.detach())
+
+
+def misuse_worker(rank, init_file, out_dir):
+    import datetime
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    seen = {}
+    try:
+        # A group this rank is not in: refused by name, not a silent world of 1.
+        only_zero = dist.new_group([0])
+        model = make_model()
+        if rank == 1:
+            try:
+                OffloadAdam(model.parameters(), process_group=only_zero)
+            except ValueError as e:
+                seen["not_member"] = str(e)
+        # Rank 0 saves while rank 1 steps: both raise, naming both collectives.
+        opt = OffloadAdam(model.parameters(), lr=1e-2)
+        x, y = batch()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            if rank == 0:
+                opt.save_checkpoint(os.path.join(out_dir, "ckpt"))
+            else:
+                opt.step()
+        except Exception as e:  # StrataError on both ranks
+            seen["mismatch"] = f"{type(e).__name__}: {e}"
+        torch.save(seen, os.path.join(out_dir, f"misuse{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_issue_different_calls_fail_on_every_rank_naming_both(tmp_path):
+    """A save on one rank while the other steps met in gloo transfers of other sizes
+    and aborted a process; a group the rank is not in gave a silent world of 1."""
+    mp.spawn(misuse_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD,
+             join=True)
+    seen = [torch.load(tmp_path / f"misuse{r}.pt") for r in range(WORLD)]
+    assert "is not a member of process_group" in seen[1]["not_member"]
+    for r in range(WORLD):
+        text = seen[r]["mismatch"]
+        assert text.startswith("StrataError"), text
+        assert "all-reduce of 1 x float64 (sum)" in text and "reduce-scatter of" in text, text
+        assert "every rank must call step(), save_checkpoint() and load_checkpoint() together" \
+            in text, text
+    assert "nothing was written" in seen[0]["mismatch"]
+    assert not (tmp_path / "ckpt" / "latest.json").exists()
