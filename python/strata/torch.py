@@ -17,6 +17,7 @@
 See OffloadAdam's docstring and docs/pytorch.md.
 """
 
+import atexit
 import contextlib
 import copy
 import errno
@@ -27,6 +28,7 @@ import numbers
 import os
 import re
 import threading
+import time
 import weakref
 from collections import OrderedDict
 
@@ -226,9 +228,8 @@ class _TorchDistributedComm:
 
     Called from the engine's stream thread with the GIL held, one collective at
     a time, in the same order on every rank. The memoryviews are raw bytes of
-    the engine's buffers. What goes to torch.distributed is tensors torch owns
-    (copies): a tensor over a Python buffer that gloo's thread frees last needs
-    the GIL, which at interpreter exit aborted the process.
+    the engine's buffers; torch.distributed gets copies (send may alias recv,
+    and gloo's worker thread may hold a tensor past the call).
 
     Each collective first all-reduces a small header (which collective, dtype,
     op and count): ranks that issue different ones (a rank skipped a step, or
@@ -243,6 +244,7 @@ class _TorchDistributedComm:
         self.rank = rank
         self.world_size = world_size
         self._dtypes = sorted(_BUFFER_DTYPES)
+        _let_gloo_finish_at_exit()
 
     def _describe(self, code, count):
         call, rest = divmod(int(code), 64)
@@ -320,6 +322,17 @@ class _TorchDistributedComm:
     def barrier(self):
         what = self._agree("barrier", self._dtypes[0], 3, 0)
         self._run(what, lambda: dist.barrier(group=self.group))
+
+
+@functools.lru_cache(maxsize=None)
+def _let_gloo_finish_at_exit():
+    """gloo's worker thread drops its last tensors a moment after a collective
+    returns, and dropping a tensor Python knows needs the GIL: if the interpreter
+    is finalizing by then, that thread is ended inside a destructor and the
+    process aborts ("terminate called without an active exception"). At exit,
+    give it that moment with the GIL free (the process group may be left
+    undestroyed, as many scripts do)."""
+    atexit.register(time.sleep, 0.05)
 
 
 def _grad_hook(ref, k):
