@@ -371,6 +371,10 @@ struct OffloadOptimizer::Impl {
   Status InitUnits(const EngineContext& context);       // buffers, store, initial state
   Status InitState();
   Status OtherRankFailed() const;
+  static constexpr uint64_t kAgreeModulus = uint64_t{1} << 20;  // world * x^2 < 2^53
+  uint64_t SettingsDigest() const;
+  Status CheckRanksAgree(double step_sum, double step_sq_sum, double digest_sum,
+                         double digest_sq_sum) const;
   Status AllReduceDoubles(std::span<double> values, ReduceOp op);
   Status Update(uint32_t i, std::span<float> state, GradView grad, void* out,
                 const StepDecision& d);
@@ -918,6 +922,53 @@ Status OffloadOptimizer::Impl::FinishDeviceSide(const std::vector<uint8_t>& upda
   return OkStatus();
 }
 
+// A digest of what this step's update depends on besides the gradients: the
+// groups' hyperparameters, the clipping norm, the update rule, the loss scale.
+uint64_t OffloadOptimizer::Impl::SettingsDigest() const {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  auto mix = [&h](const auto& value) {
+    const auto* b = reinterpret_cast<const unsigned char*>(&value);
+    for (size_t i = 0; i < sizeof(value); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  };
+  for (const GroupHyper& g : step_hypers) {
+    mix(g.lr), mix(g.beta1), mix(g.beta2), mix(g.eps), mix(g.weight_decay);
+  }
+  mix(config.max_grad_norm), mix(config.optimizer), mix(scaler->scale());
+  return h ^ (h >> 32);
+}
+
+// Every rank's step number and settings digest are this rank's (sums of x and
+// x^2 over the ranks, x < kAgreeModulus so that the sums are exact).
+Status OffloadOptimizer::Impl::CheckRanksAgree(double step_sum, double step_sq_sum,
+                                               double digest_sum, double digest_sq_sum) const {
+  const auto same = [&](double sum, double sq_sum) {
+    return sum * sum == static_cast<double>(world) * sq_sum;
+  };
+  if (!same(step_sum, step_sq_sum)) {
+    return FailedPreconditionError(fmt::format(
+        "rank {} is at step {}, and another rank at a different one: a rank skipped step(), or "
+        "loaded a checkpoint or state dict alone. Every rank must call step() and the loads "
+        "together; load the same checkpoint on every rank to go on. Nothing was updated",
+        rank, step + 1));
+  }
+  if (!same(digest_sum, digest_sq_sum)) {
+    std::string mine;
+    for (uint32_t g = 0; g < step_hypers.size(); ++g) {
+      const GroupHyper& h = step_hypers[g];
+      mine += fmt::format("group {}: lr {} betas ({}, {}) eps {} weight_decay {}; ", g, h.lr,
+                          h.beta1, h.beta2, h.eps, h.weight_decay);
+    }
+    return FailedPreconditionError(fmt::format(
+        "step {}: rank {}'s update settings differ from another rank's ({}clipping norm {}, "
+        "{}, loss scale {}): every rank must build the optimizer alike and change its "
+        "hyperparameters alike (the same scheduler on every rank); compare the ranks' messages. "
+        "Nothing was updated",
+        step + 1, rank, mine, config.max_grad_norm, OptimizerTypeName(config.optimizer),
+        scaler->scale()));
+  }
+  return OkStatus();
+}
+
 // Stages 1 and 2: the gradients handed over, their statistics over every
 // rank, the decision. A skipped step ends here.
 Status OffloadOptimizer::Impl::HandOverAndDecide() {
@@ -932,9 +983,15 @@ Status OffloadOptimizer::Impl::HandOverAndDecide() {
     HostSlice slice(trace, {TraceTrack::kStep, "decide"});
     STRATA_ASSIGN_OR_RETURN(st, grads->LocalStats());
     if (world > 1) {
-      double v[2] = {st.sum_sq, static_cast<double>(st.nonfinite_elems)};
+      // Beside the statistics, in the same all-reduce: each rank's step number
+      // and a digest of its update settings, as x and x^2 (all ranks agree
+      // exactly when sum(x)^2 == world * sum(x^2)).
+      const double s = static_cast<double>((step + 1) % kAgreeModulus);
+      const double h = static_cast<double>(SettingsDigest() % kAgreeModulus);
+      double v[6] = {st.sum_sq, static_cast<double>(st.nonfinite_elems), s, s * s, h, h * h};
       STRATA_RETURN_IF_ERROR(
           (AllReduceDoubles(v, ReduceOp::kSum)).WithContext("all-reduce the gradient statistics"));
+      STRATA_RETURN_IF_ERROR(CheckRanksAgree(v[2], v[3], v[4], v[5]));
       st.sum_sq = v[0];
       st.nonfinite_elems = static_cast<uint64_t>(v[1]);
     }

@@ -461,5 +461,61 @@ TEST(EngineFailure, AStepWhoseAllGatherFailsIsRetriedToTheSameResult) {
   failing.DestroyOptimizers();
 }
 
+// Ranks at different steps (one restored its counters alone, as a lone
+// checkpoint or state_dict load does) or with different update settings (an
+// lr changed on one rank) used to step on, each shard under its own rank's
+// values. Now the step fails on every rank before anything is updated.
+TEST(EngineFailure, RanksAtDifferentStepsOrSettingsRefuseTheStepOnEveryRank) {
+  for (const std::string what : {"step", "lr"}) {
+    SCOPED_TRACE(what);
+    const uint64_t seed = TestSeed();
+    TwoRanks ranks(seed);
+    for (const Status& s : ranks.create_status()) ASSERT_TRUE(s.ok()) << s;
+    std::mt19937_64 rng(seed + 1);
+    for (int r = 0; r < TwoRanks::kWorld; ++r) {
+      ranks.model(r).SetGrads(ranks.model(r).RandomGrads(rng, 0.5f));
+    }
+    if (what == "step") {
+      OffloadOptimizer& o = ranks.opt(1);
+      ASSERT_TRUE(o.RestoreCounters(5, o.loss_scaler_state()).ok());
+    } else {
+      ASSERT_TRUE(ranks.opt(1).SetGroupHyper(0, {.lr = 0.5}).ok());
+    }
+    std::vector<std::vector<std::vector<float>>> before(TwoRanks::kWorld);
+    std::vector<std::vector<uint8_t>> params_before;
+    for (int r = 0; r < TwoRanks::kWorld; ++r) {
+      OffloadOptimizer& o = ranks.opt(r);
+      for (uint32_t i = 0; i < o.sub_groups().size(); ++i) {
+        before[r].emplace_back(o.sub_groups()[i].elems() * o.StateArrayCount());
+        ASSERT_TRUE(o.ReadState(i, before[r].back()).ok());
+      }
+      for (size_t t = 0; t < 2; ++t) params_before.push_back(ranks.model(r).ParamBytes(t));
+    }
+    const std::vector<Status> status =
+        ranks.OnEveryRank([&](int r) { return ranks.opt(r).Step(); });
+    for (int r = 0; r < TwoRanks::kWorld; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition) << status[r];
+      const std::string expected =
+          what == "step" ? fmt::format("rank {} is at step {}, and another rank at a different one",
+                                       r, r == 0 ? 1 : 6)
+                         : fmt::format("rank {}'s update settings differ from another rank's", r);
+      EXPECT_NE(status[r].message().find(expected), std::string::npos) << status[r];
+      EXPECT_NE(status[r].message().find("Nothing was updated"), std::string::npos) << status[r];
+      OffloadOptimizer& o = ranks.opt(r);
+      EXPECT_FALSE(o.step_state() == StepState::kFailed) << "failed before the update";
+      for (uint32_t i = 0; i < o.sub_groups().size(); ++i) {
+        std::vector<float> now(before[r][i].size());
+        ASSERT_TRUE(o.ReadState(i, now).ok());
+        EXPECT_EQ(0, std::memcmp(now.data(), before[r][i].data(), now.size() * 4))
+            << "sub-group " << i;
+      }
+      for (size_t t = 0; t < 2; ++t) {
+        EXPECT_EQ(ranks.model(r).ParamBytes(t), params_before[r * 2 + t]) << "tensor " << t;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata
