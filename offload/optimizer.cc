@@ -50,6 +50,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -583,25 +584,48 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
 // (a digest of the layout); `planned` is this rank's own outcome.
 Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
   constexpr std::string_view kOp = "create offload optimizer";
-  const double max_digest = static_cast<double>((uint64_t{1} << 52) - 1);
-  double digest = 0;
+  // A digest per part that every rank must register alike, each all-reduced
+  // with kMax as d and max - d (they agree when both come back unchanged).
+  struct Part {
+    std::string_view what;
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    void Mix(uint64_t v) { h = (h ^ v) * 1099511628211ull; }
+  };
+  std::array<Part, 4> parts = {Part{"the tensors' sizes or dtype"},
+                               Part{"the tensors' names (the same sizes in another order?)"},
+                               Part{"which tensor is in which param group"},
+                               Part{"the sub-groups (sub_group_size)"}};
   if (planned.ok()) {
-    uint64_t h = 1469598103934665603ull;
-    auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-    for (const TensorSlot& t : layout.tensors) mix(t.elems);
-    mix(static_cast<uint64_t>(config.param_dtype));
-    digest = static_cast<double>(h >> 12);  // exact in a double
+    for (const TensorSlot& t : layout.tensors) parts[0].Mix(t.elems);
+    parts[0].Mix(static_cast<uint64_t>(config.param_dtype));
+    for (const Param& p : params) {
+      for (const char c : p.name) parts[1].Mix(static_cast<unsigned char>(c));
+      parts[1].Mix(256);  // the end of a name
+    }
+    for (uint32_t g : param_group) parts[2].Mix(g);
+    for (const ElemRange& r : sub_groups) parts[3].Mix(r.elems());
   }
-  double v[3] = {digest, max_digest - digest, planned.ok() ? 0.0 : 1.0};
+  const double max_digest = static_cast<double>((uint64_t{1} << 52) - 1);
+  std::array<double, 2 * parts.size() + 1> v{};
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const double d = planned.ok() ? static_cast<double>(parts[i].h >> 12) : 0.0;  // exact
+    v[2 * i] = d;
+    v[2 * i + 1] = max_digest - d;
+  }
+  v.back() = planned.ok() ? 0.0 : 1.0;
+  const std::array<double, v.size()> mine = v;
   Status reduced = AllReduceDoubles(v, ReduceOp::kMax);
   if (!planned.ok()) return planned;
   STRATA_RETURN_IF_ERROR((std::move(reduced)).WithContext(kOp));
-  if (v[2] > 0) return OtherRankFailed();
-  if (v[0] != digest || v[1] != max_digest - digest) {
-    return InvalidArgumentError(fmt::format(
-        "{}: rank {} registered tensors that differ from another rank's (sizes or dtype); "
-        "every rank must register the same tensors in the same order",
-        kOp, rank));
+  if (v.back() > 0) return OtherRankFailed();
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (v[2 * i] != mine[2 * i] || v[2 * i + 1] != mine[2 * i + 1]) {
+      return InvalidArgumentError(fmt::format(
+          "{}: rank {} registered tensors that differ from another rank's in {}; every rank "
+          "must register the same tensors (sizes, dtype, names, groups) in the same order, with "
+          "the same sub_group_size",
+          kOp, rank, parts[i].what));
+    }
   }
   return OkStatus();
 }

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -338,6 +339,75 @@ void RunCreateFailsOnOneRank(FailAt fail_at) {
   EXPECT_NE(status[0].message().find("another rank failed to create its optimizer"),
             std::string::npos)
       << status[0];
+}
+
+// Ranks that register differently are refused at Create on every rank, naming
+// the part that differs (it used to compare sizes and dtype only: the same
+// sizes under other names, or in other groups, trained silently mixed).
+TEST(EngineCreate, RanksThatRegisterDifferentlyAreToldWhatDiffers) {
+  struct Case {
+    std::string differs;
+    std::function<void(std::vector<ParamGroup>&, OffloadConfig&)> change;  // rank 1's
+  };
+  const std::vector<Case> cases = {
+      {"the tensors' sizes or dtype",
+       [](std::vector<ParamGroup>& g, OffloadConfig&) { g[0].params[1].elems -= 8; }},
+      {"the tensors' names",
+       [](std::vector<ParamGroup>& g, OffloadConfig&) {
+         std::swap(g[0].params[0].name, g[0].params[1].name);
+       }},
+      {"which tensor is in which param group",
+       [](std::vector<ParamGroup>& g, OffloadConfig&) {
+         g[1].params.insert(g[1].params.begin(), g[0].params.back());
+         g[0].params.pop_back();
+       }},
+      {"the sub-groups (sub_group_size)",
+       [](std::vector<ParamGroup>&, OffloadConfig& c) { c.sub_group_elems = 2048; }},
+  };
+  constexpr int kWorld = 2;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.differs);
+    auto device = *CreateHostDevice();
+    auto comms =
+        *CreateLocalGroup(kWorld, *device, {.rendezvous_timeout = std::chrono::seconds(20)});
+    std::vector<std::unique_ptr<TestModel>> models;
+    std::vector<std::unique_ptr<Storage>> storages;
+    std::vector<Stream> streams;
+    for (int r = 0; r < kWorld; ++r) {
+      models.push_back(std::make_unique<TestModel>(*device, std::vector<uint64_t>{3000, 3000, 5000},
+                                                   std::vector<uint32_t>{0, 0, 1}, DType::kBF16,
+                                                   DType::kF32));
+      storages.push_back(CreateMemStorage());
+      streams.push_back(*device->CreateStream());
+    }
+    std::vector<Status> status(kWorld);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kWorld; ++r) {
+      threads.emplace_back([&, r] {
+        OffloadConfig c;
+        c.param_dtype = DType::kBF16;
+        c.sub_group_elems = 1024;
+        c.threads = kCpuThreads;
+        std::vector<ParamGroup> groups = models[r]->Groups(std::vector<GroupHyper>{{}, {}});
+        if (r == 1) k.change(groups, c);
+        status[r] = OffloadOptimizer::Create({.device = device.get(),
+                                              .comm = comms[r].get(),
+                                              .storage = storages[r].get(),
+                                              .stream = streams[r]},
+                                             c, groups)
+                        .status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r];
+      EXPECT_NE(
+          status[r].message().find(fmt::format(
+              "rank {} registered tensors that differ from another rank's in {}", r, k.differs)),
+          std::string::npos)
+          << status[r];
+    }
+  }
 }
 
 TEST(EngineCreate, PlanRefusedOnOneRankFailsEveryRank) { RunCreateFailsOnOneRank(FailAt::kPlan); }
