@@ -313,7 +313,16 @@ Status CreateDirectories(const std::string& path) {
   }
   fs::create_directories(path, ec);
   if (ec) {
-    return ErrnoError(ec.value(), fmt::format("create directory {}", path));
+    const Status cause = ErrnoError(ec.value(), fmt::format("create directory {}", path));
+    const int err = ec.value();
+    if (err != EROFS && err != EACCES && err != EPERM) return cause;
+    return Status(cause.code(),
+                  fmt::format("{}: {}", cause.message(),
+                              err == EROFS ? "it is on a read-only filesystem; give a directory "
+                                             "on a writable one"
+                                           : "this user may not create it there; give a "
+                                             "directory this user can write, or create it "
+                                             "with the right owner first"));
   }
   return OkStatus();
 }

@@ -94,7 +94,8 @@ DirectoryProbe ProbeDirectory(const std::string& path, DirectoryChecks checks);
 
 // Creates `path` and its missing parents (mode 0755, like `mkdir -p`). OK when
 // it already is a directory; FailedPrecondition when it exists as something
-// else; the errno naming the path otherwise ("create directory /x: EACCES ...").
+// else; the errno naming the path otherwise ("create directory /x: EACCES ...",
+// with what to do for EACCES, EPERM and EROFS).
 Status CreateDirectories(const std::string& path);
 
 // Bytes a file occupies on disk (st_blocks x 512; 0 when it does not exist).
