@@ -447,6 +447,7 @@ class Engine {
     d["grad_norm"] = s.grad_norm;
     d["clip_coef"] = s.clip_coef;
     d["micro_steps"] = s.micro_steps;
+    d["nonfinite_elems"] = s.nonfinite_elems;
     py::dict t;
     t["d2h"] = s.times.d2h;
     t["comm"] = s.times.comm;

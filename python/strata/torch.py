@@ -1212,7 +1212,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def _header(self):
         return {"version": _STATE_DICT_VERSION, "rank": self._engine.rank,
                 "world_size": self._engine.world_size,
-                "param_shapes": [r.shape for r in self._reg]}
+                "param_shapes": [r.shape for r in self._reg],
+                "param_dtype": str(self._dtype)}
 
     def iter_state(self):
         """Yields (sub_group, (begin, end), tensor) for this rank's offloaded state, one
@@ -1339,13 +1340,20 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"{bad}step is {step!r}; it must be an int")
         if not isinstance(s.get("loss_scaler"), dict):
             raise ValueError(f"{bad}no loss_scaler state")
-        self._engine.check_counters(step, dict(s["loss_scaler"]))
+        scaler = dict(s["loss_scaler"])
+        saved_dtype = s.get("param_dtype")  # absent in state dicts of older builds
+        if saved_dtype is not None and (saved_dtype == str(torch.float16)) != (
+                self._dtype == torch.float16):
+            # Saved with another loss scaling (bf16/fp32: scale 1; fp16: dynamic): this
+            # optimizer keeps its own scaler, as a checkpoint load does.
+            scaler = self._engine.scaler_state()
+        self._engine.check_counters(step, scaler)
         # Everything holds: write. Only an IO error can stop it now.
         try:
             for i, t in enumerate(arrays):
                 t = t.detach().to(device="cpu").contiguous()
                 self._engine.write_state(i, t.data_ptr(), t.numel())
-            self._engine.restore_counters(step, dict(s["loss_scaler"]))
+            self._engine.restore_counters(step, scaler)
         except StrataError as e:
             raise StrataError(f"{e}\nOffloadAdam.load_state_dict: the state is partly "
                               "written; load it again (or load a checkpoint)") from e

@@ -680,3 +680,29 @@ def test_a_monitor_thread_reads_the_properties_while_the_training_thread_steps()
     assert not errors, errors
     assert seen and seen == sorted(seen) and 0 <= seen[0] and seen[-1] <= 20
     assert opt.step_count == 20 and opt.last_step()["step"] == 20
+
+
+def test_an_fp16_optimizer_keeps_its_loss_scale_when_loading_a_bf16_state_dict():
+    """A bf16 optimizer's scaler is a static 1: loaded into an fp16 optimizer, fp16
+    training ran unscaled (most small gradients flush to zero). It keeps its own."""
+    bf16, fp16 = Net().to(torch.bfloat16), Net().half()
+    src = OffloadAdam(bf16.parameters(), lr=1e-2)
+    train(bf16, src, 1)
+    dst = OffloadAdam(fp16.parameters(), lr=1e-2)
+    initial = dst.loss_scale
+    assert initial > 1.0
+    dst.load_state_dict(src.state_dict())
+    assert dst.loss_scale == initial and dst.step_count == 1
+
+
+def test_duplicate_names_and_non_finite_counts_reach_python():
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    groups = [{"params": list(a.named_parameters())}, {"params": list(b.named_parameters())}]
+    with pytest.raises(strata.InvalidArgumentError, match="'weight'"):
+        OffloadAdam(groups)
+    model = Net()
+    opt = OffloadAdam(model.parameters())
+    backward(model)
+    next(model.parameters()).grad[0, 0] = float("nan")
+    opt.step()
+    assert opt.last_step()["skipped"] and opt.last_step()["nonfinite_elems"] == 1
