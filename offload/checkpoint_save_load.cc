@@ -9,9 +9,11 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <regex>
 #include <set>
+#include <span>
 
 #include "offload/checkpoint_internal.h"
 #include "runtime/device.h"
@@ -57,33 +59,42 @@ Status CheckShapes(OffloadOptimizer& opt, const TensorShapes& shapes, std::strin
 // own (the local backend wants one stream per rank; nothing else runs on it).
 class Collective {
  public:
+  static constexpr size_t kMaxValues = 16;  // the most one all-reduce carries
+
   static Result<Collective> Create(OffloadOptimizer& opt) {
     Collective c;
     c.comm_ = opt.comm();
     if (c.comm_ == nullptr || opt.world_size() == 1) return c;
     c.device_ = &opt.device();
     STRATA_ASSIGN_OR_RETURN(c.stream_, c.device_->CreateStream());
-    STRATA_ASSIGN_OR_RETURN(c.buf_, c.device_->Allocate(sizeof(double)));
-    STRATA_ASSIGN_OR_RETURN(c.host_, c.device_->AllocateHost(sizeof(double)));
+    STRATA_ASSIGN_OR_RETURN(c.buf_, c.device_->Allocate(kMaxValues * sizeof(double)));
+    STRATA_ASSIGN_OR_RETURN(c.host_, c.device_->AllocateHost(kMaxValues * sizeof(double)));
     return c;
   }
-  Result<double> AllReduce(double value, ReduceOp op) {
-    if (device_ == nullptr) return value;
+  // All-reduces `values` in place, in one collective.
+  Status AllReduce(std::span<double> values, ReduceOp op) {
+    STRATA_CHECK(values.size() <= kMaxValues) << values.size() << " values in one all-reduce";
+    if (device_ == nullptr || values.empty()) return OkStatus();
+    const size_t bytes = values.size_bytes();
     double* host = static_cast<double*>(host_.data());
-    *host = value;
+    std::copy(values.begin(), values.end(), host);
     Status enqueued = [&]() -> Status {
       STRATA_RETURN_IF_ERROR(
-          device_->CopyAsync(buf_.data(), host, sizeof(double), CopyKind::kHostToDevice, stream_));
+          device_->CopyAsync(buf_.data(), host, bytes, CopyKind::kHostToDevice, stream_));
       STRATA_RETURN_IF_ERROR(
-          comm_->AllReduce(buf_.data(), buf_.data(), 1, DType::kF64, op, stream_));
-      return device_->CopyAsync(host, buf_.data(), sizeof(double), CopyKind::kDeviceToHost,
-                                stream_);
+          comm_->AllReduce(buf_.data(), buf_.data(), values.size(), DType::kF64, op, stream_));
+      return device_->CopyAsync(host, buf_.data(), bytes, CopyKind::kDeviceToHost, stream_);
     }();
     // Drained also after an error: what was enqueued still uses the buffers.
     Status done = device_->StreamSynchronize(stream_);
     STRATA_RETURN_IF_ERROR(enqueued);
     STRATA_RETURN_IF_ERROR(done);
-    return *host;
+    std::copy(host, host + values.size(), values.begin());
+    return OkStatus();
+  }
+  Result<double> AllReduce(double value, ReduceOp op) {
+    STRATA_RETURN_IF_ERROR(AllReduce(std::span<double>(&value, 1), op));
+    return value;
   }
   // How many ranks report a failure.
   Result<int> CountFailures(const Status& local) {
@@ -107,6 +118,70 @@ class Collective {
   DeviceBuffer buf_;
   HostAllocation host_;  // pinned: the CUDA backend copies from pinned memory only
 };
+
+// ---- The ranks agree on what they do -----------------------------------------------
+//
+// Before a save writes anything and before a load changes anything, every
+// rank learns, in one all-reduce, whether all ranks passed the same
+// directory, and (save) are at the same step with the same settings, or
+// (load) resolved the same save. Each part travels as a 52-bit digest d of
+// its value, sent as d and kDigestRange - d under kMax (exact in a double):
+// every rank then holds max(d) and kDigestRange - min(d), and the ranks
+// agree on the part when these add up to kDigestRange. Every rank sees the
+// same sums, so every rank refuses together, naming the part and its own
+// value (the pattern of OffloadOptimizer's AgreeOnPlan).
+
+constexpr double kDigestRange = 4503599627370496.0;  // 2^52
+
+struct AgreedPart {
+  std::string_view what;  // "directory", "step", ...
+  std::string value;      // this rank's, as the error shows it
+  std::string compared;   // what is compared, when it is not `value`
+};
+
+// What one agreement found: whether any rank failed before it, and the first
+// part whose value differs between ranks.
+struct Agreed {
+  bool any_failed = false;
+  std::optional<size_t> differs;
+};
+
+// One all-reduce: `local`'s outcome and every part. Without an answer, the
+// error says so (this rank's own failure first).
+Result<Agreed> Agree(Collective& coll, const Status& local, std::span<const AgreedPart> parts) {
+  std::vector<double> values(1 + 2 * parts.size());
+  values[0] = local.ok() ? 0.0 : 1.0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string& v = parts[i].compared.empty() ? parts[i].value : parts[i].compared;
+    const double d =
+        static_cast<double>(XXH3_64bits(v.data(), v.size()) & ((uint64_t{1} << 52) - 1));
+    values[1 + 2 * i] = d;
+    values[2 + 2 * i] = kDigestRange - d;
+  }
+  if (Status s = coll.AllReduce(values, ReduceOp::kMax); !s.ok()) {
+    return Collective::Unagreed(local, s);
+  }
+  Agreed agreed;
+  agreed.any_failed = values[0] > 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (values[1 + 2 * i] + values[2 + 2 * i] != kDigestRange) {
+      agreed.differs = i;
+      break;
+    }
+  }
+  return agreed;
+}
+
+// A directory as the ranks compare it: absolute, lexically normal, without
+// a trailing separator.
+std::string ComparableDir(const std::string& dir) {
+  std::error_code ec;
+  fs::path p = fs::absolute(dir, ec);
+  if (ec) p = dir;
+  p = p.lexically_normal();
+  if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
+  return p.string();
+}
 
 // One data file: the rank's shard of one array, zero-padded to 4096 bytes,
 // with the checksum of every chunk_bytes piece and of the whole file.
@@ -611,25 +686,108 @@ Status CheckSameModel(const CheckpointInfo& info, OffloadOptimizer& opt, const T
   return OkStatus();
 }
 
+// The parts of a save the ranks must agree on (every one the manifests
+// share, so that a save they finish loads): the directory, the step, the
+// groups' hyperparameters, the loss scaler, and the rest of the manifest
+// (the model, the layout, SaveOptions' chunk_bytes and shapes). The last
+// ones are digested only when this rank's checks passed (`checked`).
+std::vector<AgreedPart> SaveParts(OffloadOptimizer& opt, const std::string& dir,
+                                  const SaveOptions& o, bool checked) {
+  std::vector<AgreedPart> parts = {
+      {.what = "directory", .value = ComparableDir(dir), .compared = ""},
+      {.what = "step", .value = fmt::format("{}", opt.step_count()), .compared = ""}};
+  json common;
+  if (checked) {
+    common = CommonPart(SealedManifestJson(InfoOf(opt, "", o.chunk_bytes, o.shapes), {}));
+  }
+  parts.push_back(
+      {.what = "group hyperparameters", .value = common["groups"].dump(), .compared = ""});
+  parts.push_back(
+      {.what = "loss scaler state", .value = common["loss_scaler"].dump(), .compared = ""});
+  for (const char* k : {"groups", "loss_scaler", "step", "save_id"}) common.erase(k);
+  std::string shapes = "none";
+  if (!o.shapes.empty()) {
+    std::vector<std::string> each;
+    for (const auto& s : o.shapes) each.push_back(fmt::format("[{}]", fmt::join(s, ", ")));
+    shapes = fmt::format("{}", fmt::join(each, ", "));
+  }
+  parts.push_back(
+      {.what = "save options",
+       .value = fmt::format("chunk_bytes {} and tensor shapes {}", o.chunk_bytes, shapes),
+       .compared = common.dump()});
+  return parts;
+}
+
+// The error of a part the ranks disagree on, on every rank.
+Status SaveDisagreement(const AgreedPart& part, int rank, std::string_view op) {
+  if (part.what == "directory") {
+    return InvalidArgumentError(fmt::format(
+        "{}: rank {} saves into {} while another rank saves into a different directory: every "
+        "rank must pass the same directory; nothing was written",
+        op, rank, part.value));
+  }
+  if (part.what == "step") {
+    return FailedPreconditionError(fmt::format(
+        "{}: rank {} is at step {} while another rank is at a different step (a checkpoint or "
+        "state_dict loaded on one rank alone, or a step skipped there?): its files would go "
+        "into another save directory; load the same checkpoint on every rank; nothing was "
+        "written",
+        op, rank, part.value));
+  }
+  if (part.what == "save options") {
+    return InvalidArgumentError(fmt::format(
+        "{}: rank {} saves with {} while another rank's differ: pass the same SaveOptions "
+        "(chunk_bytes, shapes) on every rank; nothing was written",
+        op, rank, part.value));
+  }
+  return FailedPreconditionError(fmt::format(
+      "{}: rank {} saves {} {} while another rank's differ (set on one rank only?): the ranks' "
+      "manifests would not agree and the save would not load; set the same on every rank; "
+      "nothing was written",
+      op, rank, part.what, part.value));
+}
+
 }  // namespace
 
 Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveOptions& o) {
   const std::string op =
       fmt::format("save checkpoint {} (rank {}, step {})", dir, opt.rank(), opt.step_count());
-  if (opt.step_state() == StepState::kFailed) {
-    // Nothing is written for a state that mixes two steps.
-    return FailedPreconditionError(fmt::format(
-        "{}: step {} failed part way and is not finished ({}); RetryStep() finishes it (then "
-        "save), or loading a checkpoint replaces the state",
-        op, opt.step_count() + 1, opt.step_failure().ToString()));
-  }
-  if (o.chunk_bytes == 0 || o.chunk_bytes % kFileAlign != 0) {
-    return InvalidArgumentError(
-        fmt::format("{}: chunk_bytes {} is not a positive multiple of 4096", op, o.chunk_bytes));
-  }
-  STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, op));
-  STRATA_ASSIGN_OR_RETURN(StorageRef storage, StorageRef::Of(o.storage));
+  const std::string nothing_written = op + ": nothing was written";
   STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
+  // This rank's own checks. Their outcome rides in the agreement below, so a
+  // rank that refuses never leaves the others waiting in a collective.
+  StorageRef storage;
+  Status checked = [&]() -> Status {
+    if (opt.step_state() == StepState::kFailed) {
+      // Nothing is written for a state that mixes two steps.
+      return FailedPreconditionError(fmt::format(
+          "{}: step {} failed part way and is not finished ({}); RetryStep() finishes it (then "
+          "save), or loading a checkpoint replaces the state",
+          op, opt.step_count() + 1, opt.step_failure().ToString()));
+    }
+    if (o.chunk_bytes == 0 || o.chunk_bytes % kFileAlign != 0) {
+      return InvalidArgumentError(
+          fmt::format("{}: chunk_bytes {} is not a positive multiple of 4096", op, o.chunk_bytes));
+    }
+    STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, op));
+    STRATA_ASSIGN_OR_RETURN(storage, StorageRef::Of(o.storage));
+    return OkStatus();
+  }();
+  // Every rank saves into one directory, at one step, with one set of
+  // settings: else each rank's files would go elsewhere, or the manifests
+  // would disagree. Nothing is written, and no lock taken, before this.
+  const std::vector<AgreedPart> parts = SaveParts(opt, dir, o, checked.ok());
+  Result<Agreed> agreed = Agree(coll, checked, parts);
+  if (!agreed.ok()) return agreed.status().WithContext(nothing_written);
+  if (agreed->differs == 0) return SaveDisagreement(parts[0], opt.rank(), op);
+  if (!checked.ok()) return checked;  // it says nothing was written
+  if (agreed->any_failed) {
+    return FailedPreconditionError(fmt::format(
+        "{}: another rank refused the save (its error says why); nothing was written", op));
+  }
+  if (agreed->differs) {
+    return SaveDisagreement(parts[*agreed->differs], opt.rank(), op);
+  }
   // Rank 0 holds DIR's save lock from before the first byte until retention
   // is done: a second job saving into DIR stops here, on every rank.
   std::unique_ptr<StorageLock> lock;
@@ -663,24 +821,25 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
       return OkStatus();
     }();
   }
-  const std::string nothing_written = op + ": nothing was written";
-  Result<int> failed = coll.CountFailures(locked);
-  if (!failed.ok()) return failed.status().WithContext(nothing_written);
+  // Every rank learns whether rank 0 holds the lock and, in the same
+  // all-reduce, the save's id (rank 0 draws it): every rank writes into the
+  // same new directory.
+  double lock_and_id[2] = {locked.ok() ? 0.0 : 1.0, 0.0};
+  if (opt.rank() == 0) {
+    std::random_device rd;
+    lock_and_id[1] =
+        static_cast<double>(((uint64_t{rd()} << 32) | rd()) & ((uint64_t{1} << 48) - 1));
+  }
+  if (Status s = coll.AllReduce(lock_and_id, ReduceOp::kMax); !s.ok()) {
+    return Collective::Unagreed(locked, s).WithContext(nothing_written);
+  }
   if (!locked.ok()) return std::move(locked).WithContext(nothing_written);
-  if (*failed > 0) {
+  if (lock_and_id[0] > 0) {
     return FailedPreconditionError(fmt::format(
         "{}: rank 0 could not take the save lock of {}; nothing was written; see rank 0's error",
         op, dir));
   }
-  // Every rank writes into the same new directory: rank 0 draws its id.
-  double nonce = 0;
-  if (opt.rank() == 0) {
-    std::random_device rd;
-    nonce = static_cast<double>(((uint64_t{rd()} << 32) | rd()) & ((uint64_t{1} << 48) - 1));
-  }
-  Result<double> drawn = coll.AllReduce(nonce, ReduceOp::kMax);
-  if (!drawn.ok()) return drawn.status().WithContext(nothing_written);
-  nonce = *drawn;
+  const double nonce = lock_and_id[1];
   const std::string save_id =
       fmt::format("step-{:010}-{:012x}", opt.step_count(), static_cast<uint64_t>(nonce));
   const std::string save_dir = dir + "/" + save_id;
@@ -702,7 +861,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
                               op, error.message(), save_dir, dir, kLatest, save_id));
   };
   Status local = WriteRank(opt, *storage.storage, save_dir, info, o);
-  failed = coll.CountFailures(local);
+  Result<int> failed = coll.CountFailures(local);
   if (!failed.ok()) return unagreed(failed.status());
   if (*failed > 0) {
     return fail(std::move(local),
@@ -810,14 +969,34 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     STRATA_RETURN_IF_ERROR((scaler.Restore(scaler_state)).WithContext(manifest + ": loss_scaler"));
     return OkStatus();
   }();
-  Result<int> failed = coll.CountFailures(local);
-  if (!failed.ok()) return failed.status().WithContext(op + ": nothing was loaded");
-  if (!local.ok()) return std::move(local).WithContext(op + ": nothing was loaded");
-  if (*failed > 0) {
+  // Every rank loads one save: the ranks passed the same directory and
+  // resolved the same save in it (latest.json may have changed between their
+  // reads), all in the all-reduce that says whether every rank verified.
+  const std::vector<AgreedPart> parts = {
+      {.what = "directory", .value = ComparableDir(dir), .compared = ""},
+      {.what = "save", .value = local.ok() ? reader->info().save_id : "", .compared = ""}};
+  const std::string nothing_loaded = op + ": nothing was loaded";
+  Result<Agreed> agreed = Agree(coll, local, parts);
+  if (!agreed.ok()) return agreed.status().WithContext(nothing_loaded);
+  if (agreed->differs == 0) {
+    return InvalidArgumentError(fmt::format(
+        "{}: rank {} loads from {} while another rank loads from a different directory: every "
+        "rank must pass the same directory; nothing was loaded",
+        op, opt.rank(), parts[0].value));
+  }
+  if (!local.ok()) return std::move(local).WithContext(nothing_loaded);
+  if (agreed->any_failed) {
     return FailedPreconditionError(fmt::format(
-        "{}: {} other rank(s) could not verify the checkpoint; nothing was loaded on any rank; "
-        "see their errors",
-        op, *failed));
+        "{}: another rank could not verify the checkpoint; nothing was loaded on any rank; see "
+        "its error",
+        op));
+  }
+  if (agreed->differs) {
+    return FailedPreconditionError(fmt::format(
+        "{}: rank {} resolved {} to {} while another rank resolved another save ({}/{} changed "
+        "between the ranks' reads: is a save into {} running?): load again, or load one save "
+        "by its directory; nothing was loaded",
+        op, opt.rank(), dir, parts[1].value, dir, kLatest, dir));
   }
 
   // Phase 2: the state, sub-group by sub-group.
@@ -850,7 +1029,7 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     }
     return OkStatus();
   }();
-  failed = coll.CountFailures(applied);
+  Result<int> failed = coll.CountFailures(applied);
   const std::string partial =
       ": the optimizer state is partly loaded; load again, or recreate the optimizer";
   if (!failed.ok()) return failed.status().WithContext(op + partial);

@@ -1011,7 +1011,8 @@ TEST(FailedSaveTest, APublishThatFailsAfterItsRenameKeepsTheSaveLatestJsonNames)
 TEST(FailedSaveTest, AnAgreementThatFailsKeepsEachRanksErrorAndTheFiles) {
   struct Case {
     std::string what;
-    int agreement;  // 0 the lock, 1 the save's id, 2 the written parts, 3 the publish
+    int agreement;  // 0 the ranks' settings, 1 the lock and the save's id, 2 the written parts,
+                    // 3 the publish
     std::string fail_open;
     int failing_rank;
   };
@@ -1066,6 +1067,209 @@ TEST(FailedSaveTest, AnAgreementThatFailsKeepsEachRanksErrorAndTheFiles) {
     ASSERT_TRUE(s.ok()) << s;
     ExpectSameSnapshot(*TakeSnapshot(check), first);
   }
+}
+
+// ---- The ranks agree on what they save and load ---------------------------------------
+
+// Every path under `dir` (recursively), relative to it.
+std::vector<std::string> Tree(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    out.push_back(std::filesystem::relative(e.path(), dir).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Two ranks, trained and saved into `dirs_[0]` and `dirs_[1]` (both
+// complete, loadable checkpoints of different states), then trained on.
+class RankAgreementTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    c_ = std::make_unique<Cluster>(2, Config(), seed_);
+    ASSERT_TRUE(c_->status().ok());
+    for (int d = 0; d < 2; ++d) {
+      ASSERT_TRUE(c_->Train(seed_, 2).ok());
+      ASSERT_TRUE(c_->Save(dirs_[d].path()).ok());
+      saved_.push_back(*TakeSnapshot(*c_));
+    }
+    ASSERT_TRUE(c_->Train(seed_, 1).ok());
+  }
+  static OffloadConfig Config() { return CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2); }
+  // Each rank's SaveCheckpoint into dir_of(rank).
+  std::vector<Status> SaveEach(const std::function<std::string(int)>& dir_of) {
+    std::vector<Status> status(2);
+    EXPECT_TRUE(c_->Run([&](int r) {
+                    status[r] = SaveCheckpoint(c_->opt(r), dir_of(r));
+                    return OkStatus();
+                  }).ok());
+    return status;
+  }
+  // Both directories hold what they held, and each loads bitwise.
+  void ExpectSavesIntact(const std::vector<std::vector<std::string>>& trees) {
+    for (int d = 0; d < 2; ++d) {
+      SCOPED_TRACE("directory " + std::to_string(d));
+      EXPECT_EQ(Tree(dirs_[d].path()), trees[d]) << "nothing is written or removed";
+      Cluster check(2, Config(), seed_ + 1);
+      ASSERT_TRUE(check.status().ok());
+      Status s = check.Load(dirs_[d].path());
+      ASSERT_TRUE(s.ok()) << s;
+      ExpectSameSnapshot(*TakeSnapshot(check), saved_[d]);
+    }
+  }
+  // A save after a refused one works (rank 0 holds no lock) and loads.
+  void ExpectASaveInto0Works() {
+    const Snapshot now = *TakeSnapshot(*c_);
+    Status s = c_->Save(dirs_[0].path());
+    ASSERT_TRUE(s.ok()) << s;
+    Cluster check(2, Config(), seed_ + 2);
+    ASSERT_TRUE(check.status().ok());
+    s = check.Load(dirs_[0].path());
+    ASSERT_TRUE(s.ok()) << s;
+    ExpectSameSnapshot(*TakeSnapshot(check), now);
+  }
+
+  const uint64_t seed_ = TestSeed();
+  TempDir dirs_[2];
+  std::unique_ptr<Cluster> c_;
+  std::vector<Snapshot> saved_;
+};
+
+// Rank 0 saving into A and rank 1 into B used to succeed on both: A's
+// latest.json named a save holding rank 0's files only, retention removed
+// A's older complete saves, and A no longer loaded.
+TEST_F(RankAgreementTest, ASaveIntoADifferentDirectoryPerRankWritesNothingOnEveryRank) {
+  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
+                                                       Tree(dirs_[1].path())};
+  const std::vector<Status> status = SaveEach([&](int r) { return dirs_[r].path(); });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r];
+    ExpectMentions(status[r], fmt::format("rank {} saves into {} while another rank saves into a "
+                                          "different directory: every rank must pass the same "
+                                          "directory",
+                                          r, dirs_[r].path()));
+    ExpectMentions(status[r], "nothing was written");
+  }
+  ExpectSavesIntact(trees);
+  ExpectASaveInto0Works();
+}
+
+// One directory spelled differently (a trailing separator, a "." on the
+// way, relative) is one directory.
+TEST_F(RankAgreementTest, OneDirectorySpelledDifferentlyIsOneDirectory) {
+  const std::string rel = std::filesystem::relative(dirs_[0].path()).string();
+  const std::vector<Status> status =
+      SaveEach([&](int r) { return r == 0 ? dirs_[0].path() + "/" : "./" + rel + "/."; });
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  Cluster check(2, Config(), seed_ + 1);
+  ASSERT_TRUE(check.status().ok());
+  Status s = check.Load(dirs_[0].path());
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(check), *TakeSnapshot(*c_));
+}
+
+// A rank whose counters were restored alone (a lone load) used to write its
+// files into a step-<its step> directory that rank 0's retention removed.
+TEST_F(RankAgreementTest, RanksAtDifferentStepsSaveNothing) {
+  const int64_t step = c_->opt(0).step_count();
+  ASSERT_TRUE(c_->opt(1).RestoreCounters(step + 5, c_->opt(1).loss_scaler_state()).ok());
+  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
+                                                       Tree(dirs_[1].path())};
+  const std::vector<Status> status = SaveEach([&](int) { return dirs_[0].path(); });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition) << status[r];
+    ExpectMentions(status[r], fmt::format("rank {} is at step {} while another rank is at a "
+                                          "different step",
+                                          r, r == 0 ? step : step + 5));
+    ExpectMentions(status[r], "nothing was written");
+  }
+  ExpectSavesIntact(trees);
+  ASSERT_TRUE(c_->opt(1).RestoreCounters(step, c_->opt(1).loss_scaler_state()).ok());
+  ExpectASaveInto0Works();
+}
+
+// Different hyperparameters (an lr changed on one rank) used to give a save
+// whose manifests disagree: "rank00001.json does not agree with
+// rank00000.json" at every load.
+TEST_F(RankAgreementTest, RanksWithDifferentHyperparametersSaveNothing) {
+  const GroupHyper before = c_->opt(1).group_hyper(1);
+  GroupHyper changed = before;
+  changed.lr *= 0.5;
+  ASSERT_TRUE(c_->opt(1).SetGroupHyper(1, changed).ok());
+  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
+                                                       Tree(dirs_[1].path())};
+  const std::vector<Status> status = SaveEach([&](int) { return dirs_[0].path(); });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition) << status[r];
+    ExpectMentions(status[r], fmt::format("rank {} saves group hyperparameters", r));
+    ExpectMentions(status[r], "while another rank's differ");
+    ExpectMentions(status[r], "nothing was written");
+  }
+  ExpectSavesIntact(trees);
+  ASSERT_TRUE(c_->opt(1).SetGroupHyper(1, before).ok());
+  ExpectASaveInto0Works();
+}
+
+// SaveOptions that differ (chunk_bytes) would give manifests that disagree too.
+TEST_F(RankAgreementTest, RanksWithDifferentSaveOptionsSaveNothing) {
+  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
+                                                       Tree(dirs_[1].path())};
+  std::vector<Status> status(2);
+  ASSERT_TRUE(c_->Run([&](int r) {
+                  status[r] = SaveCheckpoint(c_->opt(r), dirs_[0].path(),
+                                             {.chunk_bytes = r == 0 ? 4096u : 8192u});
+                  return OkStatus();
+                }).ok());
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r];
+    ExpectMentions(status[r],
+                   fmt::format("rank {} saves with chunk_bytes {}", r, r == 0 ? 4096 : 8192));
+  }
+  ExpectSavesIntact(trees);
+}
+
+// A rank whose own checks refuse the save (chunk_bytes) fails, and so does
+// the other, at once (it used to wait alone in the lock's all-reduce).
+TEST_F(RankAgreementTest, ARankThatRefusesTheSaveFailsItOnEveryRank) {
+  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
+                                                       Tree(dirs_[1].path())};
+  std::vector<Status> status(2);
+  ASSERT_TRUE(c_->Run([&](int r) {
+                  status[r] = SaveCheckpoint(c_->opt(r), dirs_[0].path(),
+                                             {.chunk_bytes = r == 1 ? 1000u : 4096u});
+                  return OkStatus();
+                }).ok());
+  EXPECT_EQ(status[1].code(), StatusCode::kInvalidArgument) << status[1];
+  ExpectMentions(status[1], "chunk_bytes 1000 is not a positive multiple of 4096");
+  EXPECT_EQ(status[0].code(), StatusCode::kFailedPrecondition) << status[0];
+  ExpectMentions(status[0], "another rank refused the save");
+  ExpectSavesIntact(trees);
+}
+
+// A load with a different directory per rank used to load each rank's shard
+// from its own checkpoint, silently mixing two.
+TEST_F(RankAgreementTest, ALoadFromADifferentDirectoryPerRankLoadsNothing) {
+  const Snapshot now = *TakeSnapshot(*c_);
+  std::vector<Status> status(2);
+  ASSERT_TRUE(c_->Run([&](int r) {
+                  status[r] = LoadCheckpoint(c_->opt(r), dirs_[r].path());
+                  return OkStatus();
+                }).ok());
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r];
+    ExpectMentions(status[r], fmt::format("rank {} loads from {} while another rank loads from a "
+                                          "different directory",
+                                          r, dirs_[r].path()));
+    ExpectMentions(status[r], "nothing was loaded");
+  }
+  ExpectSameSnapshot(*TakeSnapshot(*c_), now);
+  ExpectParamsAreMaster(*c_, now);
+  EXPECT_EQ(c_->opt(0).loaded_checkpoint(), "");
 }
 
 // ---- The loss scaler across param dtypes ---------------------------------------------
