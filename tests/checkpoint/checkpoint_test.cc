@@ -790,12 +790,17 @@ class RiggedStorage final : public Storage {
   std::string fail_rename;
   RenameFault rename_fault = RenameFault::kBefore;
   std::string fail_remove;
-  bool read_only_lock = false;  // Lock fails as FileLock does on a read-only mount
+  bool read_only_lock = false;   // Lock fails as FileLock does on a read-only mount
+  std::string read_latest_from;  // reads of latest.json read this file instead
 
   std::string_view name() const override { return "rigged(posix)"; }
   Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& o) override {
     if (o.access == FileAccess::kReadWrite && Is(path, fail_open)) {
       return ErrnoError(ENOSPC, "open " + path);
+    }
+    if (o.access == FileAccess::kReadOnly && !read_latest_from.empty() &&
+        std::filesystem::path(path).filename() == "latest.json") {
+      return base_->Open(read_latest_from, o);
     }
     return base_->Open(path, o);
   }
@@ -1270,6 +1275,34 @@ TEST_F(RankAgreementTest, ALoadFromADifferentDirectoryPerRankLoadsNothing) {
   ExpectSameSnapshot(*TakeSnapshot(*c_), now);
   ExpectParamsAreMaster(*c_, now);
   EXPECT_EQ(c_->opt(0).loaded_checkpoint(), "");
+}
+
+// latest.json replaced between the ranks' reads (a save by another job while
+// this one loads): the ranks resolve different saves of one directory, and
+// each used to load its shard of its own.
+TEST_F(RankAgreementTest, RanksThatResolveDifferentSavesLoadNothing) {
+  TempDir elsewhere;
+  const std::string old_latest = elsewhere.File("latest.json");
+  std::filesystem::copy_file(dirs_[0].File("latest.json"), old_latest);
+  ASSERT_TRUE(c_->Save(dirs_[0].path()).ok());
+  ASSERT_TRUE(c_->Train(seed_, 1).ok());
+  const Snapshot now = *TakeSnapshot(*c_);
+  RiggedStorage rigged;  // rank 1 reads the latest.json of before the last save
+  rigged.read_latest_from = old_latest;
+  std::vector<Status> status(2);
+  ASSERT_TRUE(c_->Run([&](int r) {
+                  status[r] = LoadCheckpoint(c_->opt(r), dirs_[0].path(),
+                                             {.storage = r == 1 ? &rigged : nullptr});
+                  return OkStatus();
+                }).ok());
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(status[r].code(), StatusCode::kFailedPrecondition) << status[r];
+    ExpectMentions(status[r], "while another rank resolved another save");
+    ExpectMentions(status[r], "nothing was loaded");
+  }
+  ExpectSameSnapshot(*TakeSnapshot(*c_), now);
+  ExpectParamsAreMaster(*c_, now);
 }
 
 // ---- The loss scaler across param dtypes ---------------------------------------------
