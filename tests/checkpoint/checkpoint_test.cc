@@ -863,6 +863,40 @@ TEST(FailedSaveTest, ASaveLockThatCannotBeMadeNamesItsCauseNotAnotherSave) {
   EXPECT_TRUE(SaveDirs(dir.path()).empty());
 }
 
+// What a failed second save must leave current: the first save, made after 2
+// steps, and the names in its directory; then 1 more step.
+struct FirstSave {
+  Snapshot state;
+  std::vector<std::string> names;
+};
+void SaveThenStep(Cluster& c, uint64_t seed, const std::string& dir, FirstSave* out) {
+  ASSERT_TRUE(c.status().ok());
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  ASSERT_TRUE(c.Save(dir).ok());
+  out->state = *TakeSnapshot(c);
+  out->names = testing::DirNames(dir);
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+}
+
+// Every rank's SaveCheckpoint into `dir` through `storage`, expected to fail.
+std::vector<Status> SaveFailingOnEveryRank(Cluster& c, const std::string& dir, Storage* storage) {
+  std::vector<Status> status(c.world());
+  EXPECT_FALSE(c.Run([&](int r) {
+                  return status[r] = SaveCheckpoint(c.opt(r), dir, {.storage = storage});
+                }).ok());
+  return status;
+}
+
+// The entries of `dir` that `before` does not have.
+std::vector<std::string> NewEntries(const std::string& dir,
+                                    const std::vector<std::string>& before) {
+  std::vector<std::string> out;
+  for (const std::string& name : testing::DirNames(dir)) {
+    if (std::find(before.begin(), before.end(), name) == before.end()) out.push_back(name);
+  }
+  return out;
+}
+
 // A save that fails part way, after data files were written (a full disk at
 // rank 1's manifest, an IO error at rank 0's second data file, latest.json
 // that cannot be written): every rank removes its files and the save's
@@ -891,20 +925,12 @@ TEST(FailedSaveTest, ASaveThatFailsPartWayLeavesNothingAndThePreviousSaveLoads) 
     const uint64_t seed = TestSeed();
     TempDir dir;
     Cluster c(k.world, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, k.world), seed);
-    ASSERT_TRUE(c.status().ok());
-    ASSERT_TRUE(c.Train(seed, 2).ok());
-    ASSERT_TRUE(c.Save(dir.path()).ok());
-    const Snapshot first = *TakeSnapshot(c);
-    const std::vector<std::string> before = testing::DirNames(dir.path());
-
-    ASSERT_TRUE(c.Train(seed, 1).ok());
+    FirstSave first;
+    ASSERT_NO_FATAL_FAILURE(SaveThenStep(c, seed, dir.path(), &first));
     RiggedStorage rigged;
     rigged.fail_open = k.fail_open;
     rigged.fail_rename = k.fail_rename;
-    std::vector<Status> status(k.world);
-    ASSERT_FALSE(c.Run([&](int r) {
-                    return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
-                  }).ok());
+    const std::vector<Status> status = SaveFailingOnEveryRank(c, dir.path(), &rigged);
     EXPECT_GT(rigged.data_files_committed.load(), 0) << "the save failed after writing files";
     for (int r = 0; r < k.world; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r));
@@ -918,15 +944,16 @@ TEST(FailedSaveTest, ASaveThatFailsPartWayLeavesNothingAndThePreviousSaveLoads) 
       }
       EXPECT_EQ(status[r].message().find("could not be removed"), std::string::npos) << status[r];
     }
-    EXPECT_EQ(testing::DirNames(dir.path()), before) << "the failed save's directory is removed";
+    EXPECT_EQ(testing::DirNames(dir.path()), first.names)
+        << "the failed save's directory is removed";
 
     Cluster check(k.world, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, k.world),
                   seed + 1);
     ASSERT_TRUE(check.status().ok());
     Status s = check.Load(dir.path());
     ASSERT_TRUE(s.ok()) << s;
-    ExpectSameSnapshot(*TakeSnapshot(check), first);
-    ExpectParamsAreMaster(check, first);
+    ExpectSameSnapshot(*TakeSnapshot(check), first.state);
+    ExpectParamsAreMaster(check, first.state);
   }
 }
 
@@ -937,24 +964,13 @@ TEST(FailedSaveTest, AFailedRemovalKeepsTheErrorAndNamesTheDirectoryLeft) {
   const uint64_t seed = TestSeed();
   TempDir dir;
   Cluster c(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed);
-  ASSERT_TRUE(c.status().ok());
-  ASSERT_TRUE(c.Train(seed, 2).ok());
-  ASSERT_TRUE(c.Save(dir.path()).ok());
-  const Snapshot first = *TakeSnapshot(c);
-  const std::vector<std::string> before = testing::DirNames(dir.path());
-
-  ASSERT_TRUE(c.Train(seed, 1).ok());
+  FirstSave first;
+  ASSERT_NO_FATAL_FAILURE(SaveThenStep(c, seed, dir.path(), &first));
   RiggedStorage rigged;
   rigged.fail_open = "rank00001.json";
   rigged.fail_remove = "rank00000.master.f32";
-  std::vector<Status> status(2);
-  ASSERT_FALSE(c.Run([&](int r) {
-                  return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
-                }).ok());
-  std::vector<std::string> left;
-  for (const std::string& name : testing::DirNames(dir.path())) {
-    if (std::find(before.begin(), before.end(), name) == before.end()) left.push_back(name);
-  }
+  const std::vector<Status> status = SaveFailingOnEveryRank(c, dir.path(), &rigged);
+  const std::vector<std::string> left = NewEntries(dir.path(), first.names);
   ASSERT_EQ(left.size(), 1u);
   EXPECT_EQ(testing::DirNames(dir.File(left[0])), std::vector<std::string>{"rank00000.master.f32"})
       << "everything else is removed";
@@ -972,7 +988,7 @@ TEST(FailedSaveTest, AFailedRemovalKeepsTheErrorAndNamesTheDirectoryLeft) {
   ASSERT_TRUE(check.status().ok());
   Status s = check.Load(dir.path());
   ASSERT_TRUE(s.ok()) << s;
-  ExpectSameSnapshot(*TakeSnapshot(check), first);
+  ExpectSameSnapshot(*TakeSnapshot(check), first.state);
 
   ASSERT_TRUE(c.Save(dir.path()).ok());
   EXPECT_FALSE(std::filesystem::exists(dir.File(left[0]))) << "retention removes the leftover";
@@ -984,17 +1000,12 @@ TEST(FailedSaveTest, APublishThatFailsAfterItsRenameKeepsTheSaveLatestJsonNames)
   const uint64_t seed = TestSeed();
   TempDir dir;
   Cluster c(2, CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2), seed);
-  ASSERT_TRUE(c.status().ok());
-  ASSERT_TRUE(c.Train(seed, 2).ok());
-  ASSERT_TRUE(c.Save(dir.path()).ok());
-  ASSERT_TRUE(c.Train(seed, 1).ok());
+  FirstSave first;
+  ASSERT_NO_FATAL_FAILURE(SaveThenStep(c, seed, dir.path(), &first));
   RiggedStorage rigged;
   rigged.fail_rename = "latest.json";
   rigged.rename_fault = RiggedStorage::RenameFault::kAfter;
-  std::vector<Status> status(2);
-  ASSERT_FALSE(c.Run([&](int r) {
-                  return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
-                }).ok());
+  const std::vector<Status> status = SaveFailingOnEveryRank(c, dir.path(), &rigged);
   EXPECT_EQ(status[0].code(), StatusCode::kInternal) << status[0];
   ExpectMentions(status[0], "fsync directory after renaming");
   EXPECT_EQ(status[1].code(), StatusCode::kUnavailable) << status[1];
@@ -1033,24 +1044,13 @@ TEST(FailedSaveTest, AnAgreementThatFailsKeepsEachRanksErrorAndTheFiles) {
                 comms[r] = comm.get();
                 return comm;
               });
-    ASSERT_TRUE(c.status().ok());
-    ASSERT_TRUE(c.Train(seed, 2).ok());
-    ASSERT_TRUE(c.Save(dir.path()).ok());
-    const Snapshot first = *TakeSnapshot(c);
-    const std::vector<std::string> before = testing::DirNames(dir.path());
-
-    ASSERT_TRUE(c.Train(seed, 1).ok());
+    FirstSave first;
+    ASSERT_NO_FATAL_FAILURE(SaveThenStep(c, seed, dir.path(), &first));
     RiggedStorage rigged;
     rigged.fail_open = k.fail_open;
     for (testing::FaultComm* comm : comms) comm->Fail(testing::CommCall::kAllReduce, k.agreement);
-    std::vector<Status> status(2);
-    ASSERT_FALSE(c.Run([&](int r) {
-                    return status[r] = SaveCheckpoint(c.opt(r), dir.path(), {.storage = &rigged});
-                  }).ok());
-    std::vector<std::string> left;
-    for (const std::string& name : testing::DirNames(dir.path())) {
-      if (std::find(before.begin(), before.end(), name) == before.end()) left.push_back(name);
-    }
+    const std::vector<Status> status = SaveFailingOnEveryRank(c, dir.path(), &rigged);
+    const std::vector<std::string> left = NewEntries(dir.path(), first.names);
     ASSERT_EQ(left.size(), 1u) << "the save's directory is left";
     EXPECT_FALSE(testing::DirNames(dir.File(left[0])).empty()) << "and its files";
     for (int r = 0; r < 2; ++r) {
@@ -1070,7 +1070,7 @@ TEST(FailedSaveTest, AnAgreementThatFailsKeepsEachRanksErrorAndTheFiles) {
     ASSERT_TRUE(check.status().ok());
     Status s = check.Load(dir.path());
     ASSERT_TRUE(s.ok()) << s;
-    ExpectSameSnapshot(*TakeSnapshot(check), first);
+    ExpectSameSnapshot(*TakeSnapshot(check), first.state);
   }
 }
 
