@@ -1461,7 +1461,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self.scale_loss(loss).backward(**kwargs)
 
     def last_step(self):
-        """What the last step did: step, skipped, loss_scale, grad_norm, clip_coef, per-stage
+        """What the last step did: step, skipped, loss_scale, grad_norm, clip_coef,
+        nonfinite_elems (NaN/inf gradient elements: the step was skipped), per-stage
         times (seconds), bytes read/written on NVMe and moved H2D/D2H, and 'text', one line."""
         return self._engine.last_step()
 
