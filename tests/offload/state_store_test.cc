@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <random>
 #include <thread>
@@ -351,11 +352,14 @@ TEST_F(StoreTest, RemoveOnCloseRemovesTheStateFilesButNotAfterABrokenQueue) {
   auto fault = FaultStorage::Create(CreatePosixStorage(), {.seed = 3});
   testing::LogCapture log(LogLevel::kWarning);
   {
+    // The buffer outlives the store: after the broken queue the write stays in
+    // flight until the store's files drain it on close.
+    std::unique_ptr<AlignedBuffer> a;
     auto store = StateStore::Create(*fault, o);
     ASSERT_TRUE(store.ok()) << store.status();
-    AlignedBuffer a((*store)->ExtentBufferBytes());
+    a = std::make_unique<AlignedBuffer>((*store)->ExtentBufferBytes());
     fault->SetOptions({.seed = 4, .queue_fail_one_in = 1});
-    EXPECT_FALSE(WriteWait(**store, 0, a.span()).ok());
+    EXPECT_FALSE(WriteWait(**store, 0, a->span()).ok());
     fault->SetOptions({});
   }
   EXPECT_TRUE(fs::exists(state0));
