@@ -11,7 +11,6 @@
 #include <cstring>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -42,30 +41,9 @@ struct strata_optimizer {
   std::unique_ptr<strata::OffloadOptimizer> opt;
   strata::TensorShapes shapes;  // empty until strata_optimizer_set_param_shape
 
-  // What the value getters read, taken when a call ends: a getter from another
-  // thread reads this copy, never the engine's fields while a call writes them.
-  struct Values {
-    double loss_scale = 1.0;
-    int64_t step_count = 0;
-    bool step_failed = false;
-    std::string step_failure;
-    std::string stats;
-  };
-  mutable std::mutex values_mu;
-  mutable Values values;
-  void Refresh() const {
-    Values v{.loss_scale = opt->loss_scale(),
-             .step_count = opt->step_count(),
-             .step_failed = opt->step_state() == strata::StepState::kFailed,
-             .step_failure = opt->step_failure().ok() ? "" : opt->step_failure().ToString(),
-             .stats = strata::FormatStepStats(opt->last_step())};
-    std::lock_guard lock(values_mu);
-    values = std::move(v);
-  }
-  Values Read() const {
-    std::lock_guard lock(values_mu);
-    return values;
-  }
+  mutable strata::ValuesAfterCalls values;  // what the value getters read
+  void Refresh() const { values.Refresh(*opt); }
+  strata::OptimizerValues Read() const { return values.Read(); }
 };
 
 namespace {
@@ -381,7 +359,7 @@ int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* o
 
 size_t strata_optimizer_format_stats(const strata_optimizer* opt, char* buf, size_t capacity) {
   if (opt == nullptr) return CopyText("", buf, capacity);
-  return CopyText(opt->Read().stats, buf, capacity);
+  return CopyText(strata::FormatStepStats(opt->Read().last), buf, capacity);
 }
 
 size_t strata_optimizer_format_plan(const strata_optimizer* opt, char* buf, size_t capacity) {

@@ -17,7 +17,6 @@
 
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -344,7 +343,7 @@ class Engine {
     Run("upload_params", [&] { return HostSync(opt_->UploadParams()); });
   }
   bool step_failed() const { return Read().step_failed; }
-  std::string step_failure() const { return Read().step_failure; }
+  std::string step_failure() const { return EscapeNonUtf8(Read().step_failure); }
   // (index, data, grad) per moved param, all or none (OffloadOptimizer::RebindParams).
   void RebindParams(const std::vector<std::tuple<uint32_t, uintptr_t, uintptr_t>>& moves) {
     std::vector<ParamBinding> b;
@@ -556,35 +555,8 @@ class Engine {
     Call(std::forward<F>(f));
   }
 
-  // What the getters read, taken when a call ends: a getter from another thread
-  // (a monitor reading loss_scale while the training thread steps) reads this
-  // copy, never the engine's fields while a call writes them.
-  struct Values {
-    double loss_scale = 0;
-    int64_t step_count = 0;
-    bool step_failed = false;
-    std::string step_failure;
-    StepStats last;
-    std::vector<GroupHyper> hypers;
-    LossScalerState scaler;
-  };
-  void Refresh() {
-    Values v{.loss_scale = opt_->loss_scale(),
-             .step_count = opt_->step_count(),
-             .step_failed = opt_->step_state() == StepState::kFailed,
-             .step_failure =
-                 opt_->step_failure().ok() ? "" : EscapeNonUtf8(opt_->step_failure().ToString()),
-             .last = opt_->last_step(),
-             .hypers = {},
-             .scaler = opt_->loss_scaler_state()};
-    for (uint32_t g = 0; g < opt_->num_groups(); ++g) v.hypers.push_back(opt_->group_hyper(g));
-    std::lock_guard lock(values_mu_);
-    values_ = std::move(v);
-  }
-  Values Read() const {
-    std::lock_guard lock(values_mu_);
-    return values_;
-  }
+  void Refresh() { values_.Refresh(*opt_); }
+  OptimizerValues Read() const { return values_.Read(); }
 
   Status HostSync(Status s) {
     if (!s.ok() || device_->caps().kind != DeviceKind::kHost) return s;
@@ -621,9 +593,8 @@ class Engine {
   Stream stream_;
   std::unique_ptr<TraceRecorder> trace_;  // outlives opt_, which records into it
   std::unique_ptr<OffloadOptimizer> opt_;
-  OneCaller caller_;  // refuses a second thread's call while one runs (Run)
-  mutable std::mutex values_mu_;
-  Values values_;  // Refresh() after every call
+  OneCaller caller_;         // refuses a second thread's call while one runs (Run)
+  ValuesAfterCalls values_;  // what the getters read: Refresh() after every call
 };
 
 // A checkpoint opened for reading (strata.torch.state_dict_from_checkpoint).

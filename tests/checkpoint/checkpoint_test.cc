@@ -1101,14 +1101,20 @@ class RankAgreementTest : public ::testing::Test {
     ASSERT_TRUE(c_->Train(seed_, 1).ok());
   }
   static OffloadConfig Config() { return CkptConfig(Where::kHost, OptimizerType::kAdamW, 1024, 2); }
-  // Each rank's SaveCheckpoint into dir_of(rank).
-  std::vector<Status> SaveEach(const std::function<std::string(int)>& dir_of) {
+  // Each rank's SaveCheckpoint into dir_of(rank), with options_of(rank).
+  std::vector<Status> SaveEach(
+      const std::function<std::string(int)>& dir_of,
+      const std::function<SaveOptions(int)>& options_of = [](int) { return SaveOptions{}; }) {
     std::vector<Status> status(2);
     EXPECT_TRUE(c_->Run([&](int r) {
-                    status[r] = SaveCheckpoint(c_->opt(r), dir_of(r));
+                    status[r] = SaveCheckpoint(c_->opt(r), dir_of(r), options_of(r));
                     return OkStatus();
                   }).ok());
     return status;
+  }
+  // What both directories hold now.
+  std::vector<std::vector<std::string>> Trees() const {
+    return {Tree(dirs_[0].path()), Tree(dirs_[1].path())};
   }
   // Both directories hold what they held, and each loads bitwise.
   void ExpectSavesIntact(const std::vector<std::vector<std::string>>& trees) {
@@ -1144,8 +1150,7 @@ class RankAgreementTest : public ::testing::Test {
 // latest.json named a save holding rank 0's files only, retention removed
 // A's older complete saves, and A no longer loaded.
 TEST_F(RankAgreementTest, ASaveIntoADifferentDirectoryPerRankWritesNothingOnEveryRank) {
-  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
-                                                       Tree(dirs_[1].path())};
+  const std::vector<std::vector<std::string>> trees = Trees();
   const std::vector<Status> status = SaveEach([&](int r) { return dirs_[r].path(); });
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -1179,8 +1184,7 @@ TEST_F(RankAgreementTest, OneDirectorySpelledDifferentlyIsOneDirectory) {
 TEST_F(RankAgreementTest, RanksAtDifferentStepsSaveNothing) {
   const int64_t step = c_->opt(0).step_count();
   ASSERT_TRUE(c_->opt(1).RestoreCounters(step + 5, c_->opt(1).loss_scaler_state()).ok());
-  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
-                                                       Tree(dirs_[1].path())};
+  const std::vector<std::vector<std::string>> trees = Trees();
   const std::vector<Status> status = SaveEach([&](int) { return dirs_[0].path(); });
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -1203,8 +1207,7 @@ TEST_F(RankAgreementTest, RanksWithDifferentHyperparametersSaveNothing) {
   GroupHyper changed = before;
   changed.lr *= 0.5;
   ASSERT_TRUE(c_->opt(1).SetGroupHyper(1, changed).ok());
-  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
-                                                       Tree(dirs_[1].path())};
+  const std::vector<std::vector<std::string>> trees = Trees();
   const std::vector<Status> status = SaveEach([&](int) { return dirs_[0].path(); });
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -1220,14 +1223,10 @@ TEST_F(RankAgreementTest, RanksWithDifferentHyperparametersSaveNothing) {
 
 // SaveOptions that differ (chunk_bytes) would give manifests that disagree too.
 TEST_F(RankAgreementTest, RanksWithDifferentSaveOptionsSaveNothing) {
-  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
-                                                       Tree(dirs_[1].path())};
-  std::vector<Status> status(2);
-  ASSERT_TRUE(c_->Run([&](int r) {
-                  status[r] = SaveCheckpoint(c_->opt(r), dirs_[0].path(),
-                                             {.chunk_bytes = r == 0 ? 4096u : 8192u});
-                  return OkStatus();
-                }).ok());
+  const std::vector<std::vector<std::string>> trees = Trees();
+  const std::vector<Status> status =
+      SaveEach([&](int) { return dirs_[0].path(); },
+               [](int r) { return SaveOptions{.chunk_bytes = r == 0 ? 4096u : 8192u}; });
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r];
@@ -1240,14 +1239,10 @@ TEST_F(RankAgreementTest, RanksWithDifferentSaveOptionsSaveNothing) {
 // A rank whose own checks refuse the save (chunk_bytes) fails, and so does
 // the other, at once (it used to wait alone in the lock's all-reduce).
 TEST_F(RankAgreementTest, ARankThatRefusesTheSaveFailsItOnEveryRank) {
-  const std::vector<std::vector<std::string>> trees = {Tree(dirs_[0].path()),
-                                                       Tree(dirs_[1].path())};
-  std::vector<Status> status(2);
-  ASSERT_TRUE(c_->Run([&](int r) {
-                  status[r] = SaveCheckpoint(c_->opt(r), dirs_[0].path(),
-                                             {.chunk_bytes = r == 1 ? 1000u : 4096u});
-                  return OkStatus();
-                }).ok());
+  const std::vector<std::vector<std::string>> trees = Trees();
+  const std::vector<Status> status =
+      SaveEach([&](int) { return dirs_[0].path(); },
+               [](int r) { return SaveOptions{.chunk_bytes = r == 1 ? 1000u : 4096u}; });
   EXPECT_EQ(status[1].code(), StatusCode::kInvalidArgument) << status[1];
   ExpectMentions(status[1], "chunk_bytes 1000 is not a positive multiple of 4096");
   EXPECT_EQ(status[0].code(), StatusCode::kFailedPrecondition) << status[0];
