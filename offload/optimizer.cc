@@ -76,6 +76,16 @@
 namespace strata {
 namespace {
 
+// FNV-1a over the bytes of the values mixed in: the digests the ranks compare.
+struct Digest {
+  uint64_t h = 1469598103934665603ull;
+  template <typename T>
+  void Mix(const T& value) {
+    const auto* b = reinterpret_cast<const unsigned char*>(&value);
+    for (size_t i = 0; i < sizeof(value); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+};
+
 // The memory of one registered tensor: param `param`'s data or grad.
 struct TensorBytes {
   uintptr_t begin = 0;
@@ -586,10 +596,9 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
   constexpr std::string_view kOp = "create offload optimizer";
   // A digest per part that every rank must register alike, each all-reduced
   // with kMax as d and max - d (they agree when both come back unchanged).
-  struct Part {
+  struct Part : Digest {
     std::string_view what;
-    uint64_t h = 1469598103934665603ull;  // FNV-1a
-    void Mix(uint64_t v) { h = (h ^ v) * 1099511628211ull; }
+    explicit Part(std::string_view w) : what(w) {}
   };
   std::array<Part, 4> parts = {Part{"the tensors' sizes or dtype"},
                                Part{"the tensors' names (the same sizes in another order?)"},
@@ -599,8 +608,8 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
     for (const TensorSlot& t : layout.tensors) parts[0].Mix(t.elems);
     parts[0].Mix(static_cast<uint64_t>(config.param_dtype));
     for (const Param& p : params) {
-      for (const char c : p.name) parts[1].Mix(static_cast<unsigned char>(c));
-      parts[1].Mix(256);  // the end of a name
+      parts[1].Mix(p.name.size());
+      for (const char c : p.name) parts[1].Mix(c);
     }
     for (uint32_t g : param_group) parts[2].Mix(g);
     for (const ElemRange& r : sub_groups) parts[3].Mix(r.elems());
@@ -949,16 +958,12 @@ Status OffloadOptimizer::Impl::FinishDeviceSide(const std::vector<uint8_t>& upda
 // A digest of what this step's update depends on besides the gradients: the
 // groups' hyperparameters, the clipping norm, the update rule, the loss scale.
 uint64_t OffloadOptimizer::Impl::SettingsDigest() const {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  auto mix = [&h](const auto& value) {
-    const auto* b = reinterpret_cast<const unsigned char*>(&value);
-    for (size_t i = 0; i < sizeof(value); ++i) h = (h ^ b[i]) * 1099511628211ull;
-  };
+  Digest d;
   for (const GroupHyper& g : step_hypers) {
-    mix(g.lr), mix(g.beta1), mix(g.beta2), mix(g.eps), mix(g.weight_decay);
+    d.Mix(g.lr), d.Mix(g.beta1), d.Mix(g.beta2), d.Mix(g.eps), d.Mix(g.weight_decay);
   }
-  mix(config.max_grad_norm), mix(config.optimizer), mix(scaler->scale());
-  return h ^ (h >> 32);
+  d.Mix(config.max_grad_norm), d.Mix(config.optimizer), d.Mix(scaler->scale());
+  return d.h ^ (d.h >> 32);
 }
 
 // Every rank's step number and settings digest are this rank's (sums of x and
