@@ -27,7 +27,9 @@
 // so a second job saving into DIR fails at once with the holder's pid.
 // Retention: after publishing, rank 0 keeps the newest `keep_checkpoints`
 // saves latest.json lists (at least 2: the new one and the one before it)
-// and the save the optimizer last loaded from, and removes the other save
+// and the save the optimizer last loaded from, until as many saves have
+// followed it into DIR (a rollback's new line replaces it before it goes),
+// and removes the other save
 // directories of its own (named step-<10 digits>-<12 hex digits> and holding
 // only a save's files) that it can account for: the leftovers of saves that
 // crashed, and the saves the previous latest.json listed. A complete save it

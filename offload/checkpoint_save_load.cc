@@ -375,13 +375,36 @@ std::string NameInDir(const std::string& save_dir, const std::string& dir) {
   return p.filename().string();
 }
 
+// How many saves retention keeps (the new one and the one before it at least).
+uint32_t SavesKept(uint32_t keep_checkpoints) { return std::max<uint32_t>(keep_checkpoints, 2); }
+
+// The save this optimizer loaded from, which retention keeps besides the
+// newest ones until as many saves as it keeps have followed it into that
+// directory: after a rollback to an older save, the new line's saves replace
+// it before it may go. "" when it need not be kept.
+std::string KeptLoadedSave(const OffloadOptimizer& opt, const SaveOptions& o) {
+  const OffloadOptimizer::LoadedSave& loaded = opt.loaded_save();
+  return loaded.saves_after + 1 < SavesKept(o.keep_checkpoints) ? loaded.dir : "";
+}
+
+// A save published into the directory of the save loaded from counts
+// towards its release (KeptLoadedSave).
+void CountSaveAfterLoad(OffloadOptimizer& opt, const std::string& dir) {
+  OffloadOptimizer::LoadedSave loaded = opt.loaded_save();
+  std::error_code ec;
+  if (loaded.dir.empty() || !fs::equivalent(fs::path(loaded.dir).parent_path(), dir, ec)) return;
+  ++loaded.saves_after;
+  opt.set_loaded_save(std::move(loaded));
+}
+
 // Rank 0, after every rank wrote its part, holding the save lock: point
 // latest.json at the save, then apply retention. `loaded` is the save the
-// optimizer last loaded from ("" when none).
+// optimizer loaded from while retention still keeps it (KeptLoadedSave; ""
+// when none).
 //
 // Retention removes only what it can account for. The new latest.json keeps
 // the new save and the newest ones the previous latest.json lists (keep in
-// all), plus the save the optimizer last loaded from. Of the other saves in
+// all), plus `loaded`. Of the other saves in
 // DIR it removes the incomplete ones (a crash's or a failed save's
 // leftovers) and the complete ones the previous latest.json listed, except
 // a save of a later step than a kept one (a rollback's, or one copied
@@ -397,7 +420,7 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
   for (const std::string& h : listed) {
     if (h == info.save_id || !Exists(dir + "/" + h)) continue;
     any_listed_exists = true;
-    if (history.size() < std::max<uint32_t>(keep, 2)) history.push_back(h);
+    if (history.size() < SavesKept(keep)) history.push_back(h);
   }
   // A save later than these (by step) is never removed: a rollback's, or
   // one copied back.
@@ -876,7 +899,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   Status published = OkStatus();
   Outcome mine = Outcome::kPublished;
   if (rank == 0) {
-    published = Publish(*storage.storage, dir, info, o.keep_checkpoints, opt.loaded_checkpoint());
+    published = Publish(*storage.storage, dir, info, o.keep_checkpoints, KeptLoadedSave(opt, o));
     if (!published.ok()) {
       mine = LatestMayName(*storage.storage, dir, save_id) ? Outcome::kMaybePublished
                                                            : Outcome::kNotPublished;
@@ -885,7 +908,10 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   Result<double> worst = coll.AllReduce(static_cast<int>(mine), ReduceOp::kMax);
   if (!worst.ok()) return unagreed(Collective::Unagreed(published, worst.status()));
   const auto outcome = static_cast<Outcome>(static_cast<int>(*worst));
-  if (outcome == Outcome::kPublished) return OkStatus();
+  if (outcome == Outcome::kPublished) {
+    CountSaveAfterLoad(opt, dir);
+    return OkStatus();
+  }
   if (outcome == Outcome::kMaybePublished) {
     const std::string kept = fmt::format(
         "{} is complete and kept: {}/{} may already name it (the rename happened before the "
@@ -1038,10 +1064,10 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     return FailedPreconditionError(
         fmt::format("{}: {} other rank(s) failed while loading{}", op, *failed, partial));
   }
-  // Retention keeps the save the state came from (SaveCheckpoint).
+  // Retention keeps the save the state came from for a while (KeptLoadedSave).
   std::error_code ec;
   const fs::path canonical = fs::canonical(info.save_dir, ec);
-  opt.set_loaded_checkpoint(ec ? fs::absolute(info.save_dir, ec).string() : canonical.string());
+  opt.set_loaded_save({.dir = ec ? fs::absolute(info.save_dir, ec).string() : canonical.string()});
   // Phase 3 (a collective): the trainer's tensors from the loaded masters.
   return (opt.UploadParams()).WithContext(op);
 }

@@ -365,7 +365,7 @@ struct OffloadOptimizer::Impl {
   std::vector<uint8_t> done;            // per sub-group, for the pending step
   size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
   bool host_stats = false;              // the statistics were a host pass (accumulation)
-  std::string loaded_checkpoint;        // the save the last checkpoint load read
+  LoadedSave loaded_save;               // the save the last checkpoint load read
   // The statistics of a step the loss scaler refused (an overflow at
   // min_scale): no update, but last_step() shows them.
   std::optional<StepDecision> refused;
@@ -1537,10 +1537,10 @@ Status OffloadOptimizer::WriteState(uint32_t index, std::span<const float> state
 
 LossScalerState OffloadOptimizer::loss_scaler_state() const { return impl_->scaler->state(); }
 
-const std::string& OffloadOptimizer::loaded_checkpoint() const { return impl_->loaded_checkpoint; }
-void OffloadOptimizer::set_loaded_checkpoint(std::string save_dir) {
-  impl_->loaded_checkpoint = std::move(save_dir);
+const OffloadOptimizer::LoadedSave& OffloadOptimizer::loaded_save() const {
+  return impl_->loaded_save;
 }
+void OffloadOptimizer::set_loaded_save(LoadedSave save) { impl_->loaded_save = std::move(save); }
 
 Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& scaler) {
   if (step < 0) {

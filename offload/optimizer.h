@@ -299,11 +299,16 @@ class OffloadOptimizer {
   // the same directory.
   Status Save(const std::string& dir);
   Status Load(const std::string& dir);
-  // The save directory (canonical path) the last successful checkpoint load
-  // read; "" when none. LoadCheckpoint sets it; SaveCheckpoint's retention
-  // never removes that save.
-  const std::string& loaded_checkpoint() const;
-  void set_loaded_checkpoint(std::string save_dir);
+  // The save the last successful checkpoint load read, and how many saves
+  // this optimizer published beside it since. LoadCheckpoint sets it;
+  // SaveCheckpoint counts and, until as many saves as retention keeps have
+  // followed it, keeps that save.
+  struct LoadedSave {
+    std::string dir;          // canonical path; "" when none
+    uint32_t saves_after = 0;  // saves published into dir's parent since
+  };
+  const LoadedSave& loaded_save() const;
+  void set_loaded_save(LoadedSave save);
 
   // Recomputes the trainer's param tensors from the committed fp32 master
   // weights (cast to param_dtype, all-gathered), as a step does after its

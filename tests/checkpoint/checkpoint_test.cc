@@ -1269,7 +1269,7 @@ TEST_F(RankAgreementTest, ALoadFromADifferentDirectoryPerRankLoadsNothing) {
   }
   ExpectSameSnapshot(*TakeSnapshot(*c_), now);
   ExpectParamsAreMaster(*c_, now);
-  EXPECT_EQ(c_->opt(0).loaded_checkpoint(), "");
+  EXPECT_EQ(c_->opt(0).loaded_save().dir, "");
 }
 
 // latest.json replaced between the ranks' reads (a save by another job while
@@ -1521,28 +1521,57 @@ TEST(RetentionTest, ASaveCopiedBackAndLoadedIsKeptAndSoAreLaterOnes) {
     EXPECT_NE(kept[0].find(before[1]), std::string::npos) << kept[0];
   }
   const std::string second = (*CheckpointReader::Open(dir.path()))->info().save_id;
-  // The saves that follow keep the one loaded from; what latest.json listed
-  // and is older than every kept save goes, with a log line each.
-  ASSERT_TRUE(resumed.Train(seed, 1).ok());
-  ASSERT_TRUE(resumed.Save(dir.path()).ok());  // step 3
+  // The next save is the second of the resumed line: with two kept, the new
+  // line has replaced the save loaded from, which goes with a log line (it
+  // used to stay for the optimizer's life, a third save on disk).
   ASSERT_TRUE(resumed.Train(seed, 1).ok());
   testing::LogCapture log;
-  ASSERT_TRUE(resumed.Save(dir.path()).ok());  // step 4
-  EXPECT_TRUE(fs::exists(dir.File(first))) << "the save loaded from was removed";
-  EXPECT_FALSE(fs::exists(dir.File(second)));
+  ASSERT_TRUE(resumed.Save(dir.path()).ok());  // step 3
+  const std::string third = (*CheckpointReader::Open(dir.path()))->info().save_id;
+  EXPECT_FALSE(fs::exists(dir.File(first)));
+  EXPECT_TRUE(fs::exists(dir.File(second)));
   const auto removed = log.Find(LogLevel::kInfo, "checkpoint retention: removed");
   ASSERT_EQ(removed.size(), 1u);
-  EXPECT_NE(removed[0].find(second), std::string::npos) << removed[0];
-  EXPECT_EQ(History(dir.path()).back(), first);
+  EXPECT_NE(removed[0].find(first), std::string::npos) << removed[0];
+  EXPECT_EQ(History(dir.path()), (std::vector<std::string>{third, second}));
+}
 
-  // A new optimizer, which loaded nothing, keeps the documented rule for
-  // what latest.json lists: the new save and the one before it.
-  Cluster fresh(1, CkptConfig(Where::kHost), seed + 2);
-  ASSERT_TRUE(fresh.status().ok());
-  ASSERT_TRUE(fresh.Train(seed, 1).ok());
-  ASSERT_TRUE(fresh.Save(dir.path()).ok());
-  EXPECT_FALSE(fs::exists(dir.File(first)));
-  EXPECT_EQ(History(dir.path()).size(), 2u);
+// keep_checkpoints saves of the line resumed from a save replace it: it is
+// kept while fewer have followed it, so a rollback to an older save keeps
+// that save until the new line can stand in for it; saves into another
+// directory do not count.
+TEST(RetentionTest, TheSaveLoadedFromIsKeptUntilKeepSavesFollowIt) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir, elsewhere;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  for (int s = 0; s < 3; ++s) {
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    ASSERT_TRUE(c.Save(dir.path(), {.keep_checkpoints = 3}).ok());
+  }
+  const std::vector<std::string> old_line = SaveDirs(dir.path());  // steps 1, 2, 3
+  ASSERT_EQ(old_line.size(), 3u);
+
+  Cluster resumed(1, CkptConfig(Where::kHost), seed + 1);
+  ASSERT_TRUE(resumed.status().ok());
+  ASSERT_TRUE(resumed.Load(dir.File(old_line[0])).ok());  // a rollback to step 1
+  std::vector<std::string> new_line;
+  for (int s = 0; s < 3; ++s) {
+    ASSERT_TRUE(resumed.Train(seed, 1).ok());
+    ASSERT_TRUE(resumed.Save(elsewhere.path(), {.keep_checkpoints = 3}).ok());
+    ASSERT_TRUE(resumed.Save(dir.path(), {.keep_checkpoints = 3}).ok());
+    new_line.push_back((*CheckpointReader::Open(dir.path()))->info().save_id);
+    SCOPED_TRACE("after save " + std::to_string(s + 1) + " of the resumed line");
+    EXPECT_EQ(fs::exists(dir.File(old_line[0])), s < 2) << "the save loaded from";
+  }
+  // Steps 2, 3 and 4 of the new line are kept, and the abandoned line's
+  // step 3 (later than the oldest kept save, so never removed); its step 2
+  // went when it was no later than the kept ones.
+  EXPECT_FALSE(fs::exists(dir.File(old_line[1])));
+  EXPECT_TRUE(fs::exists(dir.File(old_line[2])));
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 4u);
+  EXPECT_EQ(History(dir.path()), (std::vector<std::string>{new_line[2], new_line[1], new_line[0]}));
 }
 
 }  // namespace
