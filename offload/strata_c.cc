@@ -331,8 +331,9 @@ int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr) {
 int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out) {
   if (opt == nullptr) return ReportNull("strata_optimizer_last_step", "opt");
   if (out == nullptr) return ReportNull("strata_optimizer_last_step", "out");
-  return Exclusive(opt, "strata_optimizer_last_step", [&]() -> Status {
-    const strata::StepStats& s = opt->opt->last_step();
+  // A value getter: the copy taken when the last call ended, never refused.
+  return Guard("strata_optimizer_last_step", [&]() -> Status {
+    const strata::StepStats s = opt->Read().last;
     *out = strata_step_stats{};
     out->step = s.step;
     out->skipped = s.skipped ? 1 : 0;
@@ -355,6 +356,10 @@ int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* o
     out->h2d_bytes = s.h2d_bytes;
     return strata::OkStatus();
   });
+}
+
+uint64_t strata_optimizer_last_step_nonfinite(const strata_optimizer* opt) {
+  return opt == nullptr ? 0 : opt->Read().last.nonfinite_elems;
 }
 
 size_t strata_optimizer_format_stats(const strata_optimizer* opt, char* buf, size_t capacity) {

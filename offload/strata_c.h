@@ -42,8 +42,9 @@
  *     optimizer while another thread's call on it runs, is refused with
  *     STRATA_FAILED_PRECONDITION naming the running call (it never runs
  *     beside it). The value getters (loss_scale, step_count, step_state,
- *     format_*) may be called from any thread, never refused: they return
- *     the values as of the end of the last call.
+ *     last_step, last_step_nonfinite, format_*) may be called from any
+ *     thread, never refused: they return the values as of the end of the
+ *     last call.
  * The config is the DeepSpeed-style JSON of docs/config.md.
  */
 #ifndef STRATA_OFFLOAD_STRATA_C_H_
@@ -173,7 +174,12 @@ typedef struct strata_step_stats {
   double device_sec;     /* device kernels: packing grads, unpacking params */
   uint64_t read_bytes, write_bytes, d2h_bytes, h2d_bytes;
 } strata_step_stats;
+/* The last step's statistics (as of the end of the last call: a value
+ * getter, never refused). */
 int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out);
+/* NaN or inf gradient elements the last step saw, over all ranks (what made
+ * it skip); 0 for NULL. A value getter. */
+uint64_t strata_optimizer_last_step_nonfinite(const strata_optimizer* opt);
 
 /* Text outputs, snprintf-style: write at most `capacity` bytes (with the
  * terminating NUL) to `buf` (may be NULL with capacity 0) and return the

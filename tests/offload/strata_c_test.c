@@ -567,7 +567,7 @@ static void Errors(strata_device* dev) {
 }
 
 /* A monitor thread reads the value getters while the driving thread steps: never
- * refused, the step count it sees only grows, the texts are whole. */
+ * refused, the step count and last step it sees only grow, the texts are whole. */
 typedef struct {
   strata_optimizer* opt;
   atomic_int stop;
@@ -576,12 +576,18 @@ typedef struct {
 
 static void* Watch(void* arg) {
   Monitor* m = arg;
-  int64_t last = 0;
+  int64_t last = 0, last_step = 0;
   char text[512];
   while (!atomic_load(&m->stop)) {
     const int64_t n = strata_optimizer_step_count(m->opt);
     if (n < last) ++m->backwards;
     last = n;
+    strata_step_stats stats;
+    if (strata_optimizer_last_step(m->opt, &stats) != STRATA_OK || stats.step < last_step ||
+        stats.skipped != 0 || strata_optimizer_last_step_nonfinite(m->opt) != 0) {
+      ++m->backwards;
+    }
+    last_step = stats.step;
     if (strata_optimizer_loss_scale(m->opt) != 1.0) ++m->backwards;
     if (strata_optimizer_step_state(m->opt) != STRATA_STEP_READY) ++m->backwards;
     (void)strata_optimizer_format_stats(m->opt, text, sizeof text);
@@ -603,6 +609,15 @@ static void MonitorThread(strata_device* dev) {
   EXPECT(m.backwards == 0);
   EXPECT(strata_optimizer_step_count(m.opt) == 30);
   printf("monitor thread: %d reads beside 30 steps\n", m.reads);
+  /* A step over non-finite gradients is skipped and says how many it saw. */
+  t.g[3] = NAN;
+  t.g[7] = INFINITY;
+  CHECK_OK(strata_optimizer_step(m.opt));
+  strata_step_stats stats;
+  CHECK_OK(strata_optimizer_last_step(m.opt, &stats));
+  EXPECT(stats.skipped == 1 && strata_optimizer_step_count(m.opt) == 30);
+  EXPECT(strata_optimizer_last_step_nonfinite(m.opt) == 2);
+  EXPECT(strata_optimizer_last_step_nonfinite(NULL) == 0);
   FreeOneTensor(&t);
 }
 
