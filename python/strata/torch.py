@@ -27,8 +27,10 @@ import math
 import numbers
 import os
 import re
+import sys
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -325,6 +327,16 @@ class _TorchDistributedComm:
 
 
 @functools.lru_cache(maxsize=None)
+def _outside_stacklevel():
+    """The warnings stacklevel of the first caller outside this file and torch (whose
+    decorators and pickler sit between the user's line and ours)."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _let_gloo_finish_at_exit():
     """gloo's worker thread drops its last tensors a moment after a collective
     returns, and dropping a tensor Python knows needs the GIL: if the interpreter
@@ -393,6 +405,21 @@ class _Registered:
     def describe(self, index):
         name = f" ('{self.name}')" if self.name else ""
         return f"param {index}{name} ({self.where}, shape {self.shape})"
+
+
+class _PickledOffloadAdam:
+    """What an unpickled OffloadAdam is: a placeholder that refuses any use."""
+
+    def __init__(self, step_count):
+        self._step_count = step_count
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(
+            f"an OffloadAdam pickled at step {self._step_count} was unpickled: the pickle "
+            "holds no optimizer state (it lives in the engine). Build a new OffloadAdam and "
+            "load_state_dict() what optimizer.state_dict() returned, or load_checkpoint(dir)")
 
 
 class OffloadAdam(torch.optim.Optimizer):
@@ -764,6 +791,11 @@ class OffloadAdam(torch.optim.Optimizer):
                           "notebook cell run again?): call its close(), or drop every reference "
                           "to it, before building this one") from e
         self._hypers = [self._hyper_of(g) for g in self.param_groups]
+        # The update rule the engine resolved (config keys may override adamw=).
+        self._adamw = bool(self.engine_config["optimizer"]["params"]["adam_w_mode"])
+        # fp16: whether a backward since the last step() went through scale_loss().
+        self._scaled = False
+        self._warned_no_grad = False
         me = weakref.ref(self)
         for r in self._reg:
             _OWNERS[id(r.param)] = (weakref.ref(r.param), me)
@@ -779,6 +811,7 @@ class OffloadAdam(torch.optim.Optimizer):
         # overlap_backward: the params reported ready since the last step()/zero_grad(),
         # the no_sync() depth, a misuse that refuses step() until zero_grad(), the hooks.
         self._reported = bytearray(len(self._reg))
+        self._handed = [None] * len(self._reg)  # each reported grad's (data_ptr, _version)
         self._no_sync = 0
         self._overlap_error = None
         self._hooks = {}
@@ -999,6 +1032,21 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._stream.wait_stream(current)
         self._engine.grad_ready(k)
         self._reported[k] = 1
+        self._handed[k] = (g.data_ptr(), g._version)
+
+    def _check_handed_grads(self):
+        """overlap_backward: a .grad written after backward handed it to the engine
+        (clip_grad_norm_, a scaling) would be ignored: refused."""
+        for k in (k for k in range(len(self._reg)) if self._reported[k]):
+            g = self._reg[k].param.grad
+            if g is not None and (g.data_ptr(), g._version) != self._handed[k]:
+                raise RuntimeError(
+                    f"OffloadAdam(overlap_backward=True).step: the .grad of "
+                    f"{self._reg[k].describe(k)} changed after backward handed it to the "
+                    "engine (clip_grad_norm_ or another write into .grad); the engine reads "
+                    "gradients during backward, so the change would be ignored. Clip with "
+                    "OffloadAdam(max_grad_norm=...), or use overlap_backward=False. Call "
+                    "zero_grad() and run the backward again")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -1019,15 +1067,26 @@ class OffloadAdam(torch.optim.Optimizer):
             except Exception:  # torch torn down first at interpreter exit
                 pass
 
-    def __getstate__(self):
+    def __copy__(self):
         raise TypeError(
-            "OffloadAdam cannot be copied or pickled: its state lives in the engine (pinned "
-            "memory, NVMe files, a lock on nvme_path), not in Python objects. Save "
+            "OffloadAdam cannot be copied: its state lives in the engine (pinned memory, "
+            "NVMe files, a lock on nvme_path), not in Python objects. Save "
             "optimizer.state_dict() (or save_checkpoint(dir)) and load it into a new "
             "OffloadAdam built over the new model's params")
 
     def __deepcopy__(self, memo):
-        self.__getstate__()
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        # Pickled, an OffloadAdam is a placeholder without its state: torch 1.13's
+        # OneCycleLR.state_dict() holds a bound method of the scheduler, so a
+        # torch.save of it pickles the optimizer too, which must not fail.
+        warnings.warn(
+            "OffloadAdam pickled as a placeholder: its state lives in the engine and is not "
+            "in the pickle (harmless inside a scheduler's state_dict, e.g. torch 1.13's "
+            "OneCycleLR). To save the optimizer, save optimizer.state_dict() or call "
+            "save_checkpoint(dir)", stacklevel=_outside_stacklevel())
+        return (_PickledOffloadAdam, (self._engine.step_count,))
 
     @_one_thread
     def close(self):
@@ -1105,6 +1164,17 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._overlap_error:
             raise RuntimeError(f"{self._overlap_error}. Call zero_grad() and run the backward "
                                "again")
+        if not self._scaled and self._engine.loss_scale != 1.0:
+            raise RuntimeError(
+                f"OffloadAdam.step: the params are float16, so step() divides the gradients "
+                f"by the loss scale ({self._engine.loss_scale:g}), and no backward since the "
+                "last step went through optimizer.backward(loss) or "
+                "optimizer.scale_loss(loss).backward(): a plain loss.backward() would make "
+                "the update that many times too small. Call zero_grad() and run the backward "
+                "as optimizer.backward(loss). For gradients set by hand, use a static "
+                "scale of 1: config={'fp16': {'loss_scale': 1}}. Trainers that call "
+                "loss.backward() themselves need bfloat16 or float32 params")
+        self._check_handed_grads()
         moved = self._check_params("step")
         written = self._written(moved)
         if written:
@@ -1112,11 +1182,13 @@ class OffloadAdam(torch.optim.Optimizer):
             self._adopt(written)
             self._mark_versions()
         self._sync_hypers()
+        no_grad = []
         for k, (r, buf) in enumerate(zip(self._reg, self._grad_bufs)):
             if self._reported[k]:
                 continue  # in its buffer, handed to the engine during backward
             g = r.param.grad
             if g is None:
+                no_grad.append(k)
                 buf.zero_()
             elif g.is_sparse:
                 raise RuntimeError(f"OffloadAdam: {r.describe(k)} has a sparse gradient; "
@@ -1127,6 +1199,17 @@ class OffloadAdam(torch.optim.Optimizer):
                                    f"{tuple(g.shape)}")
             elif g.data_ptr() != buf.data_ptr():
                 buf.copy_(g)
+        if no_grad and not self._warned_no_grad:
+            self._warned_no_grad = True
+            names = ", ".join(self._reg[k].describe(k) for k in no_grad[:3])
+            more = f" and {len(no_grad) - 3} more" if len(no_grad) > 3 else ""
+            warnings.warn(
+                f"OffloadAdam.step: {names}{more} got no gradient (.grad is None). OffloadAdam "
+                "steps it as with a zero gradient, as every step steps every param: its Adam "
+                "moments decay, the update they still make moves it, and weight decay "
+                "applies; torch.optim skips it. Freeze params that never train "
+                "(requires_grad=False) before building the optimizer. Warned once",
+                stacklevel=_outside_stacklevel())
         self._state_version += 1
         try:
             self._run(self._engine.step)
@@ -1137,6 +1220,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 self._reported = bytearray(len(self._reg))
             raise
         self._reported = bytearray(len(self._reg))
+        self._scaled = False
         return loss
 
     @_one_thread
@@ -1213,7 +1297,7 @@ class OffloadAdam(torch.optim.Optimizer):
         return {"version": _STATE_DICT_VERSION, "rank": self._engine.rank,
                 "world_size": self._engine.world_size,
                 "param_shapes": [r.shape for r in self._reg],
-                "param_dtype": str(self._dtype)}
+                "param_dtype": str(self._dtype), "adamw": self._adamw}
 
     def iter_state(self):
         """Yields (sub_group, (begin, end), tensor) for this rank's offloaded state, one
@@ -1313,6 +1397,11 @@ class OffloadAdam(torch.optim.Optimizer):
                         f"{list(self._reg[i].shape)}")
             raise ValueError(f"{bad}the saved params have other shapes: {what}; load a "
                              "state_dict saved from the same model")
+        if "adamw" in s and s["adamw"] != self._adamw:  # absent in older builds' dicts
+            mode = {True: "AdamW (adamw=True)", False: "Adam with L2 decay (adamw=False)"}
+            raise ValueError(f"{bad}saved by an {mode[bool(s['adamw'])]} optimizer, loading "
+                             f"into an {mode[self._adamw]} one: the state would go on under "
+                             "another update rule; build the optimizer as the saved one was")
         self._check_groups_match(saved_groups)
         if s.get("kind") == "checkpoint":
             self.load_checkpoint(s["checkpoint"])
@@ -1454,6 +1543,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def scale_loss(self, loss):
         """loss * loss_scale: call .backward() on it with fp16 params."""
+        self._scaled = True
         return loss * self._engine.loss_scale
 
     def backward(self, loss, **kwargs):

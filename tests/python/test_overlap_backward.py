@@ -188,3 +188,24 @@ def test_the_hooks_do_not_keep_the_optimizer_alive():
 def test_overlap_backward_must_be_a_bool():
     with pytest.raises(ValueError, match="overlap_backward"):
         make_opt(make_model(torch.float32), "yes")
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_grad_written_after_the_hand_over_is_refused(set_to_none):
+    """clip_grad_norm_ after backward with overlap_backward=True: the engine had read
+    the gradients already, so the clip was ignored (set_to_none=True) or applied from
+    the next step on. step() refuses, naming the param, until a clean backward."""
+    model = make_model(torch.float32)
+    opt = make_opt(model, True, max_grad_norm=None)
+    opt.zero_grad(set_to_none=set_to_none)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, 0, torch.float32).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with pytest.raises(RuntimeError, match=r"the .grad of param 0 .* changed after backward "
+                                           r"handed it to the engine .*max_grad_norm"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    opt.zero_grad(set_to_none=set_to_none)
+    loss_of(model, 0, torch.float32).backward()
+    opt.step()
+    assert opt.step_count == 1
