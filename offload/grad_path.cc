@@ -119,6 +119,8 @@ Status GradPath::Init() {
   STRATA_ASSIGN_OR_RETURN(user_event_, dev.CreateEvent());
   STRATA_ASSIGN_OR_RETURN(done_event_, dev.CreateEvent());
   reduced_.assign(n, 0);
+  complete_.assign(n, 0);
+  next_ = n;
   accum_has_.assign(n, 0);
   kept_has_.assign(n, 0);
   return OkStatus();
@@ -210,10 +212,21 @@ Status GradPath::Reduce(uint32_t i) {
   return OkStatus();
 }
 
+Status GradPath::Ready(uint32_t i) {
+  if (o_.world == 1) return Reduce(i);  // no collective: any order
+  complete_[i] = 1;
+  while (next_ > 0 && complete_[next_ - 1]) {
+    STRATA_RETURN_IF_ERROR(Reduce(next_ - 1));
+    --next_;
+  }
+  return OkStatus();
+}
+
 Status GradPath::ReduceRest() {
-  for (uint32_t i = 0; i < reduced_.size(); ++i) {
+  for (uint32_t i = static_cast<uint32_t>(reduced_.size()); i-- > 0;) {
     if (!reduced_[i]) STRATA_RETURN_IF_ERROR(Reduce(i));
   }
+  next_ = 0;
   return OkStatus();
 }
 
@@ -437,6 +450,8 @@ void GradPath::Consume() {
 void GradPath::ResetMicroStep() {
   std::fill(reduced_.begin(), reduced_.end(), 0);
   reduced_count_ = 0;
+  std::fill(complete_.begin(), complete_.end(), 0);
+  next_ = static_cast<uint32_t>(reduced_.size());
 }
 
 GradPathTimes GradPath::TakeTimes() {

@@ -2,12 +2,16 @@
 // host memory the CPU optimizer reads. Internal to offload/ (docs/offload.md,
 // "The gradient path").
 //
-//   hand-over   Reduce(i) once sub-group i's tensors are complete (GradReady
-//               during backward, or ReduceRest at the step): on the device,
+//   hand-over   Ready(i) once sub-group i's tensors are complete (GradReady
+//               during backward), ReduceRest at the step: on the device,
 //               the statistics of every piece (sum of squares, non-finite
 //               count); with several ranks first pack + reduce-scatter in the
 //               wire dtype and the D2H of the rank's block into the host
-//               shard buffer.
+//               shard buffer. The reduce-scatters are collectives, matched
+//               by the order ranks issue them, so every rank issues them in
+//               one order, descending sub-group index (a backward's own),
+//               whatever order its tensors complete in: a sub-group that
+//               completes early waits for the higher ones.
 //   step        LocalStats() -> the decision; then per sub-group, in the
 //               pipeline: Fetch(i, slot) (one rank: the D2H of the trainer's
 //               tensors straight into a ring slot, no device pass) and
@@ -106,7 +110,10 @@ class GradPath {
   Status OrderAfterUser();
   bool reduced(uint32_t i) const { return reduced_[i] != 0; }
   uint32_t reduced_count() const { return reduced_count_; }
-  Status Reduce(uint32_t i);
+  // Sub-group i's tensors are complete: reduces it now (one rank), or with
+  // several ranks every complete sub-group the descending order reaches.
+  Status Ready(uint32_t i);
+  // Reduces every sub-group not reduced yet, in descending order.
   Status ReduceRest();
   // ReduceGradients(): completes the micro-step and adds it to the fp32
   // buffer (micro_steps() + 1).
@@ -147,6 +154,7 @@ class GradPath {
   uint64_t Rel(uint32_t i) const { return o_.sub_groups[i].begin - o_.shard.begin; }
   uint64_t HostRel(uint32_t i) const { return Rel(i) - device_elems_; }
   Status EnsureDeviceBuffer(DeviceBuffer& buf, uint64_t bytes);
+  Status Reduce(uint32_t i);
   // Enqueues the D2H of sub-group i's own pieces (one rank) into `dst`
   // (wire dtype, padding zeroed here).
   Status CopyDown(uint32_t i, std::byte* dst, const char* what);
@@ -178,6 +186,8 @@ class GradPath {
   std::vector<uint8_t> kept_has_;
   std::vector<uint8_t> reduced_;
   uint32_t reduced_count_ = 0;
+  std::vector<uint8_t> complete_;  // several ranks: Ready() but not reduced yet
+  uint32_t next_ = 0;              // several ranks: sub-groups [0, next_) wait their turn
   uint32_t micro_steps_ = 0;
   GradStats host_stats_;  // accumulation: computed at LocalStats
   StageClock d2h_clock_, comm_clock_, device_clock_;

@@ -1341,8 +1341,8 @@ Status OffloadOptimizer::GradReady(uint32_t index) {
   for (uint32_t b : m.map.buckets_of(index)) {
     if (++m.ready_count[b] == m.map.tensors_in(b) && !m.grads->reduced(b)) {
       STRATA_RETURN_IF_ERROR(
-          (m.grads->Reduce(b))
-              .WithContext(fmt::format("grad ready {}: reduce sub-group {}", index, b)));
+          (m.grads->Ready(b))
+              .WithContext(fmt::format("grad ready {}: sub-group {} complete", index, b)));
     }
   }
   return OkStatus();

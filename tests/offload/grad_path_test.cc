@@ -90,8 +90,8 @@ TEST(GradPath, StatisticsAndRingSlotsMatchTheTrainersGradients) {
   const auto grads = f.model->SetGrads(f.model->RandomGrads(rng, 1.0f));
   ASSERT_EQ(f.path->wire_dtype(), DType::kBF16);
   // Sub-groups 1 and 0 become complete first (any order); the rest at the step.
-  ASSERT_TRUE(f.path->Reduce(1).ok());
-  ASSERT_TRUE(f.path->Reduce(0).ok());
+  ASSERT_TRUE(f.path->Ready(1).ok());
+  ASSERT_TRUE(f.path->Ready(0).ok());
   Result<GradStats> st = f.path->LocalStats();
   ASSERT_TRUE(st.ok()) << st.status();
   const GradStats want =
