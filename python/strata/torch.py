@@ -544,8 +544,9 @@ class OffloadAdam(torch.optim.Optimizer):
         optimizer.last_step()["skipped"], optimizer.loss_scale
 
     CUDA: engine work is ordered on PyTorch's current stream (the one at
-    construction; a different current stream at ``step()`` is joined with
-    ``wait_stream``), with no host synchronization beyond the CPU update.
+    construction; a different current stream at ``step()``, ``zero_grad()`` or
+    a checkpoint call is joined with ``wait_stream``), with no host
+    synchronization beyond the CPU update.
 
     State: ``state_dict()`` holds the offloaded state of this rank (master
     weights, moments, step count, loss scaler) as CPU tensors, and loads back
@@ -1127,15 +1128,29 @@ class OffloadAdam(torch.optim.Optimizer):
                 "groups and carry the state over with save_checkpoint()/load_checkpoint()")
         super().add_param_group(param_group)
 
-    def _run(self, fn):
-        """Runs an engine call that updates the params, ordered on the current CUDA stream."""
+    @contextlib.contextmanager
+    def _on_current_stream(self):
+        """Orders the engine calls inside on the current CUDA stream when it is not the
+        one the engine was built on: the engine's stream waits for it before, and it
+        waits for the engine's stream after (a loop under `with torch.cuda.stream(s):`)."""
         current = None
         if self._stream is not None:
             current = torch.cuda.current_stream(self._device)
-            if current != self._stream:
+            if current == self._stream:
+                current = None
+            else:
                 self._stream.wait_stream(current)
         try:
-            fn()
+            yield
+        finally:
+            if current is not None:
+                current.wait_stream(self._stream)
+
+    def _run(self, fn):
+        """Runs an engine call that updates the params, ordered on the current CUDA stream."""
+        try:
+            with self._on_current_stream():
+                fn()
         except StrataError as e:
             if self._engine.step_failed:
                 if str(e).startswith("DataLoss"):
@@ -1149,8 +1164,6 @@ class OffloadAdam(torch.optim.Optimizer):
                     "it (once the cause is fixed), or load_checkpoint()/load_state_dict() to "
                     "replace the state") from e
             raise
-        if current is not None and current != self._stream:
-            current.wait_stream(self._stream)
 
     @_one_thread
     @torch.no_grad()
@@ -1274,7 +1287,8 @@ class OffloadAdam(torch.optim.Optimizer):
         # gives it new storage of another dtype) is left to step(), which names it.
         _, problems = self._check_params("zero_grad", strict=False)
         if all(self._grad_bufs[k].data_ptr() == self._reg[k].grad_ptr for k in problems):
-            self._engine.zero_grad()
+            with self._on_current_stream():
+                self._engine.zero_grad()
         self._reported = bytearray(len(self._reg))
         self._overlap_error = None
         for r, buf in zip(self._reg, self._grad_bufs):
@@ -1517,7 +1531,8 @@ class OffloadAdam(torch.optim.Optimizer):
         params' names and shapes. Refused while a failed step awaits retry_step()."""
         self._refuse_if_failed("save_checkpoint")
         self._sync_hypers()
-        self._engine.save(os.fspath(directory))
+        with self._on_current_stream():
+            self._engine.save(os.fspath(directory))
 
     @_one_thread
     def load_checkpoint(self, directory):
@@ -1526,7 +1541,8 @@ class OffloadAdam(torch.optim.Optimizer):
         recorded in the checkpoint must match the params'."""
         self._check_params("load_checkpoint")
         self._state_version += 1
-        self._engine.load(os.fspath(directory))
+        with self._on_current_stream():
+            self._engine.load(os.fspath(directory))
         self._mark_versions()  # the load wrote every param
         for gi, g in enumerate(self.param_groups):
             if self._engine_group[gi] is None:
