@@ -404,8 +404,10 @@ struct OffloadOptimizer::Impl {
             .step = d.step,
             .grad_scale = d.grad_scale};
   }
-  // The device side of a step: queued, then waited for (FinishDeviceSide).
+  // The device side of a step: updates queued, params published, then waited
+  // for (FinishDeviceSide).
   Status StartDeviceSide(const StepDecision& d, std::vector<uint8_t>& updated);
+  Status PublishDeviceSide(const std::vector<uint8_t>& updated);
   Status FinishDeviceSide(const std::vector<uint8_t>& updated);
   Status InitDeviceState();
   Status Step();
@@ -914,8 +916,7 @@ Status OffloadOptimizer::Impl::UpdateOnDevice(uint32_t i, const StepDecision& d)
 }
 
 // Queues the device sub-groups' updates (those not done) after the trainer's
-// stream, and with several ranks their publication (every rank, every
-// sub-group: the all-gathers must match). `updated[i]`: queued here.
+// stream. `updated[i]`: queued here.
 Status OffloadOptimizer::Impl::StartDeviceSide(const StepDecision& d,
                                                std::vector<uint8_t>& updated) {
   updated.assign(device_count, 0);
@@ -928,15 +929,26 @@ Status OffloadOptimizer::Impl::StartDeviceSide(const StepDecision& d,
           UpdateOnDevice(i, d).WithContext(fmt::format("update {}", tiers->Name(i))));
       updated[i] = 1;
     }
-    if (world > 1 || done[i]) {
-      // One rank publishes in the update; a done one (a retry) again, as
-      // the host's are.
-      const Event* after = nullptr;
-      if (updated[i]) {
-        STRATA_RETURN_IF_ERROR(device->RecordEvent(device_event, device_stream));
-        after = &device_event;
-      }
-      STRATA_RETURN_IF_ERROR(publisher->PublishDevice(i, tiers->DeviceState(i), after));
+  }
+  return OkStatus();
+}
+
+// With several ranks, the device sub-groups' publication (every rank, every
+// sub-group: the all-gathers must match), after the device side's updates.
+// One rank publishes in the update; a done sub-group (a retry) is published
+// again, as the host's are. RunPipeline queues this after the CPU side's
+// publications: ahead of them on the publisher's stream it held the CPU
+// pipeline's staging slots until the whole device side was done.
+Status OffloadOptimizer::Impl::PublishDeviceSide(const std::vector<uint8_t>& updated) {
+  const Event* after = nullptr;
+  if (std::find(updated.begin(), updated.end(), 1) != updated.end()) {
+    STRATA_RETURN_IF_ERROR(device->RecordEvent(device_event, device_stream));
+    after = &device_event;
+  }
+  for (uint32_t i = 0; i < device_count; ++i) {
+    if (world > 1 || (done[i] && !updated[i])) {
+      STRATA_RETURN_IF_ERROR(
+          publisher->PublishDevice(i, tiers->DeviceState(i), updated[i] ? after : nullptr));
     }
   }
   return OkStatus();
@@ -1071,6 +1083,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   STRATA_RETURN_IF_ERROR(StartDeviceSide(d, device_updated));
   if (serial) {
     // Each stage alone: the device side before the CPU's.
+    if (Status s = PublishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
     if (Status s = FinishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
     device_updated.assign(device_updated.size(), 0);
   }
@@ -1159,6 +1172,9 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
     fail(std::move(s));
   }
   tiers->DrainReads();  // reads queued and never consumed (only after an error above)
+  if (!serial) {
+    if (Status s = PublishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
+  }
   if (Status s = FinishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
   if (Status s = publisher->Finish(); !s.ok()) fail(std::move(s));
   last.times.adam += adam_sec;
