@@ -38,9 +38,15 @@ if(NOT STRATA_CUDA STREQUAL "OFF")
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      # Hopper (H100/H200) by default; set CMAKE_CUDA_ARCHITECTURES for others.
-      set(CMAKE_CUDA_ARCHITECTURES 90)
+    # A user's -DCMAKE_CUDA_ARCHITECTURES (or CUDAARCHS in the environment,
+    # which CMake reads itself) wins. The default gives sm_80 code, which also
+    # runs on every 8.x GPU (A100, A10, L4, L40S), sm_90 code (H100, H200),
+    # and compute_90 PTX that the driver compiles for newer GPUs. On a GPU
+    # none of these cover, kernels fail with FailedPrecondition naming the
+    # compute capability to build for.
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+      set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING
+          "CUDA architectures of Strata's kernels (default 80;90: Ampere/Ada and Hopper)")
     endif()
     enable_language(CUDA)
     find_package(CUDAToolkit)

@@ -107,16 +107,43 @@ Status EnqueueHost(Device& device, StreamRef stream, Fn fn) {
 }
 
 #if STRATA_HAVE_CUDA
-// Runs `launch(cudaStream_t as void*)` with the device current; returns the
-// launch error as a Status naming `op`.
+// The error of a launch on `device` that found no kernel image for it: names
+// its compute capability (internal::NoKernelImageError).
+Status NoKernelImage(std::string_view op, const Device& device) {
+  const int ordinal = device.caps().ordinal;
+  int major = 0;
+  int minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal) != cudaSuccess) {
+    return strata::internal::CudaError(cudaErrorNoKernelImageForDevice,
+                                       fmt::format("{} on {}: launch", op, device.name()));
+  }
+  return internal::NoKernelImageError(op, device.name(), major, minor,
+                                      internal::BuiltCudaArchitectures());
+}
+
+// Runs `launch(cudaStream_t as void*)` with the device current (and the
+// thread's previous current device restored afterwards); returns the launch
+// error as a Status naming `op`.
 template <typename Fn>
 Status LaunchCuda(std::string_view op, Device& device, StreamRef stream, Fn launch) {
   STRATA_ASSIGN_OR_RETURN(cudaStream_t s, strata::internal::CudaStreamOf(stream));
-  STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(device.caps().ordinal),
-                              fmt::format("{} on {}: cudaSetDevice", op, device.name()));
-  const int err = launch(static_cast<void*>(s));
-  return strata::internal::CudaError(static_cast<cudaError_t>(err),
-                                     fmt::format("{} on {}: launch", op, device.name()));
+  strata::internal::CudaDeviceGuard device_guard;
+  STRATA_RETURN_IF_CUDA_ERROR(device_guard.Select(device.caps().ordinal),
+                              fmt::format("{} on {}: select device", op, device.name()));
+  // The launchers report cudaGetLastError() after each launch: an error an
+  // earlier call on this thread left behind (a failed allocation, an ignored
+  // return) must not read as this launch's. A sticky error is not cleared by
+  // this and fails the launch itself.
+  (void)cudaGetLastError();
+  const auto err = static_cast<cudaError_t>(launch(static_cast<void*>(s)));
+  // Strata's kernels always exist, so "invalid device function" too means
+  // "not compiled for this device's architecture" (driver_types.h).
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+    (void)cudaGetLastError();
+    return NoKernelImage(op, device);
+  }
+  return strata::internal::CudaError(err, fmt::format("{} on {}: launch", op, device.name()));
 }
 #else
 template <typename Fn>
@@ -129,6 +156,38 @@ Status LaunchCuda(std::string_view op, Device& device, StreamRef, Fn) {
 #endif
 
 }  // namespace
+
+namespace internal {
+
+Status NoKernelImageError(std::string_view op, std::string_view device, int cc_major, int cc_minor,
+                          std::string_view built_architectures) {
+  return FailedPreconditionError(fmt::format(
+      "{} on {}: launch: cudaErrorNoKernelImageForDevice: this build's CUDA kernels are for "
+      "CMAKE_CUDA_ARCHITECTURES={}, which has no kernel image for this GPU's compute "
+      "capability {}.{}; rebuild Strata with -DCMAKE_CUDA_ARCHITECTURES={}{} (or a list that "
+      "includes it, such as \"{}{};90\")",
+      op, device, built_architectures.empty() ? "(none)" : built_architectures, cc_major, cc_minor,
+      cc_major, cc_minor, cc_major, cc_minor));
+}
+
+std::string BuiltCudaArchitectures() {
+#ifdef STRATA_CUDA_ARCHITECTURES
+  // CMake passes its ;-list with commas (a ; would split the definition).
+  std::string archs = STRATA_CUDA_ARCHITECTURES;
+  std::replace(archs.begin(), archs.end(), ',', ';');
+  return archs;
+#else
+  return "";
+#endif
+}
+
+}  // namespace internal
+
+Status CheckKernelsRunOn(Device& device) {
+  if (RunsOnHost(device)) return OkStatus();
+  return LaunchCuda("check kernels", device, device.DefaultStream(),
+                    [](void*) { return internal::CudaCheckKernelImage(); });
+}
 
 Status PackGrads(Device& device, StreamRef stream, std::span<const PackEntry> entries,
                  DeviceTensor bucket, float scale) {

@@ -40,8 +40,13 @@
 // 16-bit patterns), length mismatches, pack/unpack ranges outside the bucket
 // or overlapping one another, a too small stats buffer, and bad Adam
 // hyperparameters (cpu_adam's checks). CUDA launch failures return the
-// CUDA error as a Status (see runtime/cuda_internal.h). An error of the work
+// CUDA error as a Status (see runtime/cuda_internal.h); a GPU this build has
+// no kernel image for (CMAKE_CUDA_ARCHITECTURES) is FailedPrecondition naming
+// its compute capability and the flag to rebuild with. An error of the work
 // itself becomes the stream's sticky error (runtime/device.h).
+//
+// Current device: on CUDA a launcher makes the stream's device current for
+// the launch and then restores the calling thread's previous one.
 //
 // Alignment: element alignment only (4 bytes for fp32, 2 for fp16/bf16).
 // Overlap: sources and destinations of one call must not overlap, except
@@ -82,6 +87,13 @@ struct UnpackEntry {
   DeviceTensor tensor;
   size_t offset_elems = 0;
 };
+
+// OK when this build's kernels can run on `device`: always on the host
+// device; on CUDA, when the build has a kernel image for the GPU's compute
+// capability. Otherwise the FailedPrecondition a launch would return (see
+// Errors above), so a caller can refuse the device before any work instead
+// of failing inside it. Enqueues nothing.
+Status CheckKernelsRunOn(Device& device);
 
 // Gathers each entry's tensor into `bucket` at its offset, converted to the
 // bucket's dtype: bucket[off + i] = convert(float(src[i]) * scale) (the

@@ -161,4 +161,11 @@ int CudaAdamStep(void* stream, const AdamKernelCoeffs& coeffs, const DeviceAdamS
   return static_cast<int>(cudaGetLastError());
 }
 
+int CudaCheckKernelImage() {
+  // Every kernel here is in one fatbinary with the same architectures, so
+  // one of them answers for all.
+  cudaFuncAttributes attributes{};
+  return static_cast<int>(cudaFuncGetAttributes(&attributes, ConvertKernel));
+}
+
 }  // namespace strata::kernels::internal

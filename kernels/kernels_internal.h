@@ -8,10 +8,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "runtime/status.h"
 
 namespace strata::kernels::internal {
 
@@ -88,6 +90,8 @@ struct AdamKernelCoeffs {
 };
 
 // Each returns a cudaError_t as int (0: launched). `stream` is a cudaStream_t.
+// A kernel's launch error is read with cudaGetLastError() right after it, so
+// the caller clears the thread's last error first (LaunchCuda does).
 int CudaConvert(void* stream, const void* src, DType src_dtype, void* dst, DType dst_dtype,
                 size_t elems, float scale, ScaleMode mode);
 int CudaZero(void* stream, void* dst, size_t bytes);
@@ -97,5 +101,21 @@ int CudaGradStats(void* stream, const void* grad, DType dtype, size_t elems, flo
                   void* stats_buffer);
 int CudaAdamStep(void* stream, const AdamKernelCoeffs& coeffs, const DeviceAdamState& state,
                  const void* grad, DType grad_dtype, void* out, DType out_dtype);
+// cudaFuncGetAttributes of a kernel of kernels_cuda.cu on the current device:
+// cudaErrorNoKernelImageForDevice (or cudaErrorInvalidDeviceFunction) when the
+// build has no image for it. Launches nothing.
+int CudaCheckKernelImage();
+
+// ---- Launch errors (kernels.cc; host code, tested without a GPU) ------------
+
+// A launch of `op` on `device` that found no kernel image for the GPU
+// (cudaErrorNoKernelImageForDevice): FailedPrecondition naming its compute
+// capability cc_major.cc_minor, the architectures the build has
+// (`built_architectures`, CMAKE_CUDA_ARCHITECTURES) and
+// -DCMAKE_CUDA_ARCHITECTURES=<major><minor> to rebuild with.
+Status NoKernelImageError(std::string_view op, std::string_view device, int cc_major, int cc_minor,
+                          std::string_view built_architectures);
+// CMAKE_CUDA_ARCHITECTURES of this build ("80;90"); "" in a build without CUDA.
+std::string BuiltCudaArchitectures();
 
 }  // namespace strata::kernels::internal

@@ -101,7 +101,12 @@ struct EngineContext {
   Device* device = nullptr;      // required
   Communicator* comm = nullptr;  // nullptr: one rank (world size 1)
   Storage* storage = nullptr;    // NVMe IO; nullptr: the engine opens io_uring (POSIX fallback)
-  StreamRef stream;              // the trainer's compute stream; {}: the device's default stream
+  // The trainer's compute stream: work that reads the trainer's tensors is
+  // ordered after what it enqueued there, and the trainer's next work there
+  // sees the updates. {}: device->DefaultStream(), which on CUDA is the
+  // legacy default stream (native stream 0), where a trainer that names no
+  // stream runs its kernels.
+  StreamRef stream;
   // Where the engine records its timeline while the recorder is enabled
   // (runtime/trace.h); nullptr: no trace. Several optimizers may share one.
   TraceRecorder* trace = nullptr;

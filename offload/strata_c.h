@@ -120,7 +120,11 @@ typedef struct strata_hyper {
 /* Creates the optimizer (a collective across the ranks of `comm`).
  *   comm:   NULL for one rank.
  *   stream: the trainer's native stream (cudaStream_t on CUDA; the engine's
- *           work is ordered on it) or NULL for the device's default stream.
+ *           work that reads or writes the tensors is ordered on it), or
+ *           NULL for the device's default stream: on CUDA the legacy
+ *           default stream, the same as passing a cudaStream_t of 0, where
+ *           kernels launched with no stream run (a trainer compiled with
+ *           --default-stream per-thread passes cudaStreamPerThread).
  *   hypers: num_groups entries, or NULL for the config's optimizer values in
  *           every group.
  * STRATA_INVALID_ARGUMENT for a bad config (a key repeated within an object

@@ -1,6 +1,9 @@
 // The CUDA device backend. Compiled only when STRATA_HAVE_CUDA; reachable
-// through CreateCudaDevice/OpenDevice. Every call selects the device first
-// (cudaSetDevice is per host thread), so any thread may use any device.
+// through CreateCudaDevice/OpenDevice. Every call makes the device current
+// for its own duration (a CudaDeviceGuard: the current device is per host
+// thread and shared with torch), so any thread may use any device and finds
+// its current device unchanged afterwards.
+#include <cudaTypedefs.h>  // PFN_cuDevicePrimaryCtxGetState: no link to libcuda
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <sys/mman.h>
@@ -28,6 +31,7 @@ namespace internal {
 
 Status CudaError(cudaError_t err, std::string_view op) {
   if (err == cudaSuccess) return OkStatus();
+  (void)cudaGetLastError();  // see the header: a sticky error stays
   std::string m = fmt::format("{}: {} ({})", op, cudaGetErrorName(err), cudaGetErrorString(err));
   switch (err) {
     case cudaErrorMemoryAllocation:
@@ -43,15 +47,73 @@ Status CudaError(cudaError_t err, std::string_view op) {
     case cudaErrorInvalidDevicePointer:
     case cudaErrorInvalidMemcpyDirection:
       return InvalidArgumentError(std::move(m));
+    case cudaErrorNoKernelImageForDevice:
+      return FailedPreconditionError(std::move(m));
     default:
       return InternalError(std::move(m));
   }
+}
+
+namespace {
+
+// Whether `ordinal`'s primary context is active (retained by some CUDA
+// runtime in the process). Asked of the driver through the runtime's entry
+// point lookup, so nothing links libcuda; when the lookup fails the answer is
+// yes (switch back, as a plain cudaSetDevice guard would).
+struct DriverCalls {
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDevicePrimaryCtxGetState_v7000 primary_ctx_get_state = nullptr;
+};
+
+template <typename Fn>
+Fn DriverEntryPoint(const char* symbol) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+bool PrimaryContextActive(int ordinal) {
+  static const DriverCalls driver{
+      DriverEntryPoint<PFN_cuDeviceGet_v2000>("cuDeviceGet"),
+      DriverEntryPoint<PFN_cuDevicePrimaryCtxGetState_v7000>("cuDevicePrimaryCtxGetState")};
+  if (driver.device_get == nullptr || driver.primary_ctx_get_state == nullptr) return true;
+  CUdevice dev = 0;
+  if (driver.device_get(&dev, ordinal) != CUDA_SUCCESS) return true;
+  unsigned int flags = 0;
+  int active = 0;
+  if (driver.primary_ctx_get_state(dev, &flags, &active) != CUDA_SUCCESS) return true;
+  return active != 0;
+}
+
+}  // namespace
+
+cudaError_t CudaDeviceGuard::Select(int ordinal) {
+  int current = -1;
+  if (cudaError_t err = cudaGetDevice(&current); err != cudaSuccess) return err;
+  if (current == ordinal) return cudaSuccess;
+  if (cudaError_t err = cudaSetDevice(ordinal); err != cudaSuccess) return err;
+  restore_ = current;
+  return cudaSuccess;
+}
+
+CudaDeviceGuard::~CudaDeviceGuard() {
+  if (restore_ < 0 || !PrimaryContextActive(restore_)) return;
+  // Nothing to report from a destructor; keep a failure out of the next
+  // launch's cudaGetLastError().
+  if (cudaSetDevice(restore_) != cudaSuccess) (void)cudaGetLastError();
 }
 
 }  // namespace internal
 
 namespace {
 
+using internal::CudaDeviceGuard;
 using internal::CudaError;
 
 // The first failure of host work on a stream; shared with events and callbacks.
@@ -90,7 +152,8 @@ class CudaStream final : public internal::StreamImpl {
         on_destroy_(std::move(on_destroy)) {}
   ~CudaStream() override {
     if (ownership_ == Ownership::kOwned) {
-      cudaSetDevice(ordinal_);
+      CudaDeviceGuard device_guard;
+      device_guard.Select(ordinal_);
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }
@@ -114,7 +177,8 @@ class CudaEvent final : public internal::EventImpl {
   CudaEvent(const Device* owner, int ordinal, cudaEvent_t event)
       : EventImpl(owner), ordinal_(ordinal), event_(event) {}
   ~CudaEvent() override {
-    cudaSetDevice(ordinal_);
+    CudaDeviceGuard device_guard;
+    device_guard.Select(ordinal_);
     cudaEventDestroy(event_);
   }
   cudaEvent_t event() const { return event_; }
@@ -196,8 +260,13 @@ class CudaDevice final : public Device {
   explicit CudaDevice(DeviceCaps caps) : caps_(std::move(caps)), ordinal_(caps_.ordinal) {}
 
   Status Init() {
-    STRATA_RETURN_IF_ERROR(Select("open"));
-    STRATA_ASSIGN_OR_RETURN(default_stream_, MakeStream("default stream"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "open"));
+    // The legacy default stream, the stream a native stream of 0 names (as
+    // WrapNativeStream(nullptr)): a trainer that gives no stream runs its
+    // kernels there, and work ordered on DefaultStream() must follow them.
+    STRATA_ASSIGN_OR_RETURN(default_stream_,
+                            MakeStream("default stream", std::optional<cudaStream_t>(nullptr)));
     if (caps_.async_alloc) {
       STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&alloc_stream_, cudaStreamNonBlocking),
                                   fmt::format("create allocation stream on {}", caps_.name));
@@ -213,7 +282,8 @@ class CudaDevice final : public Device {
   }
 
   ~CudaDevice() override {
-    cudaSetDevice(ordinal_);
+    CudaDeviceGuard device_guard;
+    device_guard.Select(ordinal_);
     default_stream_.reset();
     if (alloc_stream_ != nullptr) {
       cudaStreamSynchronize(alloc_stream_);
@@ -225,7 +295,8 @@ class CudaDevice final : public Device {
 
   Result<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer();
-    STRATA_RETURN_IF_ERROR(Select("allocate"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "allocate"));
     void* p = nullptr;
     const std::string op = fmt::format("allocate {} on {}", FormatBytes(bytes), caps_.name);
     if (caps_.async_alloc) {
@@ -251,7 +322,8 @@ class CudaDevice final : public Device {
 
   Result<HostAllocation> AllocateHost(size_t bytes) override {
     if (bytes == 0) return HostAllocation();
-    STRATA_RETURN_IF_ERROR(Select("allocate host memory"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "allocate host memory"));
     const size_t rounded = (bytes + 4095) / 4096 * 4096;
     if (rounded >= kRegisterMinBytes) {
       Result<void*> mapped = internal::MapHugePageAligned(rounded);
@@ -284,13 +356,15 @@ class CudaDevice final : public Device {
   }
 
   Result<Stream> CreateStream() override {
-    STRATA_RETURN_IF_ERROR(Select("create stream"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "create stream"));
     STRATA_ASSIGN_OR_RETURN(auto impl, MakeStream(fmt::format("stream {}", next_stream_id_++)));
     return Stream(std::move(impl));
   }
 
   Result<Event> CreateEvent() override {
-    STRATA_RETURN_IF_ERROR(Select("create event"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "create event"));
     cudaEvent_t e = nullptr;
     STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
                                 fmt::format("create event on {}", caps_.name));
@@ -315,7 +389,8 @@ class CudaDevice final : public Device {
                                               FormatBytes(bytes), s->name()));
     }
     if (!s->sticky()->ok()) return OkStatus();  // skipped: the stream already failed
-    STRATA_RETURN_IF_ERROR(Select("copy"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "copy"));
     STRATA_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dst, src, bytes, ToCuda(kind), s->stream()),
                                 fmt::format("copy {} {} {} -> {} on {}", CopyKindName(kind),
                                             FormatBytes(bytes), src, dst, s->name()));
@@ -326,7 +401,8 @@ class CudaDevice final : public Device {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "launch host task"));
     if (!task)
       return InvalidArgumentError(fmt::format("launch host task on {}: empty function", s->name()));
-    STRATA_RETURN_IF_ERROR(Select("launch host task"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "launch host task"));
     auto payload =
         std::make_unique<HostTaskPayload>(HostTaskPayload{std::move(task), s->sticky(), s->name()});
     STRATA_RETURN_IF_CUDA_ERROR(cudaLaunchHostFunc(s->stream(), &RunHostTask, payload.get()),
@@ -338,7 +414,8 @@ class CudaDevice final : public Device {
   Status RecordEvent(Event& event, StreamRef stream) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "record event"));
     STRATA_ASSIGN_OR_RETURN(CudaEvent * e, CheckEvent(event, "record event"));
-    STRATA_RETURN_IF_ERROR(Select("record event"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "record event"));
     STRATA_RETURN_IF_CUDA_ERROR(cudaEventRecord(e->event(), s->stream()),
                                 fmt::format("record event on {}", s->name()));
     std::lock_guard lock(event_mu_);
@@ -349,7 +426,8 @@ class CudaDevice final : public Device {
   Status StreamWaitEvent(StreamRef stream, const Event& event) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "wait event"));
     STRATA_ASSIGN_OR_RETURN(CudaEvent * e, CheckEvent(event, "wait event"));
-    STRATA_RETURN_IF_ERROR(Select("wait event"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "wait event"));
     STRATA_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(s->stream(), e->event(), 0),
                                 fmt::format("wait event on {}", s->name()));
     return OkStatus();
@@ -357,7 +435,8 @@ class CudaDevice final : public Device {
 
   Status EventSynchronize(const Event& event) override {
     STRATA_ASSIGN_OR_RETURN(CudaEvent * e, CheckEvent(event, "synchronize event"));
-    STRATA_RETURN_IF_ERROR(Select("synchronize event"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "synchronize event"));
     STRATA_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(e->event()),
                                 fmt::format("synchronize event on {}", caps_.name));
     std::shared_ptr<StickyError> sticky;
@@ -370,7 +449,8 @@ class CudaDevice final : public Device {
 
   Result<bool> EventQuery(const Event& event) override {
     STRATA_ASSIGN_OR_RETURN(CudaEvent * e, CheckEvent(event, "query event"));
-    STRATA_RETURN_IF_ERROR(Select("query event"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "query event"));
     cudaError_t err = cudaEventQuery(e->event());
     if (err == cudaSuccess) return true;
     if (err == cudaErrorNotReady) {
@@ -382,14 +462,16 @@ class CudaDevice final : public Device {
 
   Status StreamSynchronize(StreamRef stream) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "synchronize stream"));
-    STRATA_RETURN_IF_ERROR(Select("synchronize stream"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "synchronize stream"));
     STRATA_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(s->stream()),
                                 fmt::format("synchronize {}", s->name()));
     return s->sticky()->Get();
   }
 
   Status Synchronize() override {
-    STRATA_RETURN_IF_ERROR(Select("synchronize"));
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "synchronize"));
     STRATA_RETURN_IF_CUDA_ERROR(cudaDeviceSynchronize(), fmt::format("synchronize {}", caps_.name));
     std::lock_guard lock(streams_mu_);
     Status first;
@@ -402,7 +484,8 @@ class CudaDevice final : public Device {
 
  private:
   void FreeDevice(void* data, size_t bytes) override {
-    cudaSetDevice(ordinal_);
+    CudaDeviceGuard device_guard;
+    device_guard.Select(ordinal_);
     if (caps_.async_alloc) {
       cudaFreeAsync(data, alloc_stream_);
     } else {
@@ -411,7 +494,8 @@ class CudaDevice final : public Device {
   }
 
   void FreeHost(void* data, size_t bytes, HostMemoryLock lock) override {
-    cudaSetDevice(ordinal_);
+    CudaDeviceGuard device_guard;
+    device_guard.Select(ordinal_);
     bool registered;
     {
       std::lock_guard guard(registered_mu_);
@@ -425,8 +509,9 @@ class CudaDevice final : public Device {
     }
   }
 
-  Status Select(std::string_view op) {
-    STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(ordinal_),
+  // Makes this device current until `guard` goes out of scope.
+  Status Select(CudaDeviceGuard& guard, std::string_view op) {
+    STRATA_RETURN_IF_CUDA_ERROR(guard.Select(ordinal_),
                                 fmt::format("{} on {}: select device", op, caps_.name));
     return OkStatus();
   }

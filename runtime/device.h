@@ -233,7 +233,13 @@ class Device {
 
   virtual Result<Stream> CreateStream() = 0;
   virtual Result<Event> CreateEvent() = 0;
-  // A stream owned by the device, for work with no stream of its own.
+  // The stream for work with no stream of its own; valid while the device
+  // lives. On the host device a stream worker like any other. On CUDA the
+  // legacy default stream (native stream 0, the same queue as
+  // WrapNativeStream(nullptr)): a trainer that names no stream runs its
+  // kernels there, so work ordered on DefaultStream() follows them. It is
+  // not private to Strata; work that must not wait for the caller's takes a
+  // CreateStream() of its own.
   virtual StreamRef DefaultStream() = 0;
   // A Stream over a native stream the caller owns (a cudaStream_t on CUDA,
   // e.g. PyTorch's current stream), so work enqueued on it joins the

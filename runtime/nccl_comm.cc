@@ -1,5 +1,6 @@
 // The NCCL communicator. Compiled only when STRATA_HAVE_NCCL (which implies
-// CUDA); collectives are enqueued on the CUDA stream behind the StreamRef.
+// CUDA); collectives are enqueued on the CUDA stream behind the StreamRef,
+// with the communicator's device current for the call only (CudaDeviceGuard).
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <nccl.h>
@@ -57,6 +58,7 @@ Status NcclError(ncclResult_t result, std::string_view op) {
 
 namespace {
 
+using internal::CudaDeviceGuard;
 using internal::NcclError;
 
 Result<ncclDataType_t> ToNccl(DType t) {
@@ -93,7 +95,8 @@ class NcclCommunicator final : public Communicator {
         barrier_buffer_(std::move(barrier_buffer)) {}
 
   ~NcclCommunicator() override {
-    cudaSetDevice(ordinal_);
+    CudaDeviceGuard device_guard;
+    device_guard.Select(ordinal_);
     ncclCommDestroy(comm_);
   }
 
@@ -104,7 +107,9 @@ class NcclCommunicator final : public Communicator {
 
   Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                    StreamRef stream) override {
-    STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(stream, "all-reduce", count, send, recv));
+    CudaDeviceGuard device_guard;
+    STRATA_ASSIGN_OR_RETURN(cudaStream_t s,
+                            Prepare(device_guard, stream, "all-reduce", count, send, recv));
     STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
     return NcclError(ncclAllReduce(send, recv, count, t, ToNccl(op), comm_, s),
                      What("all-reduce", count, dtype));
@@ -112,8 +117,9 @@ class NcclCommunicator final : public Communicator {
 
   Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
                        StreamRef stream) override {
-    STRATA_ASSIGN_OR_RETURN(cudaStream_t s,
-                            Prepare(stream, "reduce-scatter", recv_count, send, recv));
+    CudaDeviceGuard device_guard;
+    STRATA_ASSIGN_OR_RETURN(
+        cudaStream_t s, Prepare(device_guard, stream, "reduce-scatter", recv_count, send, recv));
     STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
     return NcclError(ncclReduceScatter(send, recv, recv_count, t, ToNccl(op), comm_, s),
                      What("reduce-scatter", recv_count, dtype));
@@ -121,7 +127,9 @@ class NcclCommunicator final : public Communicator {
 
   Status AllGather(const void* send, void* recv, size_t send_count, DType dtype,
                    StreamRef stream) override {
-    STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(stream, "all-gather", send_count, send, recv));
+    CudaDeviceGuard device_guard;
+    STRATA_ASSIGN_OR_RETURN(cudaStream_t s,
+                            Prepare(device_guard, stream, "all-gather", send_count, send, recv));
     STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
     return NcclError(ncclAllGather(send, recv, send_count, t, comm_, s),
                      What("all-gather", send_count, dtype));
@@ -129,7 +137,8 @@ class NcclCommunicator final : public Communicator {
 
   Status Barrier(StreamRef stream) override {
     void* p = barrier_buffer_.data();
-    STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(stream, "barrier", 1, p, p));
+    CudaDeviceGuard device_guard;
+    STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(device_guard, stream, "barrier", 1, p, p));
     return NcclError(ncclAllReduce(p, p, 1, ncclInt32, ncclSum, comm_, s),
                      What("barrier", 1, DType::kI32));
   }
@@ -140,8 +149,10 @@ class NcclCommunicator final : public Communicator {
                        world_size_, device_.name());
   }
 
-  Result<cudaStream_t> Prepare(StreamRef stream, std::string_view op, size_t count,
-                               const void* send, const void* recv) {
+  // Checks the arguments and makes the device current until `guard` goes out
+  // of scope (the caller's, so it spans the NCCL call).
+  Result<cudaStream_t> Prepare(CudaDeviceGuard& guard, StreamRef stream, std::string_view op,
+                               size_t count, const void* send, const void* recv) {
     if (!stream || stream.impl()->owner() != &device_) {
       return InvalidArgumentError(fmt::format(
           "nccl {} on rank {}: the stream is not a stream of {}", op, rank_, device_.name()));
@@ -149,7 +160,7 @@ class NcclCommunicator final : public Communicator {
     if (count > 0 && (send == nullptr || recv == nullptr)) {
       return InvalidArgumentError(fmt::format("nccl {} on rank {}: null buffer", op, rank_));
     }
-    STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(ordinal_),
+    STRATA_RETURN_IF_CUDA_ERROR(guard.Select(ordinal_),
                                 fmt::format("nccl {}: select {}", op, device_.name()));
     return internal::CudaStreamOf(stream);
   }
@@ -182,7 +193,9 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId&
   }
   auto ordinal = internal::CudaOrdinalOf(device);
   if (!ordinal.ok()) return std::move(ordinal).status().WithContext(what);
-  STRATA_RETURN_IF_CUDA_ERROR(cudaSetDevice(*ordinal), what + ": select device");
+  // ncclCommInitRank binds the communicator to the current device.
+  CudaDeviceGuard device_guard;
+  STRATA_RETURN_IF_CUDA_ERROR(device_guard.Select(*ordinal), what + ": select device");
   STRATA_ASSIGN_OR_RETURN(DeviceBuffer barrier, device.Allocate(sizeof(int32_t)));
   ncclUniqueId raw;
   std::memcpy(&raw, id.bytes.data(), sizeof(raw));

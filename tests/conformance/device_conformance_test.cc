@@ -427,6 +427,28 @@ TEST_P(DeviceConformance, StreamsCopyConcurrentlyAndCorrectly) {
   }
 }
 
+// Where a device has native streams, DefaultStream() is native stream 0 (on
+// CUDA the legacy default stream), the queue a trainer that names no stream
+// works on: work on it waits for work enqueued through a wrapper of 0.
+TEST_P(DeviceConformance, DefaultStreamIsNativeStreamZero) {
+  auto zero = device_->WrapNativeStream(nullptr);
+  if (!zero.ok()) {
+    ASSERT_EQ(zero.status().code(), StatusCode::kInvalidArgument) << zero.status();
+    GTEST_SKIP() << GetParam() << " has no native streams";
+  }
+  std::promise<void> go;
+  std::shared_future<void> go_future = go.get_future().share();
+  ASSERT_TRUE(device_->LaunchHostFunc(*zero, [go_future] { go_future.wait_for(5s); }).ok());
+  Event e = NewEvent();
+  ASSERT_TRUE(device_->RecordEvent(e, device_->DefaultStream()).ok());
+  std::this_thread::sleep_for(50ms);
+  auto q = device_->EventQuery(e);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_FALSE(*q) << "DefaultStream() ran past work blocked on native stream 0";
+  go.set_value();
+  ASSERT_TRUE(device_->EventSynchronize(e).ok());
+}
+
 TEST_P(DeviceConformance, DestroyingAStreamWaitsForItsWork) {
   std::atomic<bool> ran{false};
   {

@@ -277,6 +277,30 @@ TEST_F(KernelsGpuTest, AdamStepMatchesCpuAdamReference) {
   }
 }
 
+TEST_F(KernelsGpuTest, CheckKernelsRunOnAcceptsThisGpu) {
+  // Fails with FailedPrecondition (and the rebuild flag) where the build has
+  // no kernel image for the GPU, e.g. -DCMAKE_CUDA_ARCHITECTURES=80-real on
+  // an H100: then every other test here fails the same way.
+  Status s = CheckKernelsRunOn(*device_);
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+// A failed runtime call leaves its error as the thread's last CUDA error; the
+// next kernel launch, which reads cudaGetLastError(), must not report it as
+// its own (a retry after an out-of-memory Create used to fail that way).
+TEST_F(KernelsGpuTest, ALaunchAfterAFailedAllocationSucceeds) {
+  std::vector<float> x(64, 1.5f);
+  DeviceBuffer d = Upload(x.data(), x.size() * sizeof(float));
+  auto huge = device_->Allocate(size_t{1} << 50);  // 1 PiB
+  ASSERT_FALSE(huge.ok());
+  Status s = Scale(*device_, stream_, {d.data(), x.size(), DType::kF32}, 2.0f);
+  ASSERT_TRUE(s.ok()) << s << " (after the allocation failed with " << huge.status() << ")";
+  const std::vector<std::byte> out = Download(d, x.size() * sizeof(float));
+  float first = 0;
+  std::memcpy(&first, out.data(), sizeof first);
+  EXPECT_EQ(first, 3.0f);
+}
+
 TEST_F(KernelsGpuTest, ForeignStreamIsRejected) {
   auto host = CreateHostDevice();
   ASSERT_TRUE(host.ok());

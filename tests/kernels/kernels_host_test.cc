@@ -13,6 +13,7 @@
 #include "cpu_adam/cpu_adam_reference.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_internal.h"
+#include "runtime/build_info.h"
 #include "runtime/device.h"
 #include "tests/kernels/kernels_test_util.h"
 
@@ -389,6 +390,32 @@ TEST_F(KernelsHostTest, BadArgumentsAreRejectedBeforeEnqueue) {
   // Nothing was enqueued: the data is untouched and the stream has no error.
   Sync();
   EXPECT_EQ(b[0], 0.0f);
+}
+
+// What a GPU the build has no kernel image for is told: its compute
+// capability, the build's architectures, and what to rebuild with.
+TEST(NoKernelImageErrorTest, NamesTheComputeCapabilityAndTheRebuildFlag) {
+  const Status s = internal::NoKernelImageError("grad stats", "cuda:0", 8, 6, "90");
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  const std::string m(s.message());
+  EXPECT_THAT(m, HasSubstr("grad stats on cuda:0: launch: cudaErrorNoKernelImageForDevice"));
+  EXPECT_THAT(m, HasSubstr("CMAKE_CUDA_ARCHITECTURES=90,"));
+  EXPECT_THAT(m, HasSubstr("compute capability 8.6"));
+  EXPECT_THAT(m, HasSubstr("-DCMAKE_CUDA_ARCHITECTURES=86 "));
+  // A two-digit major (Blackwell's 10.0, 12.0) gives a three-digit architecture.
+  EXPECT_THAT(std::string(internal::NoKernelImageError("cast", "cuda:1", 12, 0, "80;90").message()),
+              HasSubstr("-DCMAKE_CUDA_ARCHITECTURES=120 "));
+}
+
+// The architecture list travels from CMake as a compile definition whose ;s
+// are commas on the way: it must come back as the ;-list CMake had.
+TEST(NoKernelImageErrorTest, TheBuildsArchitecturesAreCMakesList) {
+  const std::string archs = internal::BuiltCudaArchitectures();
+  if (!GetBuildInfo().cuda) {
+    EXPECT_EQ(archs, "");
+    return;
+  }
+  EXPECT_THAT(archs, ::testing::MatchesRegex("[0-9a-z-]+(;[0-9a-z-]+)*")) << archs;
 }
 
 TEST(PaddingRangesTest, GapsBetweenUnsortedRanges) {
