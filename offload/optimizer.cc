@@ -360,6 +360,9 @@ struct OffloadOptimizer::Impl {
   StepStats last;
   std::vector<uint32_t> ready_count;  // per sub-group: its tensors reported this micro-step
   std::vector<uint8_t> tensor_ready;
+  // A param reported ready twice in one micro-step: Step and ReduceGradients
+  // refuse (naming it) until ZeroGrad.
+  std::string ready_twice;
   std::optional<StepDecision> pending;  // a step that failed part way (StepState::kFailed)
   Status failure;                       // its error
   std::vector<uint8_t> done;            // per sub-group, for the pending step
@@ -1351,7 +1354,15 @@ Status OffloadOptimizer::GradReady(uint32_t index) {
         fmt::format("grad ready: param {} of {} registered", index, m.params.size()));
   }
   if (m.pending) return m.FailedStepError(fmt::format("grad ready {}", index));
-  if (m.tensor_ready[index]) return OkStatus();
+  if (m.tensor_ready[index]) {
+    m.ready_twice = fmt::format(
+        "param {} was reported ready twice in one micro-step: its gradient was taken as final "
+        "at the first report (its statistics and reduction began), so what was added to it "
+        "since would be missed. Report each param once, after its last accumulation "
+        "(ReduceGradients ends a micro-step); ZeroGrad() and run the backward again",
+        index);
+    return FailedPreconditionError("grad ready: " + m.ready_twice);
+  }
   m.tensor_ready[index] = 1;
   m.trace.step = m.step + 1;  // the hand-over belongs to the next step
   for (uint32_t b : m.map.buckets_of(index)) {
@@ -1367,6 +1378,7 @@ Status OffloadOptimizer::GradReady(uint32_t index) {
 Status OffloadOptimizer::ReduceGradients() {
   Impl& m = *impl_;
   if (m.pending) return m.FailedStepError("reduce gradients");
+  if (!m.ready_twice.empty()) return FailedPreconditionError("reduce gradients: " + m.ready_twice);
   m.trace.step = m.step + 1;
   STRATA_RETURN_IF_ERROR(m.grads->Accumulate());
   m.ResetReadiness();
@@ -1375,6 +1387,7 @@ Status OffloadOptimizer::ReduceGradients() {
 
 Status OffloadOptimizer::Step() {
   if (impl_->pending) return impl_->FailedStepError("step");
+  if (!impl_->ready_twice.empty()) return FailedPreconditionError("step: " + impl_->ready_twice);
   impl_->step_hypers = impl_->hypers;
   return impl_->Step();
 }
@@ -1472,6 +1485,7 @@ Status OffloadOptimizer::ZeroGrad() {
     m.grads->ResetMicroStep();
   }
   m.ResetReadiness();
+  m.ready_twice.clear();
   return OkStatus();
 }
 

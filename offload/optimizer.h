@@ -42,9 +42,12 @@
 // fp32 host buffer, and the trainer may then reuse the grad tensors. With
 // accumulation call it after every micro-step, the last one included; Step()
 // then takes the sum (a Step() after micro-steps handed over this way does
-// not read the grad tensors again). With several ranks every rank must call GradReady for the
-// same tensors in the same order (the reductions are collectives, matched by
-// order). docs/offload.md ("One step") has the whole story.
+// not read the grad tensors again). A param reported twice in one micro-step
+// is refused (FailedPrecondition), and Step/ReduceGradients with it until
+// ZeroGrad: what was added after the first report would be missed. With
+// several ranks the reductions (collectives) go in descending sub-group order
+// on every rank, whatever order GradReady comes in. docs/offload.md ("One
+// step") has the whole story.
 //
 // Streams: work that reads the trainer's tensors is ordered after the work
 // enqueued on `context.stream` before the call (an event, no host sync);
@@ -223,7 +226,8 @@ class OffloadOptimizer {
   OffloadOptimizer& operator=(const OffloadOptimizer&) = delete;
 
   // The grad of param `index` (flat over groups, registration order) is
-  // complete on context.stream. Optional; see "Gradients" above.
+  // complete on context.stream. Optional, once per param and micro-step; see
+  // "Gradients" above.
   Status GradReady(uint32_t index);
   // Hands over the gradients of the micro-step that just ended.
   Status ReduceGradients();

@@ -8,6 +8,7 @@
 
 #include "runtime/atomic_file.h"
 #include "runtime/storage.h"
+#include "runtime/units.h"
 
 #if STRATA_HAVE_CUDA
 #include <nvtx3/nvToolsExt.h>
@@ -51,9 +52,11 @@ uint64_t TraceRecorder::Now() {
 }
 
 void TraceRecorder::ReserveSteps(uint64_t events) {
+  // The ring first: capacity_ describes the ring in place, also if this throws.
+  auto ring = std::make_unique<TraceEvent[]>((per_step_events_ + events) * options_.steps);
   per_step_events_ += events;
   capacity_ = per_step_events_ * options_.steps;
-  ring_ = std::make_unique<TraceEvent[]>(capacity_);
+  ring_ = std::move(ring);
   Clear();
 }
 
@@ -61,9 +64,20 @@ Status TraceRecorder::SetSteps(uint32_t steps) {
   if (steps == 0) {
     return InvalidArgumentError("resize trace recorder: steps is 0; keep at least one step");
   }
+  const uint64_t capacity = per_step_events_ * steps;
+  std::unique_ptr<TraceEvent[]> ring;
+  try {
+    if (capacity > 0) ring = std::make_unique<TraceEvent[]>(capacity);
+  } catch (const std::bad_alloc&) {
+    // The recorder keeps its ring, its steps and its events.
+    return ResourceExhaustedError(fmt::format(
+        "resize trace recorder: {} steps of {} events need {} of host memory; record fewer "
+        "steps",
+        steps, per_step_events_, FormatBytes(capacity * sizeof(TraceEvent))));
+  }
   options_.steps = steps;
-  capacity_ = per_step_events_ * steps;
-  ring_ = capacity_ > 0 ? std::make_unique<TraceEvent[]>(capacity_) : nullptr;
+  capacity_ = capacity;
+  ring_ = std::move(ring);
   Clear();
   return OkStatus();
 }

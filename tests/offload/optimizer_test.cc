@@ -792,13 +792,47 @@ TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
   std::vector<uint32_t> order(kSizes.size());
   std::iota(order.begin(), order.end(), 0u);
   std::shuffle(order.begin(), order.end(), rng);
-  for (uint32_t i : order) {
-    ASSERT_TRUE(opt->GradReady(i).ok());
-    ASSERT_TRUE(opt->GradReady(i).ok());  // a repeat is harmless
-  }
+  for (uint32_t i : order) ASSERT_TRUE(opt->GradReady(i).ok());
   EXPECT_EQ(opt->GradReady(static_cast<uint32_t>(kSizes.size())).code(), StatusCode::kOutOfRange);
   ASSERT_TRUE(opt->Step().ok());
   EXPECT_EQ(opt->last_step().micro_steps, 1u);
+  const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
+  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+  ExpectSameAsReference(*opt, model, ref);
+}
+
+// A param reported ready, then accumulated into and reported again: the first
+// report started its statistics, so the step would clip and check NaN on the
+// first value and apply the second. The repeat is refused, and so is the step
+// until ZeroGrad; then a clean hand-over steps as the reference.
+TEST(EngineGradients, GradReadyTwiceRefusesTheStepUntilZeroGrad) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  Case c{.sub_group_elems = 300, .max_grad_norm = 1.0};
+  OffloadConfig config = MakeConfig(c);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  auto master = model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, nullptr, config, model);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  std::vector<std::vector<uint8_t>> params_before;
+  for (size_t t = 0; t < kSizes.size(); ++t) params_before.push_back(model.ParamBytes(t));
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->GradReady(1).ok());
+  model.SetGrads(model.RandomGrads(rng, 50.0f));  // more gradient, after the report
+  const Status twice = opt->GradReady(1);
+  EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition) << twice;
+  EXPECT_NE(twice.message().find("param 1 was reported ready twice"), std::string::npos) << twice;
+  for (Status s : {opt->Step(), opt->ReduceGradients()}) {
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("ZeroGrad()"), std::string::npos) << s;
+  }
+  EXPECT_EQ(opt->step_count(), 0);
+  for (size_t t = 0; t < kSizes.size(); ++t) EXPECT_EQ(model.ParamBytes(t), params_before[t]);
+  ASSERT_TRUE(opt->ZeroGrad().ok());
+  auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->GradReady(1).ok());
+  ASSERT_TRUE(opt->Step().ok());
   const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
   ref.Step(grads, st.sum_sq, st.nonfinite_elems);
   ExpectSameAsReference(*opt, model, ref);

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -66,6 +67,29 @@ TEST(Trace, SetStepsResizesTheRingAndDropsWhatWasRecorded) {
   // A later engine's announcement keeps the new step count.
   t->ReserveSteps(2);
   EXPECT_EQ(t->capacity(), 30u);
+}
+
+// A ring too large for memory is refused and the recorder keeps its own: it
+// used to take the new capacity before the allocation that threw, and the
+// next write read past the old ring.
+TEST(Trace, SetStepsBeyondMemoryKeepsTheRingItHas) {
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "a sanitizer's allocator aborts on a terabyte request instead of throwing";
+#endif
+  auto t = *TraceRecorder::Create({.steps = 1});
+  t->ReserveSteps(4);
+  t->SetEnabled(true);
+  for (int i = 0; i < 6; ++i) t->Record(SliceAt(i, i + 1, i));  // wrapped
+  const Status s = t->SetSteps(std::numeric_limits<uint32_t>::max());
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("record fewer steps"), std::string::npos) << s;
+  EXPECT_EQ(t->steps(), 1u);
+  EXPECT_EQ(t->capacity(), 4u);
+  for (int i = 6; i < 9; ++i) t->Record(SliceAt(i, i + 1, i));
+  const std::vector<TraceEvent> e = t->Events();
+  ASSERT_EQ(e.size(), 4u);
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(e[k].sub_group, 5 + k);
+  EXPECT_TRUE(t->ChromeTraceJson("{}").ok());
 }
 
 TEST(Trace, TheRingKeepsTheNewestEventsInOrder) {
