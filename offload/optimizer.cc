@@ -451,15 +451,19 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
   }
   trace.recorder = context.trace;
   trace.rank = rank;
+  // A GPU this build has no kernel image for is refused here, not inside the
+  // first step.
+  Status runs = kernels::CheckKernelsRunOn(*device).WithContext(kOp);
   // Every rank returns from Create having failed or not together: a rank
   // whose Create succeeded while another's failed would wait for it in the
   // first collective of Step.
   if (world == 1) {
+    STRATA_RETURN_IF_ERROR(runs);
     STRATA_RETURN_IF_ERROR(ProbeRates());
     STRATA_RETURN_IF_ERROR(InitPlan(groups));
     return InitUnits(context);
   }
-  Status probed = ProbeRates();
+  Status probed = runs.ok() ? ProbeRates() : OkStatus();
   if (config.gpu_fraction == kGpuFractionAuto) {
     // Every rank plans with the same rates (the slowest rank's), so that they
     // keep the same sub-groups on the device.
@@ -472,7 +476,7 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
     r.cpu_adam_elems_per_sec = -v[0];
     r.device_adam_elems_per_sec = -v[1];
   }
-  Status planned = InitPlan(groups);
+  Status planned = runs.ok() ? InitPlan(groups) : runs;
   STRATA_RETURN_IF_ERROR(AgreeOnPlan(planned));
   Status built = InitUnits(context);
   double failed[1] = {built.ok() ? 0.0 : 1.0};
