@@ -66,8 +66,8 @@ def _trace_steps(where, value, none_ok=False):
         return 8
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**31:
         return value
-    raise ValueError(f"{where}={value!r}; give the number of steps to keep (an int >= 1)"
-                     + (", True (8) or None" if none_ok else ""))
+    raise ValueError(f"{where}={value!r}; give the number of steps to keep (an int from 1 "
+                     "to 2**31 - 1)" + (", True (8) or None" if none_ok else ""))
 
 
 def _merge(base, override):
@@ -366,6 +366,8 @@ def _one_thread(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        if op != "close" and isinstance(self.__dict__.get("_engine"), _Closed):
+            raise _Closed.error(op)
         me = threading.get_ident()
         with self._owner_lock:
             owner = self._owner
@@ -385,11 +387,16 @@ def _one_thread(method):
 
 
 class _Closed:
-    """The engine of an OffloadAdam after close(): every use raises."""
+    """The engine of an OffloadAdam after close(): every use raises (the methods say
+    which of theirs was called first: _one_thread)."""
+
+    @staticmethod
+    def error(op):
+        return StrataError(f"OffloadAdam.{op}: the optimizer was closed (close() or the end "
+                           "of its `with` block): build a new OffloadAdam")
 
     def __getattr__(self, name):
-        raise StrataError(f"OffloadAdam: the optimizer was closed (close() or the end of its "
-                          f"`with` block); {name} needs its engine: build a new OffloadAdam")
+        raise self.error(name)
 
 
 class _Registered:
