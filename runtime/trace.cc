@@ -169,6 +169,9 @@ Result<std::string> TraceRecorder::ChromeTraceJson(std::string_view other_data_j
 
 Status TraceRecorder::WriteChromeTrace(const std::string& path,
                                        std::string_view other_data_json) const {
+  if (path.empty()) {
+    return InvalidArgumentError("write chrome trace: the path is empty; give a file name");
+  }
   STRATA_ASSIGN_OR_RETURN(std::string text, ChromeTraceJson(other_data_json));
   return WriteFileAtomically(*CreatePosixStorage(), path, text)
       .WithContext(fmt::format("write chrome trace {}", path));

@@ -92,6 +92,13 @@ TEST(Trace, SetStepsBeyondMemoryKeepsTheRingItHas) {
   EXPECT_TRUE(t->ChromeTraceJson("{}").ok());
 }
 
+TEST(Trace, AnEmptyPathIsRefusedNamingIt) {
+  auto t = *TraceRecorder::Create({.steps = 1});
+  const Status s = t->WriteChromeTrace("");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("the path is empty"), std::string::npos) << s;
+}
+
 TEST(Trace, TheRingKeepsTheNewestEventsInOrder) {
   auto t = *TraceRecorder::Create({.steps = 3});
   t->ReserveSteps(4);  // 12 events
