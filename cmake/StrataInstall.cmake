@@ -42,7 +42,10 @@ install(FILES ${PROJECT_BINARY_DIR}/strataConfig.cmake
   DESTINATION ${STRATA_INSTALL_CMAKEDIR})
 
 # Relocatable: the prefix is found from the .pc file's own place, so
-# `cmake --install --prefix` anywhere gives a working file.
+# `cmake --install --prefix` anywhere gives a working file. Libs carries an
+# rpath to libdir: a prefix like /opt/strata is not in the loader's path, and
+# `cc trainer.c $(pkg-config --cflags --libs strata_c)` gave a binary that
+# could not find libstrata_c.so.
 file(RELATIVE_PATH _strata_pc_up "/p/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/p")
 string(REGEX REPLACE "/$" "" _strata_pc_up "${_strata_pc_up}")
 set(STRATA_PC_PREFIX "\${pcfiledir}/${_strata_pc_up}")

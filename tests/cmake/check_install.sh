@@ -16,22 +16,30 @@ done
 ls "$prefix"/lib/libstrata_c.so >/dev/null || fail "libstrata_c.so not installed"
 ls "$prefix"/include/strata/runtime/*_internal.h 2>/dev/null && fail "internal headers installed"
 
-# C++: find_package(strata).
+# C++: find_package(strata); strata::capi from C. The consumer's build tree
+# finds libstrata_c.so through CMake's build rpath; its install through
+# CMAKE_INSTALL_RPATH_USE_LINK_PATH, as README says (no LD_LIBRARY_PATH).
 cmake -S "$src/tests/cmake/consumer" -B "$work/consumer" -G "$gen" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$prefix" > "$work/consumer-configure.log" 2>&1 ||
+  -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_INSTALL_PREFIX="$work/consumer-prefix" \
+  -DCMAKE_INSTALL_RPATH_USE_LINK_PATH=ON > "$work/consumer-configure.log" 2>&1 ||
   { cat "$work/consumer-configure.log"; fail "find_package(strata) failed"; }
 cmake --build "$work/consumer" > "$work/consumer-build.log" 2>&1 ||
   { cat "$work/consumer-build.log"; fail "the consumer did not build"; }
 "$work/consumer/consumer" || fail "the consumer's optimizer step failed"
+env -u LD_LIBRARY_PATH "$work/consumer/consumer_capi" || fail "the strata::capi consumer failed"
+cmake --install "$work/consumer" > "$work/consumer-install.log" 2>&1 ||
+  { cat "$work/consumer-install.log"; fail "the consumer did not install"; }
+env -u LD_LIBRARY_PATH "$work/consumer-prefix/bin/consumer_capi" ||
+  fail "the installed strata::capi consumer failed"
 
-# C: pkg-config strata_c.
+# C: pkg-config strata_c, as README gives it: the .pc's rpath finds the
+# library in a prefix outside the loader's path (no LD_LIBRARY_PATH).
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
 flags=$(pkg-config --cflags --libs strata_c) || fail "pkg-config strata_c failed"
 echo "pkg-config strata_c: $flags"
 cc -std=c11 -o "$work/consumer_c" "$src/tests/cmake/consumer/consumer_c.c" $flags ||
   fail "the C consumer did not build"
-LD_LIBRARY_PATH="$(pkg-config --variable=libdir strata_c)" "$work/consumer_c" ||
-  fail "the C consumer failed"
+env -u LD_LIBRARY_PATH "$work/consumer_c" || fail "the C consumer failed"
 
 # C against the build tree: its own strata_c.pc, an rpath, no LD_LIBRARY_PATH.
 flags=$(PKG_CONFIG_PATH=$build pkg-config --cflags --libs strata_c) ||
