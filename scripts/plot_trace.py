@@ -12,7 +12,8 @@ from the start of each step.
 
 Draws with matplotlib where it is installed, else with gnuplot
 (apt-get install python3-matplotlib, or gnuplot-nox). --summary prints each
-lane's busy time, the step's span and the bound; it needs neither.
+lane's busy time (the union of its slices: nested or overlapping ones count
+once), the step's span and the bound; it needs neither.
 """
 import argparse
 import json
@@ -86,13 +87,28 @@ def step_starts(slices):
     return starts
 
 
+def busy_us(slices):
+    """Time (us) a lane is busy: the union of its slices' intervals. A slice
+    nested in another (decide inside step) or overlapping one (NVMe requests
+    in flight together) counts once, so a lane is never busy over 100%."""
+    busy, end = 0.0, None
+    for begin, stop in sorted((s["ts"], s["ts"] + s["dur"]) for s in slices):
+        if end is None or begin > end:
+            busy += stop - begin
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy
+
+
 def summary(lanes, slices, bound_sec, starts):
     t0 = min(s["ts"] for s in slices)
     t1 = max(s["ts"] + s["dur"] for s in slices)
     print(f"span {(t1 - t0) / 1e3:.2f} ms over {len(starts)} step(s)")
     for label, _, pid, tid in lanes:
         mine = [s for s in slices if (s["pid"], s["tid"]) == (pid, tid)]
-        busy = sum(s["dur"] for s in mine)
+        busy = busy_us(mine)
         moved = sum(s.get("args", {}).get("bytes", 0) for s in mine)
         rate = f", {moved / busy / 1e3:.2f} GB/s while busy" if moved and busy else ""
         print(f"  {label:<22} busy {busy / 1e3:9.2f} ms ({100 * busy / (t1 - t0):5.1f}% of the "
