@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <regex>
+#include <map>
 #include <set>
 #include <span>
 
@@ -266,7 +267,7 @@ CheckpointInfo InfoOf(OffloadOptimizer& opt, const std::string& save_id, uint64_
 // cannot be read (then retention removes nothing: we cannot tell what is
 // still wanted).
 std::optional<std::vector<std::string>> ReadHistory(Storage& storage, const std::string& dir) {
-  const std::string path = dir + "/" + std::string(kLatest);
+  const std::string path = JoinPath(dir, kLatest);
   if (!Exists(path)) return std::vector<std::string>{};
   auto text = ReadSmallFile(storage, path);
   if (!text.ok()) return std::nullopt;
@@ -302,7 +303,7 @@ bool IsStaleLatestTemporary(const fs::path& p) {
 // A save directory of Strata's own (see StrataSave below).
 struct OwnSave {
   int64_t step = 0;       // from its name
-  bool complete = false;  // every rank's manifest is there: a save that loads
+  bool complete = false;  // every rank's manifest, and every file they list, is there
 };
 
 // The step in a save's name ("step-0000000012-<id>"); the largest step when
@@ -336,12 +337,16 @@ std::optional<OwnSave> StrataSave(const fs::path& p) {
     return keep("not a directory");
   }
   std::set<std::string> manifests;
+  std::map<std::string, uint64_t> present;  // file -> bytes
+  std::map<std::string, uint64_t> listed;   // the data files the manifests list
   int64_t world_size = 0;
   for (const auto& e : fs::directory_iterator(p, ec)) {
     const std::string file = e.path().filename().string();
     if (!std::regex_match(file, kSaveFileName) || !IsRegularFile(e.path())) {
       return keep(fmt::format("it holds {}, which is not a file Strata writes into a save", file));
     }
+    std::error_code size_ec;
+    present[file] = fs::file_size(e.path(), size_ec);
     if (std::regex_match(file, kManifestName)) {
       std::ifstream in(e.path());
       const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -352,6 +357,14 @@ std::optional<OwnSave> StrataSave(const fs::path& p) {
         return keep(fmt::format("{} is not a manifest of save {}", file, name));
       }
       manifests.insert(file);
+      if (j.contains("files") && j["files"].is_array()) {
+        for (const json& f : j["files"]) {
+          if (f.is_object() && f.contains("name") && f["name"].is_string() &&
+              f.contains("file_bytes") && f["file_bytes"].is_number_unsigned()) {
+            listed[f["name"].get<std::string>()] = f["file_bytes"].get<uint64_t>();
+          }
+        }
+      }
       if (j.contains("world_size") && j["world_size"].is_number_unsigned()) {
         world_size = std::max<int64_t>(world_size, static_cast<int64_t>(std::min<uint64_t>(
                                                        j["world_size"].get<uint64_t>(), 1u << 20)));
@@ -363,7 +376,26 @@ std::optional<OwnSave> StrataSave(const fs::path& p) {
   for (int64_t r = 0; r < world_size && save.complete; ++r) {
     save.complete = manifests.count(RankName(static_cast<uint32_t>(r)) + ".json") > 0;
   }
+  // A removal killed part way (retention's, a crash's) may leave manifests
+  // without their data: that does not load, so it is not complete.
+  for (const auto& [file, bytes] : listed) {
+    const auto it = present.find(file);
+    save.complete = save.complete && it != present.end() && it->second == bytes;
+  }
   return save;
+}
+
+// Removes a save directory of Strata's own, its manifests first: a removal
+// stopped part way leaves an incomplete save, which the next retention
+// removes (not a manifest that lists missing data).
+void RemoveOwnSave(const fs::path& dir, std::error_code& ec) {
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (std::regex_match(e.path().filename().string(), kManifestName)) {
+      fs::remove(e.path(), ec);
+      if (ec) return;
+    }
+  }
+  if (!ec) fs::remove_all(dir, ec);
 }
 
 // The name of `save_dir` inside `dir` when it is a directory of `dir`; "".
@@ -418,7 +450,7 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
   const std::vector<std::string> listed = old.value_or(std::vector<std::string>{});
   bool any_listed_exists = false;
   for (const std::string& h : listed) {
-    if (h == info.save_id || !Exists(dir + "/" + h)) continue;
+    if (h == info.save_id || !Exists(JoinPath(dir, h))) continue;
     any_listed_exists = true;
     if (history.size() < SavesKept(keep)) history.push_back(h);
   }
@@ -431,7 +463,7 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
       std::find(history.begin(), history.end(), loaded_name) == history.end()) {
     history.push_back(loaded_name);
   }
-  STRATA_RETURN_IF_ERROR((WriteFileAtomically(storage, dir + "/" + std::string(kLatest),
+  STRATA_RETURN_IF_ERROR((WriteFileAtomically(storage, JoinPath(dir, kLatest),
                                               LatestJson(info, history).dump(2) + "\n"))
                              .WithContext("publish " + info.save_id));
   // Retention: the published file no longer needs anything else. Failures
@@ -484,7 +516,11 @@ Status Publish(Storage& storage, const std::string& dir, const CheckpointInfo& i
   }
   for (const auto& [p, why] : remove) {
     std::error_code rm;
-    fs::remove_all(p, rm);
+    if (fs::symlink_status(p, rm).type() == fs::file_type::directory) {
+      RemoveOwnSave(p, rm);
+    } else {
+      fs::remove(p, rm);  // a latest.json temporary
+    }
     if (rm) {
       LogWarning(
           fmt::format("checkpoint retention: remove {} ({}): {}", p.string(), why, rm.message()));
@@ -569,7 +605,7 @@ Status WithRemoval(Status error, const Status& removed, const std::string& save_
 // Not when it is no regular file (a directory): no rename replaced it.
 bool LatestMayName(Storage& storage, const std::string& dir, const std::string& save_id) {
   std::error_code ec;
-  const fs::file_type type = fs::symlink_status(dir + "/" + std::string(kLatest), ec).type();
+  const fs::file_type type = fs::symlink_status(JoinPath(dir, kLatest), ec).type();
   if (!ec && type != fs::file_type::regular && type != fs::file_type::symlink) return false;
   const std::optional<std::vector<std::string>> history = ReadHistory(storage, dir);
   return !history || (!history->empty() && history->front() == save_id);
@@ -818,7 +854,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   if (opt.rank() == 0) {
     locked = [&]() -> Status {
       STRATA_RETURN_IF_ERROR(MakeDir(dir));
-      auto l = storage.storage->Lock(dir + "/" + std::string(kSaveLock));
+      auto l = storage.storage->Lock(JoinPath(dir, kSaveLock));
       if (!l.ok() && LockHeldByAnother(l.status())) {
         return FailedPreconditionError(fmt::format(
             "{}; another save into {} is running (another job, or another optimizer of this "
@@ -831,7 +867,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
       lock = std::move(l).value();
       // Publishing replaces latest.json by a rename, which a directory there
       // refuses: found out only after every rank wrote its part.
-      const std::string latest = dir + "/" + std::string(kLatest);
+      const std::string latest = JoinPath(dir, kLatest);
       std::error_code ec;
       const fs::file_type type = fs::symlink_status(latest, ec).type();
       if (type != fs::file_type::not_found && type != fs::file_type::regular &&
@@ -865,7 +901,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   const double nonce = lock_and_id[1];
   const std::string save_id =
       fmt::format("step-{:010}-{:012x}", opt.step_count(), static_cast<uint64_t>(nonce));
-  const std::string save_dir = dir + "/" + save_id;
+  const std::string save_dir = JoinPath(dir, save_id);
   const CheckpointInfo info = InfoOf(opt, save_id, o.chunk_bytes, o.shapes);
 
   const uint32_t rank = static_cast<uint32_t>(opt.rank());

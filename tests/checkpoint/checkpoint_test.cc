@@ -1536,6 +1536,45 @@ TEST(RetentionTest, ASaveCopiedBackAndLoadedIsKeptAndSoAreLaterOnes) {
   EXPECT_EQ(History(dir.path()), (std::vector<std::string>{third, second}));
 }
 
+// A removal killed part way (retention's remove_all after the data files
+// went, a preemption) left a save directory with its manifest: it counted as
+// complete, so it was kept forever with a warning at every save, and it did
+// not load. A manifest whose data files are missing or cut short makes an
+// incomplete save, which the next save removes.
+TEST(RetentionTest, ASaveLeftWithoutItsDataIsRemovedByTheNextSave) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  std::vector<std::string> saves;
+  for (int s = 0; s < 4; ++s) {
+    ASSERT_TRUE(c.Train(seed, 1).ok());
+    ASSERT_TRUE(c.Save(dir.path()).ok());
+    saves.push_back((*CheckpointReader::Open(dir.path()))->info().save_id);
+  }
+  // saves[0] and saves[1] were removed; put back what cut-short removals left.
+  for (int k : {0, 1}) ASSERT_FALSE(fs::exists(dir.File(saves[k])));
+  const std::string manifest = testing::ReadFileBytes(dir.File(saves[3] + "/rank00000.json"));
+  auto leave = [&](int k, bool truncated_data) {
+    fs::create_directories(dir.File(saves[k]));
+    std::string m = manifest;
+    m.replace(m.find(saves[3]), saves[3].size(), saves[k]);  // its own save id
+    std::ofstream(dir.File(saves[k] + "/rank00000.json")) << m;
+    if (truncated_data) std::ofstream(dir.File(saves[k] + "/rank00000.master.f32")) << "cut";
+  };
+  leave(0, false);  // only the manifest
+  leave(1, true);   // the manifest and a data file cut short
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  testing::LogCapture log;
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  EXPECT_FALSE(fs::exists(dir.File(saves[0])));
+  EXPECT_FALSE(fs::exists(dir.File(saves[1])));
+  EXPECT_EQ(log.Find(LogLevel::kInfo, "an incomplete save").size(), 2u);
+  EXPECT_TRUE(log.Find(LogLevel::kWarning, "checkpoint retention").empty());
+  EXPECT_EQ(SaveDirs(dir.path()).size(), 2u);
+}
+
 // keep_checkpoints saves of the line resumed from a save replace it: it is
 // kept while fewer have followed it, so a rollback to an older save keeps
 // that save until the new line can stand in for it; saves into another
