@@ -29,15 +29,6 @@ bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-// `dir` + "/" + `name`, one slash however many `dir` ends with ("hf/" and
-// "hf" give "hf/model.safetensors"; "/" gives "/model.safetensors").
-std::string JoinPath(std::string_view dir, std::string_view name) {
-  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
-  std::string out(dir);
-  if (out.empty() || out.back() != '/') out += '/';
-  return out + std::string(name);
-}
-
 // The names an export writes into a directory, in either layout.
 bool IsExportFileName(const std::string& name) {
   static const std::regex shard("model-[0-9]{5,}-of-[0-9]{5,}\\.safetensors");

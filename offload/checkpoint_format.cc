@@ -126,6 +126,17 @@ std::string Hex(uint64_t v) { return fmt::format("{:016x}", v); }
 
 std::string RankName(uint32_t rank) { return fmt::format("rank{:05}", rank); }
 
+std::string WithoutTrailingSlashes(std::string_view dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
+  return std::string(dir);
+}
+
+std::string JoinPath(std::string_view dir, std::string_view name) {
+  std::string out = WithoutTrailingSlashes(dir);
+  if (out.empty() || out.back() != '/') out += '/';
+  return out + std::string(name);
+}
+
 std::string ShapeString(const CheckpointTensor& t) {
   return t.shape ? fmt::format("[{}]", fmt::join(*t.shape, ", ")) : fmt::format("[{}]", t.elems);
 }

@@ -30,6 +30,11 @@ inline constexpr std::string_view kSaveLock = "strata-save.lock";
 inline uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 std::string Hex(uint64_t v);
 std::string RankName(uint32_t rank);  // "rank00003"
+// `dir` without the slashes it ends with ("ckpt//" gives "ckpt"; "/" stays).
+std::string WithoutTrailingSlashes(std::string_view dir);
+// `dir` + "/" + `name`, one slash however many `dir` ends with ("ckpt/" and
+// "ckpt" give "ckpt/latest.json"; "/" gives "/latest.json").
+std::string JoinPath(std::string_view dir, std::string_view name);
 // "[32, 16]"; "[elems]" for a tensor saved without a shape.
 std::string ShapeString(const CheckpointTensor& t);
 

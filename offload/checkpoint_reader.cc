@@ -204,7 +204,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
     return NotFoundError(fmt::format(
         "open checkpoint {}: no such directory; pass the directory given to Save", dir));
   }
-  const std::string latest = dir + "/" + std::string(kLatest);
+  const std::string latest = JoinPath(dir, kLatest);
   STRATA_ASSIGN_OR_RETURN(const bool has_latest, Present(latest, "open checkpoint " + dir));
   if (has_latest) {
     if (!fs::is_regular_file(latest, ec)) {
@@ -227,7 +227,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
       return DataLossError(
           fmt::format("open checkpoint: {} names '{}', not a save directory", latest, name));
     }
-    info.save_dir = dir + "/" + name;
+    info.save_dir = JoinPath(dir, name);
     STRATA_ASSIGN_OR_RETURN(const bool there, Present(info.save_dir, "open checkpoint " + dir));
     if (!there) {
       return NotFoundError(fmt::format(
@@ -236,15 +236,15 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
           latest, name, dir, SavesIn(dir), name));
     }
   } else {
-    STRATA_ASSIGN_OR_RETURN(const bool is_save,
-                            Present(dir + "/" + RankName(0) + ".json", "open checkpoint " + dir));
+    STRATA_ASSIGN_OR_RETURN(const bool is_save, Present(JoinPath(dir, RankName(0) + ".json"),
+                                                        "open checkpoint " + dir));
     if (!is_save) {
       return NotFoundError(fmt::format(
           "open checkpoint {}: no {} and no {}.json: this is not a checkpoint; pass the "
           "directory given to Save, or one of its step-* directories",
           dir, kLatest, RankName(0)));
     }
-    info.save_dir = dir;
+    info.save_dir = WithoutTrailingSlashes(dir);
   }
   json common0;
   for (uint32_t r = 0;; ++r) {
