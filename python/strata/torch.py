@@ -1153,11 +1153,14 @@ class OffloadAdam(torch.optim.Optimizer):
             if current is not None:
                 current.wait_stream(self._stream)
 
-    def _run(self, fn):
-        """Runs an engine call that updates the params, ordered on the current CUDA stream."""
+    def _run(self, op):
+        """Runs the engine call `op` (a method name) that updates the params, ordered on
+        the current CUDA stream. By name: a bound method of the engine in this frame would
+        be kept by the traceback of an exception it raises, and keep the engine (its
+        memory, files and nvme_path lock) alive after close()."""
         try:
             with self._on_current_stream():
-                fn()
+                getattr(self._engine, op)()
         except StrataError as e:
             if self._engine.step_failed:
                 if str(e).startswith("DataLoss"):
@@ -1232,7 +1235,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 stacklevel=_outside_stacklevel())
         self._state_version += 1
         try:
-            self._run(self._engine.step)
+            self._run("step")
         except BaseException:
             # Failed part way: retry_step() applies the gradients it kept. Failed before
             # the update (the engine keeps the hand-over): the next step() takes them.
@@ -1250,7 +1253,7 @@ class OffloadAdam(torch.optim.Optimizer):
         The params' current .grad are not read. StrataError when no step failed."""
         self._check_params("retry_step")
         self._state_version += 1
-        self._run(self._engine.retry_step)
+        self._run("retry_step")
         self._mark_versions()  # the retry wrote every param
 
     @_one_thread
@@ -1376,7 +1379,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 # The failed step wrote some params already: they follow the loaded
                 # master weights again (a collective, like the failed step).
                 self._check_params("load_state_dict")
-                self._run(self._engine.upload_params)
+                self._run("upload_params")
         else:
             self._check_groups_match(saved_groups)
             self._load_torch_adam_state(state, saved_groups)

@@ -804,3 +804,21 @@ def test_a_state_dict_of_adam_and_of_adamw_refuse_each_other(adamw):
     same = OffloadAdam(Net().parameters(), adamw=adamw, weight_decay=0.1)
     same.load_state_dict(src.state_dict())
     assert same.step_count == 1
+
+
+def test_close_releases_the_engine_while_a_step_error_is_alive(tmp_path):
+    """An exception from step() kept the engine alive through its traceback, so close()
+    (or a `with` block's end) freed nothing and an optimizer rebuilt on the same
+    nvme_path was refused as long as the exception lived (an except block, a
+    notebook's last error)."""
+    kwargs = dict(nvme(tmp_path), config={"fp16": {"initial_scale_power": 0, "hysteresis": 1,
+                                                   "min_loss_scale": 1}})
+    w = torch.randn(5, 12).half().requires_grad_()
+    opt = OffloadAdam([w], **kwargs)
+    w.grad = torch.full_like(w, float("nan"))
+    with pytest.raises(StrataError) as failed:
+        opt.step()
+    opt.close()
+    assert failed.value is not None  # the exception and its traceback are alive here
+    again = OffloadAdam([torch.randn(3, requires_grad=True)], **nvme(tmp_path))
+    again.close()
