@@ -8,19 +8,28 @@
 namespace strata {
 namespace {
 
-std::string Lower(std::string_view s) {
+std::string WithoutSpaces(std::string_view s) {
   std::string out;
   for (char c : s) {
-    if (!std::isspace(static_cast<unsigned char>(c))) {
-      out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    }
+    if (!std::isspace(static_cast<unsigned char>(c))) out += c;
   }
   return out;
 }
 
+std::string Lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+struct Split {
+  double value = 0;
+  std::string suffix;          // lowercased, to compare: "gib"
+  std::string written_suffix;  // as the user wrote it, for messages: "GiB"
+};
+
 // Splits "1.5GiB" into 1.5 and "gib".
-Result<std::pair<double, std::string>> SplitNumber(std::string_view text, std::string_view what) {
-  std::string s = Lower(text);
+Result<Split> SplitNumber(std::string_view text, std::string_view what) {
+  const std::string s = WithoutSpaces(text);
   size_t i = 0;
   while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
   double value = 0;
@@ -29,7 +38,7 @@ Result<std::pair<double, std::string>> SplitNumber(std::string_view text, std::s
     return InvalidArgumentError("parse " + std::string(what) + " '" + std::string(text) +
                                 "': expected a non-negative number with an optional suffix");
   }
-  return std::make_pair(value, s.substr(i));
+  return Split{value, Lower(s.substr(i)), s.substr(i)};
 }
 
 Result<uint64_t> Scale(std::string_view text, double value, double multiple,
@@ -55,8 +64,8 @@ std::string Printf(const char* format, double v, const char* unit) {
 }  // namespace
 
 Result<uint64_t> ParseBytes(std::string_view text) {
-  STRATA_ASSIGN_OR_RETURN(auto split, SplitNumber(text, "size"));
-  const std::string& suffix = split.second;
+  STRATA_ASSIGN_OR_RETURN(Split split, SplitNumber(text, "size"));
+  const std::string& suffix = split.suffix;
   double m;
   if (suffix.empty() || suffix == "b") {
     m = 1;
@@ -70,14 +79,14 @@ Result<uint64_t> ParseBytes(std::string_view text) {
     m = 0x1p40;
   } else {
     return InvalidArgumentError("parse size '" + std::string(text) + "': unknown suffix '" +
-                                suffix + "' (use K, M, G, T or KiB, MiB, GiB, TiB)");
+                                split.written_suffix + "' (use K, M, G, T or KiB, MiB, GiB, TiB)");
   }
-  return Scale(text, split.first, m, "size");
+  return Scale(text, split.value, m, "size");
 }
 
 Result<uint64_t> ParseCount(std::string_view text) {
-  STRATA_ASSIGN_OR_RETURN(auto split, SplitNumber(text, "count"));
-  const std::string& suffix = split.second;
+  STRATA_ASSIGN_OR_RETURN(Split split, SplitNumber(text, "count"));
+  const std::string& suffix = split.suffix;
   double m;
   if (suffix.empty()) {
     m = 1;
@@ -91,14 +100,14 @@ Result<uint64_t> ParseCount(std::string_view text) {
     m = 1e12;
   } else {
     return InvalidArgumentError("parse count '" + std::string(text) + "': unknown suffix '" +
-                                suffix + "' (use K, M, B or G, T)");
+                                split.written_suffix + "' (use K, M, B or G, T)");
   }
-  return Scale(text, split.first, m, "count");
+  return Scale(text, split.value, m, "count");
 }
 
 Result<double> ParseRate(std::string_view text) {
-  STRATA_ASSIGN_OR_RETURN(auto split, SplitNumber(text, "rate"));
-  std::string suffix = split.second;
+  STRATA_ASSIGN_OR_RETURN(Split split, SplitNumber(text, "rate"));
+  std::string suffix = split.suffix;
   if (suffix.size() >= 2 && suffix.ends_with("/s")) suffix.resize(suffix.size() - 2);
   if (suffix.size() > 1 && suffix.back() == 'b') suffix.pop_back();  // "GB" -> "g", "GiB" -> "gi"
   double m;
@@ -110,9 +119,10 @@ Result<double> ParseRate(std::string_view text) {
     m = suffix == "ki" ? 0x1p10 : suffix == "mi" ? 0x1p20 : suffix == "gi" ? 0x1p30 : 0x1p40;
   } else {
     return InvalidArgumentError("parse rate '" + std::string(text) + "': unknown unit '" +
-                                split.second + "' (use bytes per second: 2.5GB/s, 900M, 1GiB/s)");
+                                split.written_suffix +
+                                "' (use bytes per second: 2.5GB/s, 900M, 1GiB/s)");
   }
-  return split.first * m;
+  return split.value * m;
 }
 
 std::string FormatBytes(uint64_t bytes) {

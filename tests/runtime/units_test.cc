@@ -46,6 +46,22 @@ TEST(Units, RejectsGarbageWithTheText) {
   EXPECT_FALSE(ParseBytes("99999999T").ok());
 }
 
+// The suffix is quoted as written, not lowercased: '1X' gave "unknown suffix 'x'".
+TEST(Units, AnUnknownSuffixIsQuotedAsWritten) {
+  Result<uint64_t> count = ParseCount("1X");
+  ASSERT_FALSE(count.ok());
+  EXPECT_NE(count.status().message().find("unknown suffix 'X'"), std::string_view::npos)
+      << count.status();
+  Result<uint64_t> size = ParseBytes("4 GiBs");
+  ASSERT_FALSE(size.ok());
+  EXPECT_NE(size.status().message().find("unknown suffix 'GiBs'"), std::string_view::npos)
+      << size.status();
+  Result<double> rate = ParseRate("5 Furlongs/s");
+  ASSERT_FALSE(rate.ok());
+  EXPECT_NE(rate.status().message().find("unknown unit 'Furlongs/s'"), std::string_view::npos)
+      << rate.status();
+}
+
 TEST(Units, Format) {
   EXPECT_EQ(FormatBytes(100), "100 B");
   EXPECT_EQ(FormatBytes(1536), "1.50 KiB");
