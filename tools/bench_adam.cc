@@ -225,7 +225,8 @@ void AddBenchAdamCommand(Cli& cli) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout");
-  cmd->callback([&cli, o] { RunAction(cli, "bench adam", [o] { return Run(*o); }); });
+  cmd->callback(
+      [&cli, o] { RunAction(cli, "bench adam", OutputOf(o->json), [o] { return Run(*o); }); });
 }
 
 }  // namespace strata::cli

@@ -594,8 +594,9 @@ void AddBenchNvmeCommand(Cli& cli) {
   cmd->add_flag("--vs-fio", args->vs_fio,
                 "Also run fio with the same engine, file, size, block and depth");
   cmd->add_flag("--json", args->json, "Print one JSON object on stdout");
-  cmd->callback(
-      [&cli, args] { RunAction(cli, "bench nvme", [args] { return RunBenchNvme(*args); }); });
+  cmd->callback([&cli, args] {
+    RunAction(cli, "bench nvme", OutputOf(args->json), [args] { return RunBenchNvme(*args); });
+  });
 }
 
 }  // namespace strata::cli

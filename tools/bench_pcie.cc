@@ -424,7 +424,8 @@ void AddBenchPcieCommand(Cli& cli) {
   cmd->add_option("--latency-us", o->latency_us, "Host device only: modelled latency per copy")
       ->check(CLI::Range(0.0, 1e6));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout");
-  cmd->callback([&cli, o] { RunAction(cli, "bench pcie", [o] { return Run(*o); }); });
+  cmd->callback(
+      [&cli, o] { RunAction(cli, "bench pcie", OutputOf(o->json), [o] { return Run(*o); }); });
 }
 
 }  // namespace strata::cli

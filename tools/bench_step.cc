@@ -1205,7 +1205,7 @@ void AddBenchStepCommand(Cli& cli) {
     for (const CLI::Option* o : cmd->get_options()) {
       if (o->count() > 0) a->given.insert(o->get_name());
     }
-    RunAction(cli, "bench step", [a] { return RunStep(*a); });
+    RunAction(cli, "bench step", OutputOf(a->json), [a] { return RunStep(*a); });
   });
 }
 

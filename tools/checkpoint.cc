@@ -27,6 +27,11 @@ struct InspectArgs {
 
 constexpr size_t kListedTensors = 50;
 
+// "1 group", "2 groups".
+std::string Plural(size_t n, std::string_view noun) {
+  return fmt::format("{} {}{}", n, noun, n == 1 ? "" : "s");
+}
+
 Status RunInspect(const InspectArgs& args) {
   // Load takes a save whose tensors share a name (by index): so does inspect.
   STRATA_ASSIGN_OR_RETURN(
@@ -85,7 +90,7 @@ Status RunInspect(const InspectArgs& args) {
         {"files_present", args.verify ? nlohmann::json(nullptr) : nlohmann::json(verified.ok())},
         {"tensors", tensors},
         {"groups", groups}};
-    if (!verified.ok()) out["error"] = verified.ToString();
+    out["error"] = ErrorJson(verified);
     out["duplicate_names"] =
         duplicate.empty() ? nlohmann::json(nullptr) : nlohmann::json(duplicate);
     PrintJson(out, 2);
@@ -99,9 +104,11 @@ Status RunInspect(const InspectArgs& args) {
   std::printf("  world size   %u\n", info.world_size);
   std::printf("  optimizer    %s (%s), params %s\n", info.optimizer.c_str(),
               fmt::format("{}", fmt::join(info.arrays, ", ")).c_str(), info.param_dtype.c_str());
-  std::printf("  params       %zu tensors, %llu elems (%llu with padding), %zu groups\n",
-              info.tensors.size(), static_cast<unsigned long long>(info.tensor_elems),
-              static_cast<unsigned long long>(info.total_elems), info.groups.size());
+  std::printf("  params       %s, %llu elems (%llu with padding), %s\n",
+              Plural(info.tensors.size(), "tensor").c_str(),
+              static_cast<unsigned long long>(info.tensor_elems),
+              static_cast<unsigned long long>(info.total_elems),
+              Plural(info.groups.size(), "group").c_str());
   std::printf("  loss scale   %g (iteration %lld)\n", info.scaler.scale,
               static_cast<long long>(info.scaler.iteration));
   std::printf("  data         %llu files, %s\n", static_cast<unsigned long long>(files),
@@ -153,8 +160,9 @@ void AddCheckpointCommands(Cli& cli) {
       ->required();
   cmd->add_flag("--verify", inspect->verify, "read every data file and check every checksum");
   cmd->add_flag("--json", inspect->json, "print one JSON object");
-  cmd->callback(
-      [&cli, inspect] { RunAction(cli, "inspect", [&] { return RunInspect(*inspect); }); });
+  cmd->callback([&cli, inspect] {
+    RunAction(cli, "inspect", OutputOf(inspect->json), [&] { return RunInspect(*inspect); });
+  });
 
   struct ExportArgs {
     std::string dir, out, dtype = "fp32", max_shard_size;

@@ -25,9 +25,25 @@ struct Cli {
   int exit_code = 0;
 };
 
+// What a subcommand prints on stdout: text, or one JSON object (--json).
+enum class Output { kText, kJson };
+inline Output OutputOf(bool json_flag) { return json_flag ? Output::kJson : Output::kText; }
+
 // Runs `body` as a subcommand's action: prints a failed Status as
-// "strata <name>: <status>" and records the exit code.
-void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& body);
+// "strata <name>: <status>" on stderr and records the exit code. With
+// Output::kJson a failure before the body printed its object prints
+// {"error": ErrorJson(status)} on stdout, so --json always gives one object.
+void RunAction(Cli& cli, std::string_view name, Output output, const std::function<Status()>& body);
+inline void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& body) {
+  RunAction(cli, name, Output::kText, body);
+}
+
+// The "error" member of every --json output: {"code": "NotFound", "message":
+// "..."} for a failure, null for OK.
+inline nlohmann::json ErrorJson(const Status& s) {
+  if (s.ok()) return nullptr;
+  return {{"code", std::string(StatusCodeName(s.code()))}, {"message", std::string(s.message())}};
+}
 
 // The text of a JSON value (compact, or pretty with `indent` >= 0). Every
 // --json output and every JSON the CLI writes goes through here: a string
@@ -39,10 +55,15 @@ std::string JsonText(const JsonType& j, int indent = -1) {
   return j.dump(indent, ' ', /*ensure_ascii=*/false, JsonType::error_handler_t::replace);
 }
 
+// How many objects PrintJson has printed: RunAction prints an error object
+// only for a --json command that printed none.
+inline int json_objects_printed = 0;
+
 // Prints JsonText(j, indent) and a newline on stdout.
 template <typename JsonType>
 void PrintJson(const JsonType& j, int indent = -1) {
   std::printf("%s\n", JsonText(j, indent).c_str());
+  ++json_objects_printed;
 }
 
 // `s` as one POSIX shell word: single-quoted, each ' written as '\''.

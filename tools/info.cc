@@ -487,7 +487,9 @@ void AddInfoCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_flag("--no-python", args->no_python, "do not run the Pythons on this machine");
   cmd->add_flag("--json", args->json, "print one JSON object");
-  cmd->callback([&cli, args] { RunAction(cli, "info", [args] { return RunInfo(*args); }); });
+  cmd->callback([&cli, args] {
+    RunAction(cli, "info", OutputOf(args->json), [args] { return RunInfo(*args); });
+  });
 }
 
 }  // namespace strata::cli

@@ -19,9 +19,14 @@ Result<std::string> ReadConfigFile(const std::string& path) {
   return text.str();
 }
 
-void RunAction(Cli& cli, std::string_view name, const std::function<Status()>& body) {
+void RunAction(Cli& cli, std::string_view name, Output output,
+               const std::function<Status()>& body) {
+  const int printed = json_objects_printed;
   Status s = body();
   if (!s.ok()) {
+    if (output == Output::kJson && json_objects_printed == printed) {
+      PrintJson(nlohmann::json{{"error", ErrorJson(s)}}, 2);
+    }
     std::fprintf(stderr, "strata %.*s: %s\n", static_cast<int>(name.size()), name.data(),
                  s.ToString().c_str());
     cli.exit_code = s.code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailure;

@@ -170,8 +170,7 @@ Status RunPlan(const PlanArgs& args) {
       Result<PlacementPlan> shape = PlanPlacement(unchecked);
       nlohmann::json out = json_head();
       out["fits"] = false;
-      out["error"] = {{"code", StatusCodeName(planned.status().code())},
-                      {"message", planned.status().message()}};
+      out["error"] = ErrorJson(planned.status());
       out["plan"] = shape.ok() ? PlanJson(*shape) : nlohmann::json(nullptr);
       out["estimate"] = shape.ok() ? EstimateJson(shape->estimate) : nlohmann::json(nullptr);
       out["preflight"] = preflight_json({});
@@ -273,7 +272,9 @@ void AddPlanCommand(Cli& cli) {
                   "2GiB: at least a few GiB where a cache may hold a small file) and print the "
                   "expected NVMe time per step");
   cmd->add_flag("--json", args->json, "print one JSON object");
-  cmd->callback([&cli, args] { RunAction(cli, "plan", [args] { return RunPlan(*args); }); });
+  cmd->callback([&cli, args] {
+    RunAction(cli, "plan", OutputOf(args->json), [args] { return RunPlan(*args); });
+  });
 }
 
 }  // namespace strata::cli

@@ -289,8 +289,51 @@ TEST(CliTest, InspectWithoutVerifyChecksThatEveryDataFileIsThere) {
   EXPECT_EQ(r.code, 1) << r.out;
   nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j.at("files_present"), false);
-  EXPECT_NE(j.at("error").get<std::string>().find(victim + " is missing"), std::string::npos)
+  EXPECT_EQ(j.at("error").at("code"), "NotFound") << j.dump();
+  EXPECT_NE(j.at("error").at("message").get<std::string>().find(victim + " is missing"),
+            std::string::npos)
       << j.dump();
+}
+
+// `inspect DIR/` of a one-group save: the save's directory is joined with one
+// slash (it printed ckpt//step-...), and the counts read "1 tensor" and
+// "1 group"; --json of a directory that is no checkpoint still prints one
+// object, with the error as `strata plan --json` gives it (stdout was empty).
+TEST(CliTest, InspectOfOneGroupWithATrailingSlashAndJsonErrors) {
+  TempDir dir, tmp;
+  auto device = std::move(*CreateHostDevice());
+  constexpr uint64_t kElems = 1024;
+  DeviceBuffer data = std::move(*device->Allocate(kElems * 4));
+  DeviceBuffer grad = std::move(*device->Allocate(kElems * 4));
+  std::vector<ParamGroup> groups(1);
+  groups[0].params.push_back(
+      {.name = "w", .data = data.data(), .grad = grad.data(), .elems = kElems});
+  OffloadConfig config;
+  auto opt = OffloadOptimizer::Create({.device = device.get()}, config, groups);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  ASSERT_TRUE((*opt)->Save(dir.path()).ok());
+
+  Ran r = RunStrata("inspect " + dir.path() + "/", tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("//"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  save         " + dir.path() + "/step-"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1 tensor, 1024 elems"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1 group\n"), std::string::npos) << r.out;
+
+  r = RunStrata("inspect --json " + dir.path() + "/", tmp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("save_dir").get<std::string>().find("//"), std::string::npos) << r.out;
+  EXPECT_TRUE(j.at("error").is_null()) << r.out;
+
+  r = RunStrata("inspect --json " + dir.File("missing"), tmp);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.err.find("strata inspect: NotFound"), std::string::npos) << r.err;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("error").at("code"), "NotFound") << r.out;
+  EXPECT_NE(j.at("error").at("message").get<std::string>().find("no such directory"),
+            std::string::npos)
+      << r.out;
 }
 
 // `inspect --json` of a checkpoint under a directory whose name is not
