@@ -843,6 +843,12 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
   // After fp16/bf16, so an explicit strata.grad_dtype wins.
   STRATA_ASSIGN_OR_RETURN(const Json* strata, Section(doc, "", "strata"));
   if (strata != nullptr) STRATA_RETURN_IF_ERROR(ParseStrata(*strata, c, ratio));
+  // Said here, once per config text: ValidateConfig runs for one config in
+  // each layer it passes (the Python module or the C API, then Create), and
+  // logged it each time.
+  if (c.device == OffloadDevice::kCpu && !c.nvme_paths.empty()) {
+    LogInfo("config: zero_optimization.offload_optimizer.nvme_path is unused with device \"cpu\"");
+  }
   return c;
 }
 
@@ -863,9 +869,6 @@ Status ValidateConfig(const OffloadConfig& c) {
                                 ".device is \"nvme\" but nvme_path is not set; set "
                                 "nvme_path to a directory on an NVMe drive, or use "
                                 "device \"cpu\"");
-  }
-  if (c.device == OffloadDevice::kCpu && !c.nvme_paths.empty()) {
-    LogInfo(fmt::format("config: {}.nvme_path is unused with device \"cpu\"", off));
   }
   // The same directory twice would stripe one file onto itself. Spellings
   // that differ ("/a" and "/a/", or a symlink) meet the state store's lock.

@@ -118,10 +118,12 @@ struct OffloadConfig {
 // Parses a DeepSpeed-style JSON document (see above). InvalidArgument for
 // malformed JSON (with the parser's position and the key it was in), a
 // number beyond a double (1e400, naming the key), unknown keys, wrong types
-// and out-of-range values. Never throws.
+// and out-of-range values. Never throws. An nvme_path with device "cpu" is
+// logged (info) as unused here, once per document.
 Result<OffloadConfig> ParseConfigJson(std::string_view json);
 
 // Cross-field checks; InvalidArgument naming the keys involved and the fix.
+// Logs nothing: each layer a config passes through runs it.
 Status ValidateConfig(const OffloadConfig& config);
 
 // The effective config as a JSON document (pretty, 2-space indent) in the

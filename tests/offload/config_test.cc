@@ -6,6 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
+#include "runtime/log.h"
 #include "runtime/units.h"
 
 namespace strata {
@@ -215,6 +219,30 @@ TEST(ConfigTest, ValidateCrossFieldChecks) {
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.json;
     EXPECT_TRUE(Contains(s.message(), c.want)) << c.json << " -> " << s;
   }
+}
+
+// An nvme_path with device "cpu" is said once per config: the Python module
+// and the C API validate a config and Create validates it again, and the
+// line was logged by each ValidateConfig (twice for one OffloadAdam).
+TEST(ConfigTest, AnUnusedNvmePathIsLoggedOnceByTheParser) {
+  std::vector<std::string> lines;
+  const LogLevel level = GetLogLevel();
+  SetLogLevel(LogLevel::kInfo);
+  LogSink previous =
+      SetLogSink([&](LogLevel, std::string_view message) { lines.emplace_back(message); });
+  Result<OffloadConfig> c = ParseConfigJson(
+      R"({"zero_optimization": {"offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}})");
+  const Status first = c.ok() ? ValidateConfig(*c) : c.status();
+  const Status second = c.ok() ? ValidateConfig(*c) : c.status();
+  SetLogSink(std::move(previous));
+  SetLogLevel(level);
+  ASSERT_TRUE(first.ok()) << first;
+  ASSERT_TRUE(second.ok()) << second;
+  size_t said = 0;
+  for (const std::string& l : lines) {
+    said += Contains(l, "offload_optimizer.nvme_path is unused with device \"cpu\"");
+  }
+  EXPECT_EQ(said, 1u) << ::testing::PrintToString(lines);
 }
 
 TEST(ConfigTest, GpuFractionAndDeepSpeedsRatioSayTheSameThing) {
