@@ -6,6 +6,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <iterator>
 
 namespace strata::cli {
 namespace {
@@ -23,7 +24,10 @@ static_assert(std::atomic<int>::is_always_lock_free, "the handler reads the slot
 Slot g_slots[kMaxCleanupPaths];
 std::atomic<uint64_t> g_next_order{1};
 int g_scopes = 0;  // live scopes; the handlers are installed while > 0
-struct sigaction g_old_int, g_old_term;
+// The signals that end a command whose files must go: Ctrl-C, kill, a closed
+// terminal or SSH session, output piped into a reader that quit (`| head`).
+constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
+struct sigaction g_old[std::size(kSignals)];
 
 // Async-signal-safe: unlink and rmdir only.
 void RemoveEverything() {
@@ -71,8 +75,12 @@ CleanupScope::CleanupScope() {
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, &g_old_int);
-  ::sigaction(SIGTERM, &sa, &g_old_term);
+  for (size_t i = 0; i < std::size(kSignals); ++i) {
+    ::sigaction(kSignals[i], nullptr, &g_old[i]);
+    // One the process was started ignoring (nohup's SIGHUP, a background
+    // job's SIGINT) stays ignored: it does not end the command.
+    if (g_old[i].sa_handler != SIG_IGN) ::sigaction(kSignals[i], &sa, nullptr);
+  }
 }
 
 CleanupScope::~CleanupScope() {
@@ -91,8 +99,7 @@ CleanupScope::~CleanupScope() {
     }
   }
   if (--g_scopes > 0) return;
-  ::sigaction(SIGINT, &g_old_int, nullptr);
-  ::sigaction(SIGTERM, &g_old_term, nullptr);
+  for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &g_old[i], nullptr);
 }
 
 void CleanupScope::AddFile(const std::string& path) { Add(path, Kind::kFile); }

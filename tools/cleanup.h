@@ -1,6 +1,7 @@
 // What a command creates and removes when it is done (benchmark files, the
-// state store's files, a temporary directory), removed also when SIGINT or
-// SIGTERM ends the process, so that an interrupted benchmark leaves nothing
+// state store's files, a temporary directory), removed also when SIGINT,
+// SIGTERM, SIGHUP or SIGPIPE ends the process (one the process was started
+// ignoring stays ignored), so that an interrupted benchmark leaves nothing
 // behind.
 //
 //   CleanupScope cleanup;               // handlers installed while one lives

@@ -1,4 +1,5 @@
-"""`strata bench step` ended by SIGINT or SIGTERM in the middle of its steps
+"""`strata bench step` ended by SIGINT, SIGTERM, SIGHUP (a closed terminal) or
+SIGPIPE (output piped into a reader that quit) in the middle of its steps
 leaves nothing behind: its temporary directory is removed with the state
 store's files (strata-rank0.state and .lock: the lock file once stayed, so
 the directory did too). In a directory the user gave, the bench's files go
@@ -44,8 +45,8 @@ def main():
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
 
-    # The bench's own temporary directory, by SIGINT (Ctrl-C) and by SIGTERM.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # The bench's own temporary directory, by each signal that ends a command.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
         state_dir = interrupt(strata, [], sig)
         if state_dir is None:
             fail("the bench did not say where its temporary directory is")
