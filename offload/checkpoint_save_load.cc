@@ -809,14 +809,20 @@ Status SaveDisagreement(const AgreedPart& part, int rank, std::string_view op) {
 }  // namespace
 
 Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveOptions& o) {
-  const std::string op =
-      fmt::format("save checkpoint {} (rank {}, step {})", dir, opt.rank(), opt.step_count());
+  const std::string op = fmt::format("save checkpoint {} (rank {}, step {})",
+                                     dir.empty() ? "''" : dir, opt.rank(), opt.step_count());
   const std::string nothing_written = op + ": nothing was written";
   STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
   // This rank's own checks. Their outcome rides in the agreement below, so a
   // rank that refuses never leaves the others waiting in a collective.
   StorageRef storage;
   Status checked = [&]() -> Status {
+    // Here and not before the agreement: a rank that returned at once would
+    // leave the others waiting in it.
+    if (dir.empty()) {
+      return InvalidArgumentError(fmt::format(
+          "{}: the checkpoint directory is empty; give a directory; nothing was written", op));
+    }
     if (opt.step_state() == StepState::kFailed) {
       // Nothing is written for a state that mixes two steps.
       return FailedPreconditionError(fmt::format(
@@ -838,7 +844,8 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   const std::vector<AgreedPart> parts = SaveParts(opt, dir, o, checked.ok());
   Result<Agreed> agreed = Agree(coll, checked, parts);
   if (!agreed.ok()) return agreed.status().WithContext(nothing_written);
-  if (agreed->differs == 0) return SaveDisagreement(parts[0], opt.rank(), op);
+  // A rank that passed "" says so (its directory reads as the working one).
+  if (agreed->differs == 0 && !dir.empty()) return SaveDisagreement(parts[0], opt.rank(), op);
   if (!checked.ok()) return checked;  // it says nothing was written
   if (agreed->any_failed) {
     return FailedPreconditionError(fmt::format(
@@ -967,12 +974,19 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
 }
 
 Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadOptions& o) {
-  const std::string op = fmt::format("load checkpoint {} (rank {})", dir, opt.rank());
+  const std::string op =
+      fmt::format("load checkpoint {} (rank {})", dir.empty() ? "''" : dir, opt.rank());
   STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
   std::unique_ptr<CheckpointReader> reader;
   LossScalerState scaler_state;  // what the optimizer's loss scaler is restored to
   // Phase 1, nothing changes: the checkpoint is complete, ours, and intact.
   Status local = [&]() -> Status {
+    // In the agreement, as SaveCheckpoint's checks: no rank is left waiting.
+    if (dir.empty()) {
+      // WithContext below says which load.
+      return InvalidArgumentError(
+          "the checkpoint directory is empty; give the directory given to Save");
+    }
     STRATA_ASSIGN_OR_RETURN(
         reader, CheckpointReader::Open(dir, {.storage = o.storage,
                                              .queue_depth = o.queue_depth,
@@ -1040,7 +1054,7 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   const std::string nothing_loaded = op + ": nothing was loaded";
   Result<Agreed> agreed = Agree(coll, local, parts);
   if (!agreed.ok()) return agreed.status().WithContext(nothing_loaded);
-  if (agreed->differs == 0) {
+  if (agreed->differs == 0 && !dir.empty()) {
     return InvalidArgumentError(fmt::format(
         "{}: rank {} loads from {} while another rank loads from a different directory: every "
         "rank must pass the same directory; nothing was loaded",

@@ -1250,6 +1250,46 @@ TEST_F(RankAgreementTest, ARankThatRefusesTheSaveFailsItOnEveryRank) {
   ExpectSavesIntact(trees);
 }
 
+// An empty directory is refused naming the argument (the save said "create
+// directory : EINVAL", the load "open checkpoint : no such directory"), on
+// every rank together: the check rides in the agreement, so a rank that
+// passed "" alone leaves no other waiting, and that one is told why.
+TEST_F(RankAgreementTest, AnEmptyDirectoryIsRefusedOnEveryRank) {
+  const std::vector<std::vector<std::string>> trees = Trees();
+  const Snapshot now = *TakeSnapshot(*c_);
+  std::vector<Status> status = SaveEach([](int) { return std::string(); });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("save, rank " + std::to_string(r));
+    EXPECT_EQ(status[r].code(), StatusCode::kInvalidArgument) << status[r];
+    ExpectMentions(status[r], fmt::format("save checkpoint '' (rank {}, step", r));
+    ExpectMentions(status[r], "the checkpoint directory is empty; give a directory");
+    ExpectMentions(status[r], "nothing was written");
+  }
+  status = SaveEach([&](int r) { return r == 1 ? std::string() : dirs_[0].path(); });
+  ExpectMentions(status[1], "the checkpoint directory is empty; give a directory");
+  EXPECT_EQ(status[0].code(), StatusCode::kInvalidArgument) << status[0];
+  ExpectMentions(status[0], fmt::format("rank 0 saves into {} while another rank saves into a "
+                                        "different directory",
+                                        dirs_[0].path()));
+
+  for (const bool both : {true, false}) {
+    SCOPED_TRACE(both ? "load, both ranks ''" : "load, rank 1 ''");
+    ASSERT_TRUE(c_->Run([&](int r) {
+                    status[r] = LoadCheckpoint(c_->opt(r), both || r == 1 ? "" : dirs_[0].path());
+                    return OkStatus();
+                  }).ok());
+    EXPECT_EQ(status[1].code(), StatusCode::kInvalidArgument) << status[1];
+    ExpectMentions(status[1],
+                   "load checkpoint '' (rank 1): nothing was loaded: the checkpoint directory is "
+                   "empty; give the directory given to Save");
+    EXPECT_FALSE(status[0].ok());
+    ExpectMentions(status[0], "nothing was loaded");
+  }
+  ExpectSameSnapshot(*TakeSnapshot(*c_), now);
+  ExpectSavesIntact(trees);
+  ExpectASaveInto0Works();
+}
+
 // A load with a different directory per rank used to load each rank's shard
 // from its own checkpoint, silently mixing two.
 TEST_F(RankAgreementTest, ALoadFromADifferentDirectoryPerRankLoadsNothing) {
