@@ -1230,7 +1230,11 @@ Status OffloadOptimizer::Impl::Step() {
       ResetReadiness();
       last.skipped = true;
       FillStats(d, t0);
-      if (scaler->options().mode != LossScaleMode::kDynamic) WarnUnscaledSkip(d);
+      // A dynamic scaler backs off, which says enough; not at its minimum.
+      if (scaler->options().mode != LossScaleMode::kDynamic ||
+          d.loss_scale <= scaler->options().min_scale) {
+        WarnUnscaledSkip(d);
+      }
       return OkStatus();
     }
   }
@@ -1260,8 +1264,9 @@ Status OffloadOptimizer::Impl::Step() {
 }
 
 // A dynamic scaler's skips are its normal work (the scale goes down); without
-// one (bf16/fp32, or a static scale) a skipped step changes nothing and would
-// otherwise go unnoticed, possibly for the rest of the run.
+// one (bf16/fp32, or a static scale), or at its minimum scale, a skipped step
+// changes nothing and would otherwise go unnoticed, possibly for the rest of
+// the run.
 void OffloadOptimizer::Impl::WarnUnscaledSkip(const StepDecision& d) {
   ++unscaled_skips;
   if (rank != 0 || (unscaled_skips > 1 && unscaled_skips - unscaled_skips_warned < 100)) return;
@@ -1271,14 +1276,19 @@ void OffloadOptimizer::Impl::WarnUnscaledSkip(const StepDecision& d) {
       "step {} skipped: {} gradient elements are NaN or inf (grad norm {}){}; {} step{} skipped "
       "for non-finite gradients so far{}, the params and optimizer state unchanged by them. "
       "Look for NaN/inf in the loss and the data (a learning rate too high, an overflow in "
-      "the forward); fp16 training needs a dynamic loss scale (fp16.loss_scale 0). This "
-      "warning repeats at most once per 100 skipped steps",
+      "the forward){}. This warning repeats at most once per 100 skipped steps",
       d.step + 1, d.nonfinite_elems, d.grad_norm,
       scaler->options().mode == LossScaleMode::kStatic
           ? fmt::format(" and the static loss scale {} does not back off", d.loss_scale)
+      : scaler->options().mode == LossScaleMode::kDynamic
+          ? fmt::format(" at the dynamic loss scale's minimum {}, which cannot back off further",
+                        d.loss_scale)
           : std::string(" and there is no loss scaler to back off"),
       unscaled_skips, unscaled_skips == 1 ? "" : "s",
-      unscaled_skips == 1 ? "" : fmt::format(" ({} since the last warning)", since)));
+      unscaled_skips == 1 ? "" : fmt::format(" ({} since the last warning)", since),
+      scaler->options().mode == LossScaleMode::kDynamic
+          ? ""
+          : "; fp16 training needs a dynamic loss scale (fp16.loss_scale 0)"));
 }
 
 void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
