@@ -158,3 +158,20 @@ def test_a_missing_nvme_path_folder_is_created(tmp_path):
                        match=f"{blocker}/sub: cannot be created: {blocker} is not a directory"):
         OffloadAdam([torch.zeros(3000, requires_grad=True)], offload="nvme",
                     nvme_path=str(blocker / "sub"), host_budget=0, sub_group_size=1024)
+
+
+def test_an_unused_nvme_path_is_logged_once(caplog, tmp_path):
+    """nvme_path with device "cpu" is said once per OffloadAdam: it was logged by
+    each ValidateConfig, and the module and the engine's Create both run one."""
+    caplog.set_level(logging.INFO, logger="strata")
+    _strata.set_log_level("info")
+    try:
+        config = {"zero_optimization": {"offload_optimizer": {
+            "device": "cpu", "nvme_path": str(tmp_path / "unused")}}}
+        opt = OffloadAdam([torch.zeros(100, requires_grad=True)], lr=1e-3, config=config)
+    finally:
+        _strata.set_log_level(os.environ.get("STRATA_LOG", "info"))
+    said = [r.getMessage() for r in caplog.records
+            if r.name == "strata" and "nvme_path is unused with device" in r.getMessage()]
+    assert len(said) == 1, said
+    del opt
