@@ -1329,6 +1329,15 @@ void OffloadOptimizer::Impl::FillStats(const StepDecision& d, double t0) {
 }
 
 Status OffloadOptimizer::Impl::FailedStepError(std::string_view op) const {
+  if (IsDeviceLost(failure)) {
+    // The device's context is gone (runtime/device.h): RetryStep() and a load
+    // would fail the same way in this process, so neither is offered.
+    return Status(failure.code(),
+                  fmt::format("{}: step {} failed part way and cannot be finished or undone in "
+                              "this process ({}); RetryStep() and loading a checkpoint fail the "
+                              "same way here: restart the process and load the last checkpoint",
+                              op, pending->step, failure.ToString()));
+  }
   return FailedPreconditionError(
       fmt::format("{}: step {} failed part way and is not finished ({}); its update reached some "
                   "sub-groups only. RetryStep() finishes it with the gradients it kept; loading a "
@@ -1358,6 +1367,12 @@ Result<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
   impl->config = config;
   std::unique_ptr<OffloadOptimizer> opt(new OffloadOptimizer(std::move(impl)));
   STRATA_RETURN_IF_ERROR(opt->impl_->Init(context, groups));
+  // What Create freed (the rate probe's buffers) goes back to the GPU, for
+  // torch. Not a failure of Create: every rank's Create has succeeded by
+  // now, and they fail or succeed together.
+  if (Status s = context.device->ReleaseCachedMemory(); !s.ok()) {
+    LogWarning(fmt::format("create offload optimizer: {}", s.ToString()));
+  }
   return opt;
 }
 
@@ -1427,7 +1442,7 @@ Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
 
 Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
   Impl& m = *impl_;
-  constexpr std::string_view kOp = "rebind param";
+  constexpr std::string_view kOp = "rebind";
   std::vector<Param> next = m.params;
   std::vector<uint8_t> named(m.params.size(), 0);
   for (const ParamBinding& b : moves) {
