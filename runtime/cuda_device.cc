@@ -29,10 +29,49 @@
 namespace strata {
 namespace internal {
 
-Status CudaError(cudaError_t err, std::string_view op) {
+bool IsStickyCudaError(cudaError_t err) {
+  switch (err) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorContained:
+    case cudaErrorExternalDevice:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+Status CudaErrorStatus(cudaError_t err, std::string_view op) {
   if (err == cudaSuccess) return OkStatus();
-  (void)cudaGetLastError();  // see the header: a sticky error stays
   std::string m = fmt::format("{}: {} ({})", op, cudaGetErrorName(err), cudaGetErrorString(err));
+  if (IsStickyCudaError(err)) {
+    // DataLoss, not Internal: nothing in this process can recover. The
+    // context (shared with torch) fails every later call, and what the GPU
+    // held (device-resident optimizer state, params, gradients in flight)
+    // is gone for this process: the way back is the last checkpoint,
+    // loaded in a new process. That is status.h's DataLoss ("restore a
+    // checkpoint"); FailedPrecondition and Unavailable would read as "fix
+    // the state, or wait, and call again" (the engine's FailedPrecondition
+    // for a failed step is answered by RetryStep()). The message carries
+    // kDeviceLostText so that the engine and the Python plug-in tell it from
+    // a damaged file's DataLoss (IsDeviceLost) and offer no retry.
+    return DataLossError(fmt::format(
+        "{}; {} after this error: CUDA fails every later call in this process, torch's "
+        "included, so no retry here can succeed. Restart the process and resume from the "
+        "last checkpoint, which is intact (a checkpoint is on disk; a save this error "
+        "interrupted is not committed, and the one before it stays)",
+        m, kDeviceLostText));
+  }
   switch (err) {
     case cudaErrorMemoryAllocation:
       return ResourceExhaustedError(std::move(m));
@@ -52,6 +91,29 @@ Status CudaError(cudaError_t err, std::string_view op) {
     default:
       return InternalError(std::move(m));
   }
+}
+
+Status CudaError(cudaError_t err, std::string_view op) {
+  if (err == cudaSuccess) return OkStatus();
+  (void)cudaGetLastError();  // see the header: a sticky error stays
+  return CudaErrorStatus(err, op);
+}
+
+Status OutOfDeviceMemoryError(const Status& oom, std::string_view device,
+                              const CudaMemoryFigures& figures) {
+  std::string m(oom.message());
+  if (figures.have_gpu) {
+    m += fmt::format(
+        "; {} has {} free of {} (memory that other allocators in this process keep cached, "
+        "torch's included, counts as used: torch.cuda.empty_cache() hands torch's back)",
+        device, FormatBytes(figures.free_bytes), FormatBytes(figures.total_bytes));
+  }
+  if (figures.have_pool) {
+    m +=
+        fmt::format("; Strata's memory pool holds {}, {} of it in use",
+                    FormatBytes(figures.pool_reserved_bytes), FormatBytes(figures.pool_used_bytes));
+  }
+  return Status(oom.code(), std::move(m));
 }
 
 namespace {
@@ -255,6 +317,14 @@ cudaMemcpyKind ToCuda(CopyKind kind) {
   return cudaMemcpyDefault;
 }
 
+// Inside CudaDevice: like STRATA_RETURN_IF_CUDA_ERROR, through Fail(), so a
+// sticky error is remembered.
+#define STRATA_RETURN_IF_DEVICE_CUDA_ERROR(expr, op)                            \
+  do {                                                                          \
+    if (cudaError_t strata_cuda_err_ = (expr); strata_cuda_err_ != cudaSuccess) \
+      return Fail(strata_cuda_err_, (op));                                      \
+  } while (false)
+
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(DeviceCaps caps) : caps_(std::move(caps)), ordinal_(caps_.ordinal) {}
@@ -268,15 +338,10 @@ class CudaDevice final : public Device {
     STRATA_ASSIGN_OR_RETURN(default_stream_,
                             MakeStream("default stream", std::optional<cudaStream_t>(nullptr)));
     if (caps_.async_alloc) {
-      STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&alloc_stream_, cudaStreamNonBlocking),
-                                  fmt::format("create allocation stream on {}", caps_.name));
-      // Keep freed memory in the pool instead of returning it to the driver
-      // at every synchronize: the engine reallocates the same sizes each step.
-      cudaMemPool_t pool = nullptr;
-      if (cudaDeviceGetDefaultMemPool(&pool, ordinal_) == cudaSuccess) {
-        uint64_t threshold = std::numeric_limits<uint64_t>::max();
-        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
-      }
+      STRATA_RETURN_IF_DEVICE_CUDA_ERROR(
+          cudaStreamCreateWithFlags(&alloc_stream_, cudaStreamNonBlocking),
+          fmt::format("create allocation stream on {}", caps_.name));
+      STRATA_RETURN_IF_ERROR(CreatePool());
     }
     return OkStatus();
   }
@@ -284,11 +349,19 @@ class CudaDevice final : public Device {
   ~CudaDevice() override {
     CudaDeviceGuard device_guard;
     device_guard.Select(ordinal_);
-    default_stream_.reset();
+    default_stream_.reset();  // borrowed: nothing to wait for or destroy
     if (alloc_stream_ != nullptr) {
+      // Every buffer is gone by now (device.h: objects die before their
+      // device), but its cudaFreeAsync on alloc_stream_ may not have run.
+      // Wait for them, so that the pool has no outstanding allocation when
+      // it is destroyed and its memory goes back to the driver at once
+      // (cudaMemPoolDestroy defers that while allocations are outstanding);
+      // then the stream, which the pool's frees were ordered on.
       cudaStreamSynchronize(alloc_stream_);
+      if (pool_ != nullptr) cudaMemPoolDestroy(pool_);
       cudaStreamDestroy(alloc_stream_);
     }
+    (void)cudaGetLastError();  // nothing to report from a destructor
   }
 
   const DeviceCaps& caps() const override { return caps_; }
@@ -297,20 +370,42 @@ class CudaDevice final : public Device {
     if (bytes == 0) return DeviceBuffer();
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "allocate"));
-    void* p = nullptr;
     const std::string op = fmt::format("allocate {} on {}", FormatBytes(bytes), caps_.name);
-    if (caps_.async_alloc) {
-      STRATA_RETURN_IF_CUDA_ERROR(cudaMallocAsync(&p, bytes, alloc_stream_), op);
-      // Make the memory usable from every stream, not only alloc_stream_.
-      cudaError_t err = cudaStreamSynchronize(alloc_stream_);
-      if (err != cudaSuccess) {
-        cudaFreeAsync(p, alloc_stream_);
-        return CudaError(err, op);
-      }
-    } else {
-      STRATA_RETURN_IF_CUDA_ERROR(cudaMalloc(&p, bytes), op);
+    void* p = nullptr;
+    cudaError_t err = AllocateNow(&p, bytes);
+    if (err == cudaErrorMemoryAllocation && pool_ != nullptr) {
+      // The pool keeps what was freed (its release threshold), possibly in
+      // pieces this request does not fit: hand them back to the driver and
+      // try once more. The trim counts only frees the host has seen complete.
+      (void)cudaGetLastError();
+      err = cudaStreamSynchronize(alloc_stream_);
+      if (err == cudaSuccess) err = cudaMemPoolTrimTo(pool_, 0);
+      if (err == cudaSuccess) err = AllocateNow(&p, bytes);
     }
+    if (err == cudaErrorMemoryAllocation) return OutOfMemory(op);
+    if (err != cudaSuccess) return Fail(err, op);
     return DeviceBuffer(this, p, bytes);
+  }
+
+  Status ReleaseCachedMemory() override {
+    if (alloc_mode_ == AllocMode::kMalloc) return OkStatus();  // cudaFree caches nothing
+    CudaDeviceGuard device_guard;
+    STRATA_RETURN_IF_ERROR(Select(device_guard, "release cached memory"));
+    // Frees are enqueued on alloc_stream_, and cudaMemPoolTrimTo counts a
+    // freed allocation as outstanding until the host has seen the free
+    // complete: synchronize first.
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(
+        cudaStreamSynchronize(alloc_stream_),
+        fmt::format("release cached memory on {}: synchronize the allocation stream", caps_.name));
+    // kCurrentPool: the pool is not Strata's, and its own release threshold
+    // (0 unless someone raised it) already decided at that synchronize what
+    // it keeps; it is left alone.
+    if (alloc_mode_ == AllocMode::kOwnPool) {
+      STRATA_RETURN_IF_DEVICE_CUDA_ERROR(
+          cudaMemPoolTrimTo(pool_, 0),
+          fmt::format("release cached memory on {}: cudaMemPoolTrimTo", caps_.name));
+    }
+    return OkStatus();
   }
 
   // Large allocations (the optimizer's state slab, tens of GB) are mapped,
@@ -349,7 +444,7 @@ class CudaDevice final : public Device {
       }
     }
     void* p = nullptr;
-    STRATA_RETURN_IF_CUDA_ERROR(
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(
         cudaHostAlloc(&p, rounded, cudaHostAllocPortable),
         fmt::format("cudaHostAlloc {} for {}", FormatBytes(rounded), caps_.name));
     return HostAllocation(this, p, rounded, HostMemoryLock::kLocked);
@@ -366,8 +461,8 @@ class CudaDevice final : public Device {
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "create event"));
     cudaEvent_t e = nullptr;
-    STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
-                                fmt::format("create event on {}", caps_.name));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                                       fmt::format("create event on {}", caps_.name));
     return Event(std::make_unique<CudaEvent>(this, ordinal_, e));
   }
 
@@ -391,9 +486,9 @@ class CudaDevice final : public Device {
     if (!s->sticky()->ok()) return OkStatus();  // skipped: the stream already failed
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "copy"));
-    STRATA_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dst, src, bytes, ToCuda(kind), s->stream()),
-                                fmt::format("copy {} {} {} -> {} on {}", CopyKindName(kind),
-                                            FormatBytes(bytes), src, dst, s->name()));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaMemcpyAsync(dst, src, bytes, ToCuda(kind), s->stream()),
+                                       fmt::format("copy {} {} {} -> {} on {}", CopyKindName(kind),
+                                                   FormatBytes(bytes), src, dst, s->name()));
     return OkStatus();
   }
 
@@ -405,8 +500,8 @@ class CudaDevice final : public Device {
     STRATA_RETURN_IF_ERROR(Select(device_guard, "launch host task"));
     auto payload =
         std::make_unique<HostTaskPayload>(HostTaskPayload{std::move(task), s->sticky(), s->name()});
-    STRATA_RETURN_IF_CUDA_ERROR(cudaLaunchHostFunc(s->stream(), &RunHostTask, payload.get()),
-                                fmt::format("launch host task on {}", s->name()));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaLaunchHostFunc(s->stream(), &RunHostTask, payload.get()),
+                                       fmt::format("launch host task on {}", s->name()));
     payload.release();  // owned by the callback now
     return OkStatus();
   }
@@ -416,8 +511,8 @@ class CudaDevice final : public Device {
     STRATA_ASSIGN_OR_RETURN(CudaEvent * e, CheckEvent(event, "record event"));
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "record event"));
-    STRATA_RETURN_IF_CUDA_ERROR(cudaEventRecord(e->event(), s->stream()),
-                                fmt::format("record event on {}", s->name()));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaEventRecord(e->event(), s->stream()),
+                                       fmt::format("record event on {}", s->name()));
     std::lock_guard lock(event_mu_);
     e->recorded_on = s->sticky();
     return OkStatus();
@@ -428,8 +523,8 @@ class CudaDevice final : public Device {
     STRATA_ASSIGN_OR_RETURN(CudaEvent * e, CheckEvent(event, "wait event"));
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "wait event"));
-    STRATA_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(s->stream(), e->event(), 0),
-                                fmt::format("wait event on {}", s->name()));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaStreamWaitEvent(s->stream(), e->event(), 0),
+                                       fmt::format("wait event on {}", s->name()));
     return OkStatus();
   }
 
@@ -437,8 +532,8 @@ class CudaDevice final : public Device {
     STRATA_ASSIGN_OR_RETURN(CudaEvent * e, CheckEvent(event, "synchronize event"));
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "synchronize event"));
-    STRATA_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(e->event()),
-                                fmt::format("synchronize event on {}", caps_.name));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaEventSynchronize(e->event()),
+                                       fmt::format("synchronize event on {}", caps_.name));
     std::shared_ptr<StickyError> sticky;
     {
       std::lock_guard lock(event_mu_);
@@ -457,22 +552,23 @@ class CudaDevice final : public Device {
       cudaGetLastError();  // not an error; keep it out of later calls
       return false;
     }
-    return CudaError(err, fmt::format("query event on {}", caps_.name));
+    return Fail(err, fmt::format("query event on {}", caps_.name));
   }
 
   Status StreamSynchronize(StreamRef stream) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, CheckStream(stream, "synchronize stream"));
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "synchronize stream"));
-    STRATA_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(s->stream()),
-                                fmt::format("synchronize {}", s->name()));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaStreamSynchronize(s->stream()),
+                                       fmt::format("synchronize {}", s->name()));
     return s->sticky()->Get();
   }
 
   Status Synchronize() override {
     CudaDeviceGuard device_guard;
     STRATA_RETURN_IF_ERROR(Select(device_guard, "synchronize"));
-    STRATA_RETURN_IF_CUDA_ERROR(cudaDeviceSynchronize(), fmt::format("synchronize {}", caps_.name));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaDeviceSynchronize(),
+                                       fmt::format("synchronize {}", caps_.name));
     std::lock_guard lock(streams_mu_);
     Status first;
     for (const auto& [id, sticky] : stickies_) {
@@ -486,11 +582,12 @@ class CudaDevice final : public Device {
   void FreeDevice(void* data, size_t bytes) override {
     CudaDeviceGuard device_guard;
     device_guard.Select(ordinal_);
-    if (caps_.async_alloc) {
-      cudaFreeAsync(data, alloc_stream_);
-    } else {
-      cudaFree(data);
-    }
+    // Memory from a pool (Strata's own or the current one) goes back to it
+    // in alloc_stream_'s order; cudaFreeAsync returns it to whichever pool
+    // it came from.
+    const cudaError_t err =
+        alloc_mode_ == AllocMode::kMalloc ? cudaFree(data) : cudaFreeAsync(data, alloc_stream_);
+    if (err != cudaSuccess) (void)cudaGetLastError();  // not the next launch's error
   }
 
   void FreeHost(void* data, size_t bytes, HostMemoryLock lock) override {
@@ -509,11 +606,128 @@ class CudaDevice final : public Device {
     }
   }
 
-  // Makes this device current until `guard` goes out of scope.
+  // Makes this device current until `guard` goes out of scope; once the
+  // context is lost, refuses with the error that lost it.
   Status Select(CudaDeviceGuard& guard, std::string_view op) {
-    STRATA_RETURN_IF_CUDA_ERROR(guard.Select(ordinal_),
-                                fmt::format("{} on {}: select device", op, caps_.name));
+    STRATA_RETURN_IF_ERROR(Lost(op));
+    STRATA_RETURN_IF_DEVICE_CUDA_ERROR(guard.Select(ordinal_),
+                                       fmt::format("{} on {}: select device", op, caps_.name));
     return OkStatus();
+  }
+
+  // The Status of a failed CUDA call of this device (CudaError). A sticky
+  // error is also remembered: the context is unusable for the rest of the
+  // process, and every later call of this device returns it (Lost) instead
+  // of reaching the driver, whatever the call.
+  Status Fail(cudaError_t err, std::string_view op) {
+    Status s = CudaError(err, op);
+    if (internal::IsStickyCudaError(err)) {
+      std::lock_guard lock(lost_mu_);
+      if (lost_.ok()) lost_ = s;
+      lost_flag_.store(true, std::memory_order_release);
+    }
+    return s;
+  }
+
+  // OK until a call of this device failed with a sticky error; then that
+  // error (DataLoss, IsDeviceLost), naming `op` as refused.
+  Status Lost(std::string_view op) {
+    if (!lost_flag_.load(std::memory_order_acquire)) return OkStatus();
+    std::lock_guard lock(lost_mu_);
+    return lost_.WithContext(
+        fmt::format("{} on {}: refused, the device failed earlier", op, caps_.name));
+  }
+
+  // Device memory comes from a memory pool of this device's own, never from
+  // the device's default pool: a pool's settings are process-wide, and
+  // raising the default pool's release threshold (as this backend did)
+  // kept every byte Strata freed away from torch (whose caching allocator
+  // takes cudaMalloc) and anything else in the process. This pool keeps
+  // what is freed (release threshold UINT64_MAX, so a buffer made again, a
+  // save's or a lazily made one, takes no trip to the driver) until
+  // ReleaseCachedMemory(), an allocation that does not fit otherwise, or
+  // the device's destruction hands it back. It is never made the device's
+  // current pool (cudaDeviceSetMemPool is process-wide as well), and its
+  // memory is accessible from this device only, as the default pool's is by
+  // default.
+  // Where it cannot be made (a driver without pool support for it:
+  // cudaErrorNotSupported), allocations take cudaMallocAsync from the
+  // device's current pool, whose settings are left alone.
+  Status CreatePool() {
+    cudaMemPoolProps props{};  // the reserved bytes must be 0
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;  // no IPC
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = ordinal_;
+    cudaMemPool_t pool = nullptr;
+    cudaError_t err = cudaMemPoolCreate(&pool, &props);
+    if (err == cudaSuccess) {
+      uint64_t threshold = std::numeric_limits<uint64_t>::max();  // cuuint64_t
+      err = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+      if (err != cudaSuccess) {
+        cudaMemPoolDestroy(pool);  // empty: released at once
+        pool = nullptr;
+      }
+    }
+    if (err == cudaSuccess) {
+      pool_ = pool;
+      alloc_mode_ = AllocMode::kOwnPool;
+      return OkStatus();
+    }
+    if (internal::IsStickyCudaError(err)) {
+      return Fail(err, fmt::format("create a memory pool on {}", caps_.name));
+    }
+    (void)cudaGetLastError();
+    alloc_mode_ = AllocMode::kCurrentPool;
+    WarnOnce("cuda-mempool-create",
+             fmt::format("create a memory pool on {}: {} ({}); allocating with cudaMallocAsync "
+                         "from the device's current memory pool instead (its settings are left "
+                         "as they are)",
+                         caps_.name, cudaGetErrorName(err), cudaGetErrorString(err)));
+    return OkStatus();
+  }
+
+  // One allocation attempt, usable from every stream on success (an
+  // allocation from a pool is ordered on alloc_stream_ only, until that
+  // stream is synchronized).
+  cudaError_t AllocateNow(void** p, size_t bytes) {
+    if (alloc_mode_ == AllocMode::kMalloc) return cudaMalloc(p, bytes);
+    cudaError_t err = alloc_mode_ == AllocMode::kOwnPool
+                          ? cudaMallocFromPoolAsync(p, bytes, pool_, alloc_stream_)
+                          : cudaMallocAsync(p, bytes, alloc_stream_);
+    if (err != cudaSuccess) return err;
+    err = cudaStreamSynchronize(alloc_stream_);
+    if (err != cudaSuccess) {
+      cudaFreeAsync(*p, alloc_stream_);
+      *p = nullptr;
+    }
+    return err;
+  }
+
+  // Allocate's out-of-memory error: the GPU's free and total memory, and
+  // what Strata's pool holds (OutOfDeviceMemoryError).
+  Status OutOfMemory(std::string_view op) {
+    Status oom = CudaError(cudaErrorMemoryAllocation, op);  // clears the last error
+    internal::CudaMemoryFigures figures;
+    if (cudaMemGetInfo(&figures.free_bytes, &figures.total_bytes) == cudaSuccess) {
+      figures.have_gpu = true;
+    } else {
+      (void)cudaGetLastError();
+    }
+    if (pool_ != nullptr) {
+      uint64_t reserved = 0;  // cuuint64_t
+      uint64_t used = 0;
+      if (cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved) ==
+              cudaSuccess &&
+          cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess) {
+        figures.have_pool = true;
+        figures.pool_reserved_bytes = reserved;
+        figures.pool_used_bytes = used;
+      } else {
+        (void)cudaGetLastError();
+      }
+    }
+    return internal::OutOfDeviceMemoryError(oom, caps_.name, figures);
   }
 
   // A stream registered for Synchronize() until it is destroyed; a new one,
@@ -523,8 +737,8 @@ class CudaDevice final : public Device {
       const std::string& label, std::optional<cudaStream_t> borrowed = std::nullopt) {
     cudaStream_t s = borrowed.value_or(nullptr);
     if (!borrowed) {
-      STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                                  fmt::format("create {} on {}", label, caps_.name));
+      STRATA_RETURN_IF_DEVICE_CUDA_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                                         fmt::format("create {} on {}", label, caps_.name));
     }
     auto sticky = std::make_shared<StickyError>();
     uint64_t id;
@@ -564,7 +778,17 @@ class CudaDevice final : public Device {
   const DeviceCaps caps_;
   const int ordinal_;
   std::unique_ptr<CudaStream> default_stream_;
+  // How Allocate gets memory; set by Init, then read only. kOwnPool and
+  // kCurrentPool allocate and free on alloc_stream_.
+  enum class AllocMode : uint8_t { kMalloc = 0, kCurrentPool = 1, kOwnPool = 2 };
+  AllocMode alloc_mode_ = AllocMode::kMalloc;
   cudaStream_t alloc_stream_ = nullptr;
+  cudaMemPool_t pool_ = nullptr;  // kOwnPool: Strata's own; destroyed with the device
+  // The sticky error that made the context unusable (Fail/Lost); never
+  // cleared, a context does not recover.
+  std::atomic<bool> lost_flag_{false};
+  std::mutex lost_mu_;
+  Status lost_;
   std::mutex event_mu_;
   std::mutex streams_mu_;
   std::mutex registered_mu_;
@@ -573,6 +797,8 @@ class CudaDevice final : public Device {
   uint64_t next_registry_id_ = 0;
   std::atomic<uint64_t> next_stream_id_{1};
 };
+
+#undef STRATA_RETURN_IF_DEVICE_CUDA_ERROR
 
 }  // namespace
 

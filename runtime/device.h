@@ -31,10 +31,12 @@
 //     capped in bandwidth with a fixed latency, one link per direction shared
 //     by every stream of the device (a PCIe model). Device memory is
 //     host-addressable, so host twins of kernels run on it via LaunchHostFunc.
-//   - cuda (CreateCudaDevice): cudaMallocAsync (or cudaMalloc where memory
-//     pools are unsupported), non-blocking CUDA streams, timing-free events,
-//     cudaMemcpyAsync (host memory must come from AllocateHost or a
-//     PinnedPool: pageable copies serialize), cudaLaunchHostFunc.
+//   - cuda (CreateCudaDevice): cudaMallocFromPoolAsync from a memory pool of
+//     the device's own, never the process-wide default pool (cudaMalloc
+//     where memory pools are unsupported), non-blocking CUDA streams,
+//     timing-free events, cudaMemcpyAsync (host memory must come from
+//     AllocateHost or a PinnedPool: pageable copies serialize),
+//     cudaLaunchHostFunc.
 //
 // Ordering: work enqueued on one stream runs in enqueue order. Streams run
 // concurrently unless ordered by StreamWaitEvent. An enqueue call returns
@@ -49,6 +51,8 @@
 // failure still complete (waiters never hang) and EventSynchronize reports
 // the error. (On CUDA, work already handed to the driver when the failure
 // is observed still runs; host tasks and copies after that are skipped.)
+// A device whose context became unusable returns DataLoss from then on (see
+// IsDeviceLost below).
 //
 // Thread-safety: a Device and its methods are thread-safe. Stream, Event and
 // buffer objects are values: one owner at a time; enqueuing on the same
@@ -271,6 +275,13 @@ class Device {
   virtual Status StreamSynchronize(StreamRef stream) = 0;
   // Synchronizes every stream of the device; the first sticky error if any.
   virtual Status Synchronize() = 0;
+  // Hands device memory the allocator keeps cached for reuse (freed
+  // DeviceBuffers) back to the driver, so other allocators in the process
+  // (torch's) can have it; buffers still alive are untouched. Waits for the
+  // frees already enqueued. The engine calls it at the end of Create (the
+  // rate probe's temporary buffers). A no-op where nothing is cached (the
+  // host device, and CUDA without memory pools).
+  virtual Status ReleaseCachedMemory() { return OkStatus(); }
 
  protected:
   Device() = default;
@@ -282,6 +293,21 @@ class Device {
   virtual void FreeDevice(void* data, size_t bytes) = 0;
   virtual void FreeHost(void* data, size_t bytes, HostMemoryLock lock) = 0;
 };
+
+// A device whose context became unusable (on CUDA, a sticky error: an
+// illegal address, a launch failure, an uncorrectable ECC error, ...) returns
+// DataLoss whose message contains kDeviceLostText, says that the process
+// must restart and that the last checkpoint is intact; the device then
+// returns it from every later call. DataLoss because what the device held
+// (device-resident optimizer state, params, gradients in flight) is lost to
+// this process, and the way back is a checkpoint, loaded in a new process:
+// no retry here can succeed. IsDeviceLost() tells it from a damaged file's
+// DataLoss, which a retry or a load in this process can fix.
+inline constexpr std::string_view kDeviceLostText = "the CUDA context is unusable";
+inline bool IsDeviceLost(const Status& status) {
+  return status.code() == StatusCode::kDataLoss &&
+         status.message().find(kDeviceLostText) != std::string_view::npos;
+}
 
 // Whether the host device treats host memory it did not allocate as device
 // memory in copies. kAccept is for trainers whose tensors are ordinary host

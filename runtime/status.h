@@ -23,7 +23,10 @@
 //   kResourceExhausted  a budget or the disk is full: raise it or shrink work.
 //   kFailedPrecondition the system is not in the state the call needs.
 //   kUnavailable        transient (EINTR, EAGAIN, busy): retrying may work.
-//   kDataLoss           stored data is corrupt or torn: restore a checkpoint.
+//   kDataLoss           stored data is corrupt or torn: restore a checkpoint. Also
+//                       a device that lost its memory for the process (a sticky
+//                       CUDA error, runtime/device.h IsDeviceLost): restart, then
+//                       restore a checkpoint.
 //   kCancelled          the operation was stopped before it finished.
 //   kUnimplemented      not supported by this backend/build.
 //   kInternal           a bug or an unexpected library failure.

@@ -1162,6 +1162,15 @@ class OffloadAdam(torch.optim.Optimizer):
             with self._on_current_stream():
                 getattr(self._engine, op)()
         except StrataError as e:
+            if "the CUDA context is unusable" in str(e):
+                # A sticky CUDA error (runtime/device.h IsDeviceLost): every later CUDA
+                # call in this process fails, torch's too, so no retry_step() or load
+                # here can succeed; the message says to restart. Checked before the
+                # DataLoss advice below, which is for a damaged file.
+                raise StrataError(
+                    f"{e}\nOffloadAdam: no call in this process can recover from this "
+                    "(retry_step() and load_checkpoint() fail the same way): restart the "
+                    "process and resume with load_checkpoint() from the last checkpoint") from e
             if self._engine.step_failed:
                 if str(e).startswith("DataLoss"):
                     raise StrataError(

@@ -464,6 +464,35 @@ TEST_P(DeviceConformance, DestroyingAStreamWaitsForItsWork) {
   EXPECT_TRUE(ran.load());
 }
 
+// ReleaseCachedMemory hands back only what was freed: a live buffer keeps its
+// contents, and the device allocates as before afterwards.
+TEST_P(DeviceConformance, ReleaseCachedMemoryKeepsLiveBuffers) {
+  constexpr size_t kBytes = size_t{1} << 20;
+  DeviceBuffer live = NewBuffer(kBytes);
+  HostAllocation pattern = NewHost(kBytes);
+  auto* in = static_cast<unsigned char*>(pattern.data());
+  for (size_t i = 0; i < kBytes; ++i) in[i] = static_cast<unsigned char>(i * 7 + 3);
+  Stream stream = NewStream();
+  ASSERT_TRUE(
+      device_->CopyAsync(live.data(), pattern.data(), kBytes, CopyKind::kHostToDevice, stream)
+          .ok());
+  ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
+  for (size_t bytes : {size_t{4096}, size_t{8} << 20}) {
+    DeviceBuffer freed = NewBuffer(bytes);
+  }
+  Status released = device_->ReleaseCachedMemory();
+  ASSERT_TRUE(released.ok()) << released;
+  ASSERT_TRUE(device_->ReleaseCachedMemory().ok()) << "a second release (nothing cached)";
+  HostAllocation back = NewHost(kBytes);
+  std::memset(back.data(), 0, kBytes);
+  ASSERT_TRUE(
+      device_->CopyAsync(back.data(), live.data(), kBytes, CopyKind::kDeviceToHost, stream).ok());
+  ASSERT_TRUE(device_->StreamSynchronize(stream).ok());
+  EXPECT_EQ(std::memcmp(back.data(), pattern.data(), kBytes), 0);
+  DeviceBuffer again = NewBuffer(kBytes);
+  EXPECT_NE(again.data(), nullptr);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backend, DeviceConformance,
                          ::testing::Values(std::string(STRATA_TEST_BACKEND)),
                          [](const auto& info) { return info.param; });
