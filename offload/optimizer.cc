@@ -1245,7 +1245,10 @@ Status OffloadOptimizer::Impl::Step() {
     if (Status s = AllReduceDoubles(failed, ReduceOp::kSum); !s.ok() && result.ok()) result = s;
     if (result.ok() && failed[0] > 0) {
       result = UnavailableError(fmt::format(
-          "{} other rank(s) failed this step; call RetryStep() on every rank", failed[0]));
+          "{} other rank(s) failed this step (see their errors); once the cause is fixed, call "
+          "RetryStep() on every rank, or, where a rank's error says its GPU is unusable, restart "
+          "every rank and load the last checkpoint",
+          failed[0]));
     }
   }
   if (result.ok()) {

@@ -857,6 +857,12 @@ class OffloadAdam(torch.optim.Optimizer):
         return [r.param for r in self._reg]
 
     def _refuse_if_failed(self, op):
+        if self._engine.step_failed and "the CUDA context is unusable" in \
+                self._engine.step_failure:
+            raise StrataError(
+                f"OffloadAdam.{op}: step {self._engine.step_count + 1} failed on an error "
+                f"that leaves the GPU unusable in this process ({self._engine.step_failure}); "
+                "restart the process and resume from the last checkpoint")
         if self._engine.step_failed:
             raise StrataError(
                 f"OffloadAdam.{op}: step {self._engine.step_count + 1} failed part way and is "
