@@ -853,6 +853,7 @@ TEST(EngineGradients, GradReadyTwiceRefusesTheStepUntilZeroGrad) {
   for (size_t t = 0; t < kSizes.size(); ++t) params_before.push_back(model.ParamBytes(t));
   model.SetGrads(model.RandomGrads(rng, 0.5f));
   ASSERT_TRUE(opt->GradReady(1).ok());
+  ASSERT_TRUE(device->Synchronize().ok());         // the report's statistics were taken
   model.SetGrads(model.RandomGrads(rng, 50.0f));  // more gradient, after the report
   const Status twice = opt->GradReady(1);
   EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition) << twice;
@@ -864,6 +865,7 @@ TEST(EngineGradients, GradReadyTwiceRefusesTheStepUntilZeroGrad) {
   EXPECT_EQ(opt->step_count(), 0);
   for (size_t t = 0; t < kSizes.size(); ++t) EXPECT_EQ(model.ParamBytes(t), params_before[t]);
   ASSERT_TRUE(opt->ZeroGrad().ok());
+  ASSERT_TRUE(device->Synchronize().ok());  // the zeroing is queued on the trainer's stream
   auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
   ASSERT_TRUE(opt->GradReady(1).ok());
   ASSERT_TRUE(opt->Step().ok());
