@@ -134,8 +134,9 @@ static_assert(sizeof(DeviceGradStats) == 16);
 
 // Threads per block and elements per block of GradStats: thread t of a block
 // sums elements t, t + 256, ... of its block in order, the 256 partial sums
-// are combined by a fixed tree (stride 128, 64, ..., 1), and the block sums
-// are added in block order. The host twin does exactly the same.
+// are combined by a fixed tree (stride 128, 64, ..., 1); the block sums are
+// combined the same way (thread t adds blocks t, t + 256, ... in order, then
+// the same tree). The host twin does exactly the same.
 inline constexpr size_t kGradStatsThreads = 256;
 inline constexpr size_t kGradStatsBlockElemsDevice = 16 * kGradStatsThreads;
 

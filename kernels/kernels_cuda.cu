@@ -75,18 +75,34 @@ __global__ void GradStatsBlockKernel(const void* grad, DType dtype, size_t elems
   if (threadIdx.x == 0) scratch[blockIdx.x] = DeviceGradStats{sums[0], counts[0]};
 }
 
-// Pass 2: one thread adds the block results in block order (the order the
-// host twin uses), then applies grad_scale^2.
+// Pass 2, one block: thread t adds the results of blocks t, t + 256, ... in
+// order, the same fixed tree combines the threads (the order the host twin
+// uses), then grad_scale^2. One thread adding every block in turn was a
+// serial chain of dependent loads, ~2 per 4096 elements.
 __global__ void GradStatsFinalKernel(const DeviceGradStats* scratch, size_t blocks,
                                      float grad_scale, DeviceGradStats* result) {
-  double total = 0.0;
-  uint64_t nonfinite = 0;
-  for (size_t b = 0; b < blocks; ++b) {
-    total = __dadd_rn(total, scratch[b].sum_sq);
+  __shared__ double sums[kGradStatsThreads];
+  __shared__ unsigned long long counts[kGradStatsThreads];
+  double acc = 0.0;
+  unsigned long long nonfinite = 0;
+  for (size_t b = threadIdx.x; b < blocks; b += kGradStatsThreads) {
+    acc = __dadd_rn(acc, scratch[b].sum_sq);
     nonfinite += scratch[b].nonfinite_elems;
   }
-  const double s = static_cast<double>(grad_scale);
-  *result = DeviceGradStats{__dmul_rn(total, __dmul_rn(s, s)), nonfinite};
+  sums[threadIdx.x] = acc;
+  counts[threadIdx.x] = nonfinite;
+  __syncthreads();
+  for (unsigned stride = kGradStatsThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + stride]);
+      counts[threadIdx.x] += counts[threadIdx.x + stride];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const double s = static_cast<double>(grad_scale);
+    *result = DeviceGradStats{__dmul_rn(sums[0], __dmul_rn(s, s)), counts[0]};
+  }
 }
 
 __global__ void AdamKernel(AdamKernelCoeffs c, float* params, float* exp_avg, float* exp_avg_sq,
@@ -149,7 +165,7 @@ int CudaGradStats(void* stream, const void* grad, DType dtype, size_t elems, flo
         grad, dtype, elems, scratch);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return static_cast<int>(err);
   }
-  GradStatsFinalKernel<<<1, 1, 0, s>>>(scratch, blocks, grad_scale, result);
+  GradStatsFinalKernel<<<1, kGradStatsThreads, 0, s>>>(scratch, blocks, grad_scale, result);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -15,8 +15,9 @@
 //   - GradStats vectorizes across the 256 "threads" of a block: lane t of the
 //     accumulators is thread t and adds elements t, t + 256, ... in order, the
 //     fixed tree adds lanes t and t + stride as the reference does (vectors
-//     while the stride spans whole vectors, scalar below), and block sums are
-//     added in block order. Squares of fp32 values are exact in double, so
+//     while the stride spans whole vectors, scalar below); block sums are
+//     combined the same way (lane t adds blocks t, t + 256, ... in order, then
+//     the fixed tree). Squares of fp32 values are exact in double, so
 //     only the order of the additions matters, and it is the reference's.
 //     Non-finite elements are counted only in blocks whose sum is not finite
 //     (a block sum is finite exactly when all its elements are).
@@ -244,15 +245,17 @@ HWY_NOINLINE DeviceGradStats GradStatsLoop(const void* grad, size_t elems) {
   using E = sd::StoredElem<T>;
   const E* g = static_cast<const E*>(grad);
   alignas(HWY_MAX_BYTES) double partial[kThreads];
-  double total = 0.0;
+  double lanes[kThreads] = {};  // lane t: the sums of blocks t, t + 256, ...
   uint64_t nonfinite = 0;
   size_t begin = 0;
-  for (; begin + kBlockElems <= elems; begin += kBlockElems) {
+  size_t block = 0;
+  for (; begin + kBlockElems <= elems; begin += kBlockElems, ++block) {
     const size_t ahead = begin + kPrefetchBlocks * kBlockElems;
     const double sum =
         BlockSum<T>(g + begin, ahead + kBlockElems <= elems ? g + ahead : nullptr, partial);
     if (!std::isfinite(sum)) nonfinite += CountNonFinite<T>(g + begin, kBlockElems);
-    total = total + sum;
+    double& lane = lanes[block % kThreads];
+    lane = lane + sum;
   }
   if (begin < elems) {
     // The last, partial block on a zero-padded copy: a thread past the end
@@ -262,9 +265,13 @@ HWY_NOINLINE DeviceGradStats GradStatsLoop(const void* grad, size_t elems) {
     std::memcpy(padded, g + begin, (elems - begin) * sizeof(E));
     const double sum = BlockSum<T>(padded, nullptr, partial);
     if (!std::isfinite(sum)) nonfinite += CountNonFinite<T>(padded, elems - begin);
-    total = total + sum;
+    double& lane = lanes[block % kThreads];
+    lane = lane + sum;
   }
-  return DeviceGradStats{total, nonfinite};
+  for (size_t stride = kThreads / 2; stride > 0; stride /= 2) {
+    for (size_t t = 0; t < stride; ++t) lanes[t] = lanes[t] + lanes[t + stride];
+  }
+  return DeviceGradStats{lanes[0], nonfinite};
 }
 
 // Unscaled: the caller multiplies by grad_scale^2.

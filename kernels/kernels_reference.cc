@@ -33,9 +33,10 @@ void AccumulateReference(ConstDeviceTensor src, DeviceTensor dst) {
 
 void GradStatsReference(ConstDeviceTensor grad, float grad_scale, void* stats_buffer) {
   // Mirrors kernels_cuda.cu's two passes exactly: per block, kGradStatsThreads
-  // strided partial sums, a fixed tree, then the block sums in block order.
+  // strided partial sums and a fixed tree; then the block sums the same way:
+  // lane t adds blocks t, t + 256, ... in order, and the same fixed tree.
   const size_t blocks = (grad.elems + kGradStatsBlockElemsDevice - 1) / kGradStatsBlockElemsDevice;
-  double total = 0.0;
+  double lanes[kGradStatsThreads] = {};
   uint64_t nonfinite = 0;
   for (size_t b = 0; b < blocks; ++b) {
     const size_t begin = b * kGradStatsBlockElemsDevice;
@@ -54,8 +55,13 @@ void GradStatsReference(ConstDeviceTensor grad, float grad_scale, void* stats_bu
     for (size_t stride = kGradStatsThreads / 2; stride > 0; stride /= 2) {
       for (size_t t = 0; t < stride; ++t) partial[t] = partial[t] + partial[t + stride];
     }
-    total = total + partial[0];
+    double& lane = lanes[b % kGradStatsThreads];
+    lane = lane + partial[0];
   }
+  for (size_t stride = kGradStatsThreads / 2; stride > 0; stride /= 2) {
+    for (size_t t = 0; t < stride; ++t) lanes[t] = lanes[t] + lanes[t + stride];
+  }
+  const double total = lanes[0];
   const double s = static_cast<double>(grad_scale);
   DeviceGradStats result{total * (s * s), nonfinite};
   std::memcpy(stats_buffer, &result, sizeof(result));

@@ -45,6 +45,7 @@ using ::strata::kernels::ConstDeviceTensor;
 using ::strata::kernels::DeviceGradStats;
 using ::strata::kernels::GradStatsBufferBytes;
 using ::strata::kernels::kGradStatsBlockElemsDevice;
+using ::strata::kernels::kGradStatsThreads;
 using ::strata::kernels::PackEntry;
 using ::strata::kernels::UnpackEntry;
 
@@ -389,7 +390,9 @@ void TestGradStatsMatchesReferenceBitwise() {
   const size_t block = kGradStatsBlockElemsDevice;
   for (DType t : kFloatTypes) {
     for (size_t n : {size_t{0}, size_t{1}, size_t{255}, size_t{256}, size_t{257}, block - 1, block,
-                     block + 1, 3 * block + 100, size_t{100003}}) {
+                     block + 1, 3 * block + 100, size_t{100003},
+                     // More blocks than threads: lanes of the block sums wrap.
+                     kGradStatsThreads * block + 5 * block + 17}) {
       for (float stddev : {1e-3f, 3.0f, 3e4f}) {
         for (float scale : {1.0f, 0.125f, 3.0f}) {
           SCOPED_TRACE(std::string(DTypeName(t)) + " n=" + std::to_string(n) + " stddev " +
