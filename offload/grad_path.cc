@@ -267,6 +267,10 @@ Status GradPath::Accumulate() {
     STRATA_RETURN_IF_ERROR(OrderAfterUser());
   } else {
     STRATA_RETURN_IF_ERROR(ReduceRest());
+    // The packs have read the trainer's tensors: its stream waits for them,
+    // not for the additions below (on CUDA, host functions on one CPU thread
+    // the GPU would sit idle behind).
+    STRATA_RETURN_IF_ERROR(OrderAfter(dev, o_.user_stream, o_.stream, done_event_));
   }
   STRATA_RETURN_IF_ERROR(EnsureDeviceBuffer(dev_accum_, device_elems_ * 4));
   for (uint32_t i = 0; i < n; ++i) {
@@ -315,9 +319,12 @@ Status GradPath::Accumulate() {
           o_.stream, [dst, src, wire, elems, first] { AddInto(dst, src, wire, elems, first); }));
     }
   }
-  // The trainer may reuse its grad tensors once this returns: its stream
-  // waits for the copies that read them.
-  STRATA_RETURN_IF_ERROR(OrderAfter(dev, o_.user_stream, o_.stream, done_event_));
+  // One rank: the trainer may reuse its grad tensors once this returns: its
+  // stream waits for the copies that read them (each ring slot's next copy
+  // waits for the addition that reads it, so that is all of them).
+  if (o_.world == 1) {
+    STRATA_RETURN_IF_ERROR(OrderAfter(dev, o_.user_stream, o_.stream, done_event_));
+  }
   ResetMicroStep();
   ++micro_steps_;
   return OkStatus();
