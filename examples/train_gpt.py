@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from strata.torch import OffloadAdam, ResourceExhaustedError
+    from strata.torch import OffloadAdam, StrataError
 except ImportError as e:
     sys.exit(f"train_gpt: cannot import strata.torch ({e}); build first (scripts/setup) and run "
              "with PYTHONPATH=build/python /usr/bin/python3")
@@ -85,7 +85,25 @@ def progressions(batch, seq, vocab, generator, device):
 def parse_count(text):
     units = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}
     text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(float(text))
+    try:
+        n = int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(float(text))
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 20M, 1.5B, 4096)")
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a count > 0")
+    return n
+
+
+def at_least(low):
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n}: give at least {low}")
+        return n
+    return parse
 
 
 def fmt_bytes(n):
@@ -97,17 +115,17 @@ def fmt_bytes(n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", default="20M",
+    ap.add_argument("--params", default=parse_count("20M"), type=parse_count,
                     help="target model size (e.g. 20M, 100M, 1B); sets --d-model from --layers")
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--d-model", type=int, default=None, help="overrides --params")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--layers", type=at_least(1), default=6)
+    ap.add_argument("--d-model", type=at_least(1), default=None, help="overrides --params")
+    ap.add_argument("--heads", type=at_least(1), default=8)
+    ap.add_argument("--vocab", type=at_least(8), default=64)
+    ap.add_argument("--seq", type=at_least(1), default=32)
+    ap.add_argument("--batch", type=at_least(1), default=8)
+    ap.add_argument("--steps", type=at_least(1), default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=at_least(1), default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--offload", default="nvme", choices=["nvme", "cpu"])
@@ -129,7 +147,13 @@ def main():
                     help="hand each gradient to the engine during backward")
     args = ap.parse_args()
     if args.gpu_fraction not in (None, "auto"):
-        args.gpu_fraction = float(args.gpu_fraction)
+        try:
+            args.gpu_fraction = float(args.gpu_fraction)
+        except ValueError:
+            ap.error(f"--gpu-fraction {args.gpu_fraction!r}: give a number in [0, 1] or auto")
+    if args.dtype == "fp16" and not args.device.startswith("cuda"):
+        ap.error("--dtype fp16 needs --device cuda (this PyTorch has no fp16 matmul on the CPU); "
+                 "use bf16 on the CPU")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,8 +163,10 @@ def main():
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.d_model is None:
         per_layer = 12 * args.layers
-        d = math.sqrt(parse_count(args.params) / per_layer)
+        d = math.sqrt(args.params / per_layer)
         args.d_model = max(args.heads * 8, int(round(d / 64)) * 64)
+    if args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads).to(device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
@@ -167,21 +193,42 @@ def main():
           f"vocab {args.vocab}, seq {args.seq}: {n_params / 1e6:.1f}M params ({args.dtype}) on "
           f"{device}; optimizer state {fmt_bytes(state_bytes)}", flush=True)
     if args.offload == "nvme":
-        print(f"offload: nvme at {nvme_dir}, host budget {fmt_bytes(int(args.host_budget))} "
-              f"(< state {fmt_bytes(state_bytes)})", flush=True)
+        budget = args.host_budget
+        print(f"offload: nvme at {nvme_dir}, host budget "
+              f"{fmt_bytes(budget) if isinstance(budget, int) else budget} (state "
+              f"{fmt_bytes(state_bytes)})", flush=True)
+    try:
+        return train(args, model, device, nvme_dir)
+    except StrataError as e:
+        print(f"train_gpt: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("train_gpt: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if made_dir:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+
+def train(args, model, device, nvme_dir):
+    # Named params: checkpoints and exports then carry the model's names.
+    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
     try:
         opt = OffloadAdam([{"params": decay, "weight_decay": 0.1},
                            {"params": no_decay, "weight_decay": 0.0}],
-                          lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0, offload=args.offload,
-                          nvme_path=nvme_dir, host_budget=args.host_budget,
+                          lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0,
+                          offload=args.offload, nvme_path=nvme_dir, host_budget=args.host_budget,
                           sub_group_size=args.sub_group_size, threads=args.threads,
                           gpu_fraction=args.gpu_fraction, device_budget=args.device_budget,
                           overlap_backward=args.overlap_backward)
-    except ResourceExhaustedError as e:
-        sys.exit(f"train_gpt: {e}")
+    except ValueError as e:  # an argument OffloadAdam refuses, e.g. --nvme-path a file
+        raise SystemExit(f"train_gpt: {e}")
+    with opt:
+        return train_with(args, model, device, opt)
+
+
+def train_with(args, model, device, opt):
     plan = opt.plan()
     print(plan["text"], flush=True)
     print(f"state: {fmt_bytes(plan['host_state_bytes'])} in DRAM ({plan['host_sub_groups']} "
@@ -234,9 +281,6 @@ def main():
     print(f"  state       {fmt_bytes(plan['host_state_bytes'])} DRAM, "
           f"{fmt_bytes(plan['nvme_state_bytes'])} NVMe")
     print(f"  nvme        {fmt_bytes(nvme_read)} read, {fmt_bytes(nvme_write)} written")
-    del opt
-    if made_dir:
-        shutil.rmtree(nvme_dir, ignore_errors=True)
     if not last < first * 0.8:
         print("train_gpt: the loss did not fall clearly", file=sys.stderr)
         return 1

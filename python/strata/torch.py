@@ -1741,6 +1741,8 @@ def export_checkpoint(directory, out, dtype="fp32", max_shard_size=None, force=F
     the other (model.safetensors beside shards, or shards of another count, which a
     loader could pick instead) are refused, or with `force` removed once the new
     files are written. Returns the files written."""
+    if not isinstance(force, bool):
+        raise ValueError(f"export_checkpoint: force={force!r}; use True or False")
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"export_checkpoint: dtype {dtype!r}; use torch.float32, "
                          "torch.bfloat16 or torch.float16")
@@ -1754,10 +1756,17 @@ def export_checkpoint(directory, out, dtype="fp32", max_shard_size=None, force=F
 
 def state_dict_from_checkpoint(directory, dtype=torch.float32):
     """The weights of the checkpoint in `directory` as an OrderedDict of shaped CPU
-    tensors, named as the optimizer's params were: ``model.load_state_dict(sd,
-    strict=False)`` takes it (strict=False when the model also has buffers). DeepSpeed's
-    get_fp32_state_dict_from_zero_checkpoint, for models that fit in DRAM; use
-    export_checkpoint for larger ones. Every chunk read is checked against its checksum."""
+    tensors in `dtype` (torch.float32/bfloat16/float16 or "fp32"/"bf16"/"fp16"), named
+    as the optimizer's params were. The params only: update ``model.state_dict()`` with
+    it and load that (buffers, and params frozen when the optimizer was built, stay the
+    model's). DeepSpeed's get_fp32_state_dict_from_zero_checkpoint, for models that fit
+    in DRAM; use export_checkpoint for larger ones. Every chunk read is checked against
+    its checksum."""
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"state_dict_from_checkpoint: dtype {dtype!r}; use torch.float32, "
+                         "torch.bfloat16, torch.float16 or 'fp32', 'bf16', 'fp16'")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+             "fp16": torch.float16}[_EXPORT_DTYPES[dtype]]
     ckpt = _strata.Checkpoint(os.fspath(directory))
     out = OrderedDict()
     for i, t in enumerate(ckpt.tensors()):
@@ -1766,4 +1775,11 @@ def state_dict_from_checkpoint(directory, dtype=torch.float32):
             ckpt.read_master(i, x.data_ptr(), x.numel())
         shape = t["shape"] if t["shape"] is not None else [t["elems"]]
         out[t["name"]] = x.reshape(shape).to(dtype)
+    if out and all(re.fullmatch(r"param\.[0-9]+", k) for k in out):
+        warnings.warn(
+            "state_dict_from_checkpoint: the optimizer that saved it was given params without "
+            "names, so the keys are param.0 ... param.N (in registration order), which "
+            "model.load_state_dict() matches to nothing (with strict=False it loads nothing, "
+            "silently). Build the optimizer from model.named_parameters()",
+            stacklevel=_outside_stacklevel())
     return out

@@ -189,3 +189,41 @@ def read_safetensors(path):
         out[name] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]),
                                      dtype=torch.float32).reshape(t["shape"])
     return out
+
+
+def test_unnamed_params_load_loudly_and_buffers_stay_the_models(tmp_path):
+    """An optimizer built from unnamed params saves param.0 ... param.N, which a
+    strict=False load matched to nothing, silently: state_dict_from_checkpoint warns.
+    The documented load (update the model's state_dict) keeps buffers and works
+    with named params."""
+    import warnings
+
+    import torch
+    from strata.torch import OffloadAdam, state_dict_from_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(8, 4)).sum().backward()  # BatchNorm's running stats move
+    with OffloadAdam(list(model.parameters()), lr=0.1) as opt:
+        opt.step()
+        opt.save_checkpoint(tmp_path / "unnamed")
+    with pytest.warns(UserWarning, match="params without names"):
+        sd = state_dict_from_checkpoint(tmp_path / "unnamed", dtype="bf16")
+    assert list(sd) == ["param.0", "param.1", "param.2", "param.3"]
+    assert all(t.dtype == torch.bfloat16 for t in sd.values())
+
+    with OffloadAdam(model.named_parameters(), lr=0.1) as opt:
+        opt.step()
+        opt.save_checkpoint(tmp_path / "named")
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    fresh[1].running_mean.copy_(model[1].running_mean)  # buffers come from the model's save
+    weights = fresh.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights.update(state_dict_from_checkpoint(tmp_path / "named"))
+    fresh.load_state_dict(weights)
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(fresh[1].running_mean, model[1].running_mean)
+    with pytest.raises(ValueError, match="force='no'"):
+        strata.torch.export_checkpoint(tmp_path / "named", tmp_path / "x.safetensors", force="no")
