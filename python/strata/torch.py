@@ -482,8 +482,10 @@ class OffloadAdam(torch.optim.Optimizer):
             ``gradient_clipping``, ``fp16.enabled``, ``bf16.enabled``,
             ``zero_optimization.sub_group_size``.
         process_group: the ``torch.distributed`` group for multi-process
-            training (None: the default group when initialized). Each rank owns
-            1/world of the state (ZeRO); gradients are averaged over ranks.
+            training (None: the default group when initialized; on CPU the
+            optimizer then makes a group of its own over the same ranks, so the
+            trainer's collectives never meet its). Each rank owns 1/world of the
+            state (ZeRO); gradients are averaged over ranks.
             CPU tensors use torch.distributed's collectives (gloo); CUDA
             tensors use NCCL, bootstrapped through the group.
         state_dict_dir: None (default): ``state_dict()`` holds the state as
@@ -776,6 +778,18 @@ class OffloadAdam(torch.optim.Optimizer):
                     dist.broadcast_object_list(obj, src=_global_rank(group, 0), group=group)
                     comm = ("nccl", rank, world, obj[0])
                 else:
+                    # The engine's collectives run on its own threads (during backward
+                    # with overlap_backward), the trainer's on its own
+                    # (dist.all_reduce(loss) before step()): on one gloo group they
+                    # would meet mid-flight and abort the process. Over the default
+                    # group, which every process builds the optimizer in, it takes a
+                    # group of its own (a given process_group stays the trainer's
+                    # choice: keep other collectives off it).
+                    if process_group is None:
+                        options = getattr(group, "options", None)
+                        timeout = getattr(options, "_timeout", None)
+                        group = (dist.new_group(timeout=timeout) if timeout is not None
+                                 else dist.new_group())
                     comm = ("python", rank, world, _TorchDistributedComm(group, rank, world))
 
         device = "host"
@@ -1024,6 +1038,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """overlap_backward: param k's .grad holds this backward's gradient."""
         if self._no_sync or self._engine.step_failed:
             return  # an earlier micro-step; or retry_step() will not read .grad
+        self._refuse_unscaled("backward")
         r = self._reg[k]
         if self._reported[k]:
             self._overlap_error = (
@@ -1202,16 +1217,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._overlap_error:
             raise RuntimeError(f"{self._overlap_error}. Call zero_grad() and run the backward "
                                "again")
-        if not self._scaled and self._engine.loss_scale != 1.0:
-            raise RuntimeError(
-                f"OffloadAdam.step: the params are float16, so step() divides the gradients "
-                f"by the loss scale ({self._engine.loss_scale:g}), and no backward since the "
-                "last step went through optimizer.backward(loss) or "
-                "optimizer.scale_loss(loss).backward(): a plain loss.backward() would make "
-                "the update that many times too small. Call zero_grad() and run the backward "
-                "as optimizer.backward(loss). For gradients set by hand, use a static "
-                "scale of 1: config={'fp16': {'loss_scale': 1}}. Trainers that call "
-                "loss.backward() themselves need bfloat16 or float32 params")
+        self._refuse_unscaled("step")
         self._check_handed_grads()
         moved = self._check_params("step")
         written = self._written(moved)
@@ -1555,9 +1561,36 @@ class OffloadAdam(torch.optim.Optimizer):
         """Writes the C++ engine's checkpoint (docs/checkpoint.md) to `directory`, with the
         params' names and shapes. Refused while a failed step awaits retry_step()."""
         self._refuse_if_failed("save_checkpoint")
+        self._refuse_mid_hand_over("save_checkpoint")
         self._sync_hypers()
         with self._on_current_stream():
             self._engine.save(os.fspath(directory))
+
+    def _refuse_unscaled(self, op):
+        """fp16: gradients not scaled by loss_scale would make the update that many times
+        too small. Checked in step(), and with overlap_backward at the first hand-over,
+        before this rank sends anything (the other ranks then wait for its retry)."""
+        if not self._scaled and self._engine.loss_scale != 1.0:
+            raise RuntimeError(
+                f"OffloadAdam.{op}: the params are float16, so step() divides the gradients "
+                f"by the loss scale ({self._engine.loss_scale:g}), and no backward since the "
+                "last step went through optimizer.backward(loss) or "
+                "optimizer.scale_loss(loss).backward(): a plain loss.backward() would make "
+                "the update that many times too small. Call zero_grad() and run the backward "
+                "as optimizer.backward(loss). For gradients set by hand, use a static "
+                "scale of 1: config={'fp16': {'loss_scale': 1}}. Trainers that call "
+                "loss.backward() themselves need bfloat16 or float32 params")
+
+    def _refuse_mid_hand_over(self, op):
+        """overlap_backward with several ranks: between a backward and step() the handed-over
+        gradients are reduced over the engine's communicator, where a checkpoint's
+        collectives would meet them (gloo aborted the process)."""
+        if self._engine.world_size > 1 and any(self._reported):
+            raise StrataError(
+                f"OffloadAdam.{op}: called between a backward and step() with "
+                "overlap_backward=True on several ranks: the gradients that backward handed "
+                "over are being reduced over the communicator the checkpoint would use. Call "
+                "it after step() (or zero_grad()), before the next backward")
 
     @_one_thread
     def load_checkpoint(self, directory):
@@ -1565,6 +1598,7 @@ class OffloadAdam(torch.optim.Optimizer):
         counters and the params; the groups' hyperparameters become the engine's. Shapes
         recorded in the checkpoint must match the params'."""
         self._check_params("load_checkpoint")
+        self._refuse_mid_hand_over("load_checkpoint")
         self._state_version += 1
         with self._on_current_stream():
             self._engine.load(os.fspath(directory))

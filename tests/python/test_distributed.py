@@ -40,7 +40,13 @@ def batch():
 def train(model, opt, x, y):
     dtype = next(model.parameters()).dtype
     for _ in range(STEPS):
-        torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+        loss.backward()
+        if dist.is_initialized():
+            # The trainer's own collective between backward and step (the mean loss
+            # for its log), while the engine's reduce-scatters may still run
+            # (overlap_backward): on one gloo group they aborted the process.
+            dist.all_reduce(loss.detach().clone())
         opt.step()
         opt.zero_grad()
 
@@ -134,6 +140,18 @@ def misuse_worker(rank, init_file, out_dir):
                 opt.step()
         except Exception as e:  # StrataError on both ranks
             seen["mismatch"] = f"{type(e).__name__}: {e}"
+        # overlap_backward: a checkpoint between backward and step() is refused on
+        # every rank (its collectives met the gradients' reductions: gloo aborted).
+        model = make_model()
+        opt = OffloadAdam(model.parameters(), lr=1e-2, overlap_backward=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            opt.save_checkpoint(os.path.join(out_dir, "ckpt2"))
+        except Exception as e:
+            seen["mid_hand_over"] = f"{type(e).__name__}: {e}"
+        opt.step()
+        opt.save_checkpoint(os.path.join(out_dir, "ckpt2"))
+        seen["saved_after_step"] = opt.step_count
         torch.save(seen, os.path.join(out_dir, f"misuse{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -154,4 +172,9 @@ def test_ranks_that_issue_different_calls_fail_on_every_rank_naming_both(tmp_pat
         assert "every rank must call step(), save_checkpoint() and load_checkpoint() together" \
             in text, text
     assert "nothing was written" in seen[0]["mismatch"]
+    for r in range(WORLD):
+        assert seen[r]["mid_hand_over"].startswith(
+            "StrataError: OffloadAdam.save_checkpoint: called between a backward and step() with "
+            "overlap_backward=True on several ranks"), seen[r]["mid_hand_over"]
+        assert seen[r]["saved_after_step"] == 1
     assert not (tmp_path / "ckpt" / "latest.json").exists()

@@ -209,3 +209,20 @@ def test_a_grad_written_after_the_hand_over_is_refused(set_to_none):
     loss_of(model, 0, torch.float32).backward()
     opt.step()
     assert opt.step_count == 1
+
+
+def test_an_unscaled_fp16_backward_is_refused_before_anything_is_handed_over():
+    """With several ranks a refusal in step() came after this rank's reduce-scatters had
+    gone out, so the advised retry met the other ranks' step. The first hook refuses,
+    before the engine is handed anything; the retry then steps as usual."""
+    model = make_model(torch.float16)
+    opt = make_opt(model, True, config={"fp16": {"initial_scale_power": 4}})
+    recorder = Recorder(opt._engine)
+    opt._engine = recorder
+    with pytest.raises(RuntimeError, match=r"OffloadAdam.backward: the params are float16"):
+        loss_of(model, 0, torch.float16).backward()
+    assert recorder.ready == []
+    opt.zero_grad()
+    opt.backward(loss_of(model, 0, torch.float16))
+    opt.step()
+    assert opt.step_count == 1 and len(recorder.ready) == len(list(model.parameters()))
