@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -117,18 +118,24 @@ std::string_view SafetensorsDType(DType t) {
   }
 }
 
-// fp32 -> the export's dtype, as bytes appended to `out`.
-void Convert(std::span<const float> in, DType dtype, std::vector<std::byte>& out) {
+// fp32 -> the export's dtype, as the bytes of `out`; returns how many finite
+// values became infinite (beyond the dtype's range).
+uint64_t Convert(std::span<const float> in, DType dtype, std::vector<std::byte>& out) {
   const size_t size = DTypeSize(dtype);
   out.resize(in.size() * size);
   if (dtype == DType::kF32) {
     std::memcpy(out.data(), in.data(), in.size_bytes());
-    return;
+    return 0;
   }
   auto* dst = reinterpret_cast<uint16_t*>(out.data());
+  // The infinities of both 16-bit formats: every exponent bit set, no mantissa.
+  const uint16_t inf = dtype == DType::kBF16 ? 0x7f80 : 0x7c00;
+  uint64_t overflowed = 0;
   for (size_t i = 0; i < in.size(); ++i) {
     dst[i] = dtype == DType::kBF16 ? F32ToBF16(in[i]) : F32ToF16(in[i]);
+    overflowed += (dst[i] & 0x7fff) == inf && std::isfinite(in[i]) ? 1 : 0;
   }
+  return overflowed;
 }
 
 struct Shard {
@@ -184,6 +191,13 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   for (uint32_t i = 0; i < info.tensors.size(); ++i) {
     const CheckpointTensor& t = info.tensors[i];
     names.push_back(t.name.empty() ? fmt::format("param.{}", i) : t.name);
+    if (names.back() == "__metadata__") {
+      return FailedPreconditionError(fmt::format(
+          "{}: tensor {} is named '__metadata__', the key safetensors keeps for its metadata "
+          "(saved before optimizers refused the name): load the save into an optimizer whose "
+          "param has another name and save again",
+          op, i));
+    }
     if (!seen.insert(names.back()).second) {
       return FailedPreconditionError(fmt::format(
           "{}: tensor {} is named '{}' like an earlier one; safetensors needs unique names: "
@@ -273,13 +287,20 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
     STRATA_RETURN_IF_ERROR((writer->Append(len)).WithContext(op));
     STRATA_RETURN_IF_ERROR((writer->Append(text)).WithContext(op));
     for (uint32_t i : shard.tensors) {
+      uint64_t overflowed = 0;
       for (uint64_t at = 0; at < info.tensors[i].elems; at += buf.size()) {
         const uint64_t k = std::min<uint64_t>(buf.size(), info.tensors[i].elems - at);
         std::span<float> part(buf.data(), k);
         STRATA_RETURN_IF_ERROR((reader->ReadTensor(0, i, at, part)).WithContext(op));
-        Convert(part, options.dtype, converted);
+        overflowed += Convert(part, options.dtype, converted);
         STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
         progress.Add(converted.size());
+      }
+      if (overflowed > 0) {
+        LogWarning(fmt::format(
+            "{}: {} of the {} values of tensor '{}' are beyond {}'s range and are inf in the "
+            "file; export it as bf16 or fp32 to keep them",
+            op, overflowed, info.tensors[i].elems, names[i], DTypeName(options.dtype)));
       }
     }
     STRATA_RETURN_IF_ERROR((writer->Commit()).WithContext(op));

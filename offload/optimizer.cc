@@ -178,6 +178,12 @@ Status CheckUniqueNames(std::span<const Param> params, std::span<const uint32_t>
   std::unordered_map<std::string_view, uint32_t> named;
   for (uint32_t i = 0; i < params.size(); ++i) {
     if (params[i].name.empty()) continue;
+    if (params[i].name == "__metadata__") {
+      return InvalidArgumentError(fmt::format(
+          "{}: param {} (group {}) is named '__metadata__', the key safetensors files keep "
+          "for their metadata, so it could not be exported: rename it",
+          op, i, group[i]));
+    }
     auto [it, inserted] = named.emplace(params[i].name, i);
     if (!inserted) {
       const uint32_t j = it->second;

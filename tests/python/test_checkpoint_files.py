@@ -227,3 +227,22 @@ def test_unnamed_params_load_loudly_and_buffers_stay_the_models(tmp_path):
     assert torch.equal(fresh[1].running_mean, model[1].running_mean)
     with pytest.raises(ValueError, match="force='no'"):
         strata.torch.export_checkpoint(tmp_path / "named", tmp_path / "x.safetensors", force="no")
+
+
+def test_an_fp16_export_says_which_values_overflow(tmp_path, caplog):
+    """Values beyond float16's range became inf in the file without a word."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="strata")
+    w = torch.nn.Parameter(torch.zeros(10))
+    with OffloadAdam([("w", w)], lr=0.0) as opt:
+        with torch.no_grad():
+            w[3], w[7] = 1e5, -7e4  # beyond +-65504
+        opt.reload_params()
+        opt.step()
+        opt.save_checkpoint(tmp_path / "ckpt")
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "m16.safetensors", dtype="fp16")
+    warned = [r.getMessage() for r in caplog.records if "beyond" in r.getMessage()]
+    assert len(warned) == 1 and "2 of the 10 values of tensor 'w'" in warned[0], warned
+    caplog.clear()
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "m.safetensors", dtype="bf16")
+    assert not [r for r in caplog.records if "beyond" in r.getMessage()]

@@ -701,6 +701,9 @@ def test_duplicate_names_and_non_finite_counts_reach_python():
     groups = [{"params": list(a.named_parameters())}, {"params": list(b.named_parameters())}]
     with pytest.raises(strata.InvalidArgumentError, match="'weight'"):
         OffloadAdam(groups)
+    # The key safetensors keeps for metadata: refused here, not first at export.
+    with pytest.raises(strata.InvalidArgumentError, match="named '__metadata__'"):
+        OffloadAdam([("__metadata__", torch.nn.Parameter(torch.zeros(3)))])
     model = Net()
     opt = OffloadAdam(model.parameters())
     backward(model)
