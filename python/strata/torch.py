@@ -246,6 +246,9 @@ class _TorchDistributedComm:
         self.rank = rank
         self.world_size = world_size
         self._dtypes = sorted(_BUFFER_DTYPES)
+        # The first failed collective: the engine's streams keep it, so every later
+        # call of the optimizer would fail with it (OffloadAdam says so up front).
+        self.failed = None
         _let_gloo_finish_at_exit()
 
     def _describe(self, code, count):
@@ -261,6 +264,7 @@ class _TorchDistributedComm:
         try:
             fn()
         except RuntimeError as e:
+            self.failed = self.failed or f"{what}: {e}"
             text = str(e)
             if "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
                 raise RuntimeError(f"{what}: another rank exited or failed (its connection "
@@ -281,6 +285,7 @@ class _TorchDistributedComm:
         if header[0] != code or header[1] != count or header[2] != -code or header[3] != -count:
             other = (self._describe(header[0], header[1]) if header[0] != code or
                      header[1] != count else self._describe(-header[2], -header[3]))
+            self.failed = self.failed or f"rank {self.rank} issued {mine}, another rank {other}"
             raise RuntimeError(
                 f"rank {self.rank} issues {mine} while another rank issues {other}: every rank "
                 "must call step(), save_checkpoint() and load_checkpoint() together (a rank "
@@ -760,6 +765,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 groups.append({"params": entries, **self._hyper_of(g)})
 
         comm = None
+        self._comm = None  # the gloo communicator, when there is one
         self._group = process_group
         world = 1
         if dist.is_available() and dist.is_initialized():
@@ -790,7 +796,8 @@ class OffloadAdam(torch.optim.Optimizer):
                         timeout = getattr(options, "_timeout", None)
                         group = (dist.new_group(timeout=timeout) if timeout is not None
                                  else dist.new_group())
-                    comm = ("python", rank, world, _TorchDistributedComm(group, rank, world))
+                    self._comm = _TorchDistributedComm(group, rank, world)
+                    comm = ("python", rank, world, self._comm)
 
         device = "host"
         stream = None
@@ -869,6 +876,15 @@ class OffloadAdam(torch.optim.Optimizer):
     def _params(self):
         """The registered params, in the engine's order."""
         return [r.param for r in self._reg]
+
+    def _refuse_if_comm_failed(self, op):
+        failed = self._comm.failed if self._comm is not None else None
+        if failed:
+            raise StrataError(
+                f"OffloadAdam.{op}: a collective of this optimizer failed earlier ({failed}); "
+                "the engine's streams keep that failure, so it cannot run again: on every rank, "
+                "build a new OffloadAdam (after dist.destroy_process_group() and "
+                "init_process_group() when a rank died) and load the last checkpoint")
 
     def _refuse_if_failed(self, op):
         if self._engine.step_failed and "the CUDA context is unusable" in \
@@ -1209,6 +1225,7 @@ class OffloadAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step (a collective with torch.distributed); returns closure()'s loss."""
+        self._refuse_if_comm_failed("step")
         self._refuse_if_failed("step")
         loss = None
         if closure is not None:
@@ -1272,6 +1289,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def retry_step(self):
         """Finishes a step that failed part way, with the gradients it kept (a collective).
         The params' current .grad are not read. StrataError when no step failed."""
+        self._refuse_if_comm_failed("retry_step")
         self._check_params("retry_step")
         self._state_version += 1
         self._run("retry_step")
@@ -1287,6 +1305,7 @@ class OffloadAdam(torch.optim.Optimizer):
         ``p.data`` (``p.data.clamp_(-c, c)``) is invisible to torch: call this after it.
         params: tensors of this optimizer (default: every param)."""
         self._refuse_if_failed("reload_params")
+        self._refuse_if_comm_failed("reload_params")
         moved = self._check_params("reload_params")
         indices = set(self._written(moved))
         if params is None:
@@ -1311,6 +1330,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=False):
         """Zeroes the grads. set_to_none=False (default) points each param's .grad
         at the engine's zeroed buffer, so the next backward accumulates in place."""
+        self._refuse_if_comm_failed("zero_grad")
         # A param or grad buffer whose storage was replaced since the last step
         # (model.double().float() swaps a grad's storage too) is re-registered first:
         # the engine never zeroes freed memory.
@@ -1561,6 +1581,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Writes the C++ engine's checkpoint (docs/checkpoint.md) to `directory`, with the
         params' names and shapes. Refused while a failed step awaits retry_step()."""
         self._refuse_if_failed("save_checkpoint")
+        self._refuse_if_comm_failed("save_checkpoint")
         self._refuse_mid_hand_over("save_checkpoint")
         self._sync_hypers()
         with self._on_current_stream():
@@ -1597,6 +1618,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Reads a checkpoint written by save_checkpoint or the C++/C API: the state, the
         counters and the params; the groups' hyperparameters become the engine's. Shapes
         recorded in the checkpoint must match the params'."""
+        self._refuse_if_comm_failed("load_checkpoint")
         self._check_params("load_checkpoint")
         self._refuse_mid_hand_over("load_checkpoint")
         self._state_version += 1

@@ -140,6 +140,13 @@ def misuse_worker(rank, init_file, out_dir):
                 opt.step()
         except Exception as e:  # StrataError on both ranks
             seen["mismatch"] = f"{type(e).__name__}: {e}"
+        # That optimizer cannot run again (its streams keep the failure): said up front,
+        # not as the old mismatch again at every call.
+        for call in (opt.zero_grad, opt.step):
+            try:
+                call()
+            except Exception as e:
+                seen.setdefault("after", []).append(f"{type(e).__name__}: {e}")
         # overlap_backward: a checkpoint between backward and step() is refused on
         # every rank (its collectives met the gradients' reductions: gloo aborted).
         model = make_model()
@@ -172,6 +179,11 @@ def test_ranks_that_issue_different_calls_fail_on_every_rank_naming_both(tmp_pat
         assert "every rank must call step(), save_checkpoint() and load_checkpoint() together" \
             in text, text
     assert "nothing was written" in seen[0]["mismatch"]
+    for r in range(WORLD):
+        assert [t.split(":")[:2] for t in seen[r]["after"]] == [
+            ["StrataError", " OffloadAdam.zero_grad"], ["StrataError", " OffloadAdam.step"]]
+        assert all("a collective of this optimizer failed earlier" in t and
+                   "build a new OffloadAdam" in t for t in seen[r]["after"]), seen[r]["after"]
     for r in range(WORLD):
         assert seen[r]["mid_hand_over"].startswith(
             "StrataError: OffloadAdam.save_checkpoint: called between a backward and step() with "
