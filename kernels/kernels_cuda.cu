@@ -45,12 +45,28 @@ __global__ void AccumulateKernel(const void* src, DType src_dtype, void* dst, DT
   }
 }
 
+// Thread t's (sum, count) combined over the block's kGradStatsThreads threads
+// by the fixed tree (stride 128, 64, ..., 1): the totals, for thread 0.
+__device__ DeviceGradStats TreeSum(double acc, unsigned long long nonfinite) {
+  __shared__ double sums[kGradStatsThreads];
+  __shared__ unsigned long long counts[kGradStatsThreads];
+  sums[threadIdx.x] = acc;
+  counts[threadIdx.x] = nonfinite;
+  __syncthreads();
+  for (unsigned stride = kGradStatsThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + stride]);
+      counts[threadIdx.x] += counts[threadIdx.x + stride];
+    }
+    __syncthreads();
+  }
+  return DeviceGradStats{sums[0], counts[0]};
+}
+
 // Pass 1: one CUDA block per kGradStatsBlockElemsDevice elements; writes the
 // block's sum and non-finite count to scratch[block].
 __global__ void GradStatsBlockKernel(const void* grad, DType dtype, size_t elems,
                                      DeviceGradStats* scratch) {
-  __shared__ double sums[kGradStatsThreads];
-  __shared__ unsigned long long counts[kGradStatsThreads];
   const size_t begin = static_cast<size_t>(blockIdx.x) * kGradStatsBlockElemsDevice;
   const size_t end =
       begin + kGradStatsBlockElemsDevice < elems ? begin + kGradStatsBlockElemsDevice : elems;
@@ -62,17 +78,8 @@ __global__ void GradStatsBlockKernel(const void* grad, DType dtype, size_t elems
     const double d = static_cast<double>(g);
     acc = __dadd_rn(acc, __dmul_rn(d, d));
   }
-  sums[threadIdx.x] = acc;
-  counts[threadIdx.x] = nonfinite;
-  __syncthreads();
-  for (unsigned stride = kGradStatsThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + stride]);
-      counts[threadIdx.x] += counts[threadIdx.x + stride];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) scratch[blockIdx.x] = DeviceGradStats{sums[0], counts[0]};
+  const DeviceGradStats block = TreeSum(acc, nonfinite);
+  if (threadIdx.x == 0) scratch[blockIdx.x] = block;
 }
 
 // Pass 2, one block: thread t adds the results of blocks t, t + 256, ... in
@@ -81,27 +88,16 @@ __global__ void GradStatsBlockKernel(const void* grad, DType dtype, size_t elems
 // serial chain of dependent loads, ~2 per 4096 elements.
 __global__ void GradStatsFinalKernel(const DeviceGradStats* scratch, size_t blocks,
                                      float grad_scale, DeviceGradStats* result) {
-  __shared__ double sums[kGradStatsThreads];
-  __shared__ unsigned long long counts[kGradStatsThreads];
   double acc = 0.0;
   unsigned long long nonfinite = 0;
   for (size_t b = threadIdx.x; b < blocks; b += kGradStatsThreads) {
     acc = __dadd_rn(acc, scratch[b].sum_sq);
     nonfinite += scratch[b].nonfinite_elems;
   }
-  sums[threadIdx.x] = acc;
-  counts[threadIdx.x] = nonfinite;
-  __syncthreads();
-  for (unsigned stride = kGradStatsThreads / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + stride]);
-      counts[threadIdx.x] += counts[threadIdx.x + stride];
-    }
-    __syncthreads();
-  }
+  const DeviceGradStats total = TreeSum(acc, nonfinite);
   if (threadIdx.x == 0) {
     const double s = static_cast<double>(grad_scale);
-    *result = DeviceGradStats{__dmul_rn(sums[0], __dmul_rn(s, s)), counts[0]};
+    *result = DeviceGradStats{__dmul_rn(total.sum_sq, __dmul_rn(s, s)), total.nonfinite_elems};
   }
 }
 
