@@ -239,6 +239,21 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
     STRATA_ASSIGN_OR_RETURN(const bool is_save, Present(JoinPath(dir, RankName(0) + ".json"),
                                                         "open checkpoint " + dir));
     if (!is_save) {
+      // What a save killed before it finished leaves: say that, not "not a checkpoint".
+      const std::string base =
+          std::filesystem::path(WithoutTrailingSlashes(dir)).filename().string();
+      if (base.rfind("step-", 0) == 0) {
+        return NotFoundError(fmt::format(
+            "open checkpoint {}: no {}.json: this save did not finish (killed or failed while "
+            "saving); load another save, or the directory given to Save",
+            dir, RankName(0)));
+      }
+      if (const std::string saves = SavesIn(dir); saves != "none") {
+        return NotFoundError(fmt::format(
+            "open checkpoint {}: no {}: no save here finished (a save killed or failed before "
+            "publishing left {}); save again (the next save removes what it left)",
+            dir, kLatest, saves));
+      }
       return NotFoundError(fmt::format(
           "open checkpoint {}: no {} and no {}.json: this is not a checkpoint; pass the "
           "directory given to Save, or one of its step-* directories",

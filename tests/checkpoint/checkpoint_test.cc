@@ -509,6 +509,27 @@ TEST_F(BadInputTest, LatestJsonThatIsADirectoryIsNamedByLoadAndSave) {
   EXPECT_EQ(testing::DirNames(dir_.path()), before);
 }
 
+// What a first save killed before it finished leaves (a save directory of
+// temporaries, no latest.json) is named as such, in the directory and in the
+// save directory; it read as "this is not a checkpoint".
+TEST(OpenTest, WhatAnUnfinishedFirstSaveLeftIsNamedAsSuch) {
+  namespace fs = std::filesystem;
+  TempDir dir;
+  Result<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(dir.path());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  ExpectMentions(r.status(), "this is not a checkpoint");
+  const std::string save = dir.File("step-0000000001-3579d8204a98");
+  fs::create_directories(save);
+  std::ofstream(save + "/.rank00000.master.f32.tmp-20916-c234c6218a3519f9") << "partial";
+  r = CheckpointReader::Open(dir.path());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  ExpectMentions(r.status(), "no save here finished");
+  ExpectMentions(r.status(), "step-0000000001-3579d8204a98");
+  r = CheckpointReader::Open(save);
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  ExpectMentions(r.status(), "this save did not finish");
+}
+
 // A checkpoint, or a save directory, this user cannot read (mode 000) is
 // EACCES naming the directory; it read as "not a checkpoint" and
 // "rank00000.json is missing". As root this runs as nobody.
