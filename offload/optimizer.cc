@@ -378,10 +378,11 @@ struct OffloadOptimizer::Impl {
   // The statistics of a step the loss scaler refused (an overflow at
   // min_scale): no update, but last_step() shows them.
   std::optional<StepDecision> refused;
-  // Steps skipped for non-finite gradients with no scaler to back off, and
-  // their count at the last warning (one per 100 at most).
-  uint64_t unscaled_skips = 0;
-  uint64_t unscaled_skips_warned = 0;
+  // Steps skipped for non-finite gradients with no scaler to back off (none,
+  // a static one, or a dynamic one at its minimum), and their count at the
+  // last warning (one per 100 at most).
+  uint64_t silent_skips = 0;
+  uint64_t silent_skips_warned = 0;
 
   ~Impl();
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
@@ -427,7 +428,7 @@ struct OffloadOptimizer::Impl {
   // before ended with, still in their buffers (state_tiers.h).
   internal::PipelineSchedule Schedule(int64_t update_step) const;
   void FillStats(const StepDecision& d, double t0);
-  void WarnUnscaledSkip(const StepDecision& d);
+  void WarnSilentSkip(const StepDecision& d);
   Status FailedStepError(std::string_view op) const;
   void EndFailedStep() {
     pending.reset();
@@ -1239,7 +1240,7 @@ Status OffloadOptimizer::Impl::Step() {
       // A dynamic scaler backs off, which says enough; not at its minimum.
       if (scaler->options().mode != LossScaleMode::kDynamic ||
           d.loss_scale <= scaler->options().min_scale) {
-        WarnUnscaledSkip(d);
+        WarnSilentSkip(d);
       }
       return OkStatus();
     }
@@ -1276,11 +1277,11 @@ Status OffloadOptimizer::Impl::Step() {
 // one (bf16/fp32, or a static scale), or at its minimum scale, a skipped step
 // changes nothing and would otherwise go unnoticed, possibly for the rest of
 // the run.
-void OffloadOptimizer::Impl::WarnUnscaledSkip(const StepDecision& d) {
-  ++unscaled_skips;
-  if (rank != 0 || (unscaled_skips > 1 && unscaled_skips - unscaled_skips_warned < 100)) return;
-  const uint64_t since = unscaled_skips - unscaled_skips_warned;
-  unscaled_skips_warned = unscaled_skips;
+void OffloadOptimizer::Impl::WarnSilentSkip(const StepDecision& d) {
+  ++silent_skips;
+  if (rank != 0 || (silent_skips > 1 && silent_skips - silent_skips_warned < 100)) return;
+  const uint64_t since = silent_skips - silent_skips_warned;
+  silent_skips_warned = silent_skips;
   LogWarning(fmt::format(
       "step {} skipped: {} gradient elements are NaN or inf (grad norm {}){}; {} step{} skipped "
       "for non-finite gradients so far{}, the params and optimizer state unchanged by them. "
@@ -1293,8 +1294,8 @@ void OffloadOptimizer::Impl::WarnUnscaledSkip(const StepDecision& d) {
           ? fmt::format(" at the dynamic loss scale's minimum {}, which cannot back off further",
                         d.loss_scale)
           : std::string(" and there is no loss scaler to back off"),
-      unscaled_skips, unscaled_skips == 1 ? "" : "s",
-      unscaled_skips == 1 ? "" : fmt::format(" ({} since the last warning)", since),
+      silent_skips, silent_skips == 1 ? "" : "s",
+      silent_skips == 1 ? "" : fmt::format(" ({} since the last warning)", since),
       scaler->options().mode == LossScaleMode::kDynamic
           ? ""
           : "; fp16 training needs a dynamic loss scale (fp16.loss_scale 0)"));

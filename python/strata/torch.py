@@ -331,7 +331,11 @@ class _TorchDistributedComm:
         self._run(what, lambda: dist.barrier(group=self.group))
 
 
-@functools.lru_cache(maxsize=None)
+# What a sticky CUDA error's message says (runtime/device.h kDeviceLostText):
+# nothing in this process can recover.
+_DEVICE_LOST = "the CUDA context is unusable"
+
+
 def _outside_stacklevel():
     """The warnings stacklevel of the first caller outside this file and torch (whose
     decorators and pickler sit between the user's line and ours)."""
@@ -342,6 +346,7 @@ def _outside_stacklevel():
     return level
 
 
+@functools.lru_cache(maxsize=None)
 def _let_gloo_finish_at_exit():
     """gloo's worker thread drops its last tensors a moment after a collective
     returns, and dropping a tensor Python knows needs the GIL: if the interpreter
@@ -887,8 +892,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 "init_process_group() when a rank died) and load the last checkpoint")
 
     def _refuse_if_failed(self, op):
-        if self._engine.step_failed and "the CUDA context is unusable" in \
-                self._engine.step_failure:
+        if self._engine.step_failed and _DEVICE_LOST in self._engine.step_failure:
             raise StrataError(
                 f"OffloadAdam.{op}: step {self._engine.step_count + 1} failed on an error "
                 f"that leaves the GPU unusable in this process ({self._engine.step_failure}); "
@@ -1199,7 +1203,7 @@ class OffloadAdam(torch.optim.Optimizer):
             with self._on_current_stream():
                 getattr(self._engine, op)()
         except StrataError as e:
-            if "the CUDA context is unusable" in str(e):
+            if _DEVICE_LOST in str(e):
                 # A sticky CUDA error (runtime/device.h IsDeviceLost): every later CUDA
                 # call in this process fails, torch's too, so no retry_step() or load
                 # here can succeed; the message says to restart. Checked before the
