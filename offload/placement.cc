@@ -212,6 +212,7 @@ struct Shape {
   PlacementPlan base;                         // every sub-group, budgets; no tiers yet
   std::vector<StagingBuffer> device_buffers;  // device staging independent of the split
   uint64_t fixed_device = 0;                  // their bytes
+  uint64_t stats_bytes = 0;                   // "grad stats", on the device and the host
   std::vector<uint64_t> cum_elems;            // elems of the first k sub-groups
   std::vector<uint64_t> cum_device;           // device bytes of the first k (state, grads)
 };
@@ -292,11 +293,13 @@ Result<PlacementPlan> PlaceRest(const PlacementInputs& in, const Shape& sh, size
         {"grad shard", Tier::kHost, 1, host_shard_elems * in.grad_bytes_per_elem});
   }
   plan.buffers.push_back({"param", Tier::kHost, slots, host_max_elems * in.param_bytes_per_elem});
+  plan.buffers.push_back({"grad stats", Tier::kHost, 1, sh.stats_bytes});
+  const uint64_t fixed_host = plan.buffers[0].total_bytes() + plan.buffers[1].total_bytes() +
+                              plan.buffers[2].total_bytes();
   for (StagingBuffer& b : device_buffers) {
     plan.device_staging_bytes += b.total_bytes();
     plan.buffers.push_back(std::move(b));
   }
-  const uint64_t fixed_host = plan.buffers[0].total_bytes() + plan.buffers[1].total_bytes();
   const bool nvme = in.nvme == NvmeTier::kAvailable;
   const bool unlimited_host = in.host_budget_bytes == 0 && !nvme;
 
@@ -323,10 +326,10 @@ Result<PlacementPlan> PlaceRest(const PlacementInputs& in, const Shape& sh, size
   if (in.host_budget_bytes != 0 && staging > in.host_budget_bytes) {
     return ResourceExhaustedError(fmt::format(
         "{}: with all state on NVMe the pinned staging alone needs {} ({} {}, param {} x "
-        "{}, nvme {} x {}) but strata.host_budget is {}; raise strata.host_budget to {}, or "
-        "{}{}",
+        "{}, grad stats {}, nvme {} x {}) but strata.host_budget is {}; raise "
+        "strata.host_budget to {}, or {}{}",
         kOp, FormatBytes(staging), plan.buffers[0].name, FormatBytes(plan.buffers[0].total_bytes()),
-        slots, FormatBytes(plan.buffers[1].bytes_each), slots,
+        slots, FormatBytes(plan.buffers[1].bytes_each), FormatBytes(sh.stats_bytes), slots,
         FormatBytes(plan.nvme_buffer_bytes), FormatBytes(in.host_budget_bytes),
         FormatBytes(staging), StagingKnob(in),
         one_rank ? "" : ", or shard over more ranks (the grad shard holds the rank's reduced "
@@ -426,11 +429,13 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   }
   const uint64_t shard_elems = sh.cum_elems[n];
 
-  // Device staging that does not depend on the split.
-  if (one_rank) {
-    sh.device_buffers.push_back({"grad stats", Tier::kDevice, 1,
-                                 16 * ((shard_elems + 4095) / 4096 + n)});
-  } else {
+  // Device staging that does not depend on the split. The gradient
+  // statistics (16 B per piece and per 4096 elements: GradStatsBufferBytes,
+  // counting a piece per sub-group) and the 4 KiB control block that carries
+  // the all-reduced doubles, on the device and mirrored in pinned host memory.
+  sh.stats_bytes = 16 * ((shard_elems + 4095) / 4096 + n) + 4096;
+  sh.device_buffers.push_back({"grad stats", Tier::kDevice, 1, sh.stats_bytes});
+  if (!one_rank) {
     // A bucket holds every rank's block: world_size x the largest sub-group,
     // bounded like the shard so that the products below stay in 64 bits.
     if (uint64_t{in.world_size} * max_elems > kMaxElems) {

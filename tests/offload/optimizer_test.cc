@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -279,6 +280,54 @@ TEST(EngineNvme, DestroyingTheOptimizerRemovesItsStateFile) {
     EXPECT_TRUE(std::filesystem::exists(dir.File("strata-rank0.state")));
   }
   EXPECT_EQ(testing::DirNames(dir.path()), std::vector<std::string>{"strata-rank0.lock"});
+}
+
+// Host memory locked by this process, in bytes (VmLck); -1 if unknown.
+int64_t LockedBytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmLck:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+// The plan is what the engine pins: every pinned buffer it lists (staging,
+// the statistics' mirror and control block, NVMe buffers) and the DRAM
+// sub-groups' state, each in whole pages, and nothing else. A budget equal
+// to the plan holds (bench step --host-budget auto sets one).
+TEST(EnginePlan, TheEnginePinsWhatThePlanSaysInWholePages) {
+  auto device = *CreateHostDevice();
+  auto storage = CreateMemStorage();
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
+  auto pages = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  for (const Case& c : {Case{.where = Where::kHost}, Case{.where = Where::kMixed},
+                        Case{.where = Where::kNvme, .buffer_count = 3},
+                        Case{.where = Where::kMixed, .gpu_fraction = 0.4}}) {
+    SCOPED_TRACE(static_cast<int>(c.where));
+    OffloadConfig config = MakeConfig(c);
+    if (c.where == Where::kMixed) SetMixedBudget(config, 0);
+    const int64_t before = LockedBytes();
+    auto opt = MakeOptimizer(*device, storage.get(), config, model);
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    const int64_t after = LockedBytes();
+    if (before < 0 || after == before) {
+      GTEST_SKIP() << "this process cannot lock memory (VmLck unknown or unchanged: `ulimit -l`), "
+                      "so what the engine pins cannot be measured";
+    }
+    const PlacementPlan& plan = (*opt)->plan();
+    uint64_t want = 0;
+    for (const StagingBuffer& b : plan.buffers) {
+      if (b.tier == Tier::kHost) want += b.count * pages(b.bytes_each);
+    }
+    for (const SubGroupPlacement& g : plan.sub_groups) {
+      if (g.tier == Tier::kHost) want += pages(g.state_bytes);
+    }
+    EXPECT_EQ(static_cast<uint64_t>(after - before), want) << FormatPlan(plan);
+    // The plan's own figure differs from that only by the page rounding.
+    EXPECT_LE(plan.host_total_bytes(), want);
+    EXPECT_GT(plan.host_total_bytes() + 4096 * (plan.buffers.size() + plan.sub_groups.size()),
+              want);
+  }
 }
 
 TEST(EngineNvme, ExtentsStillInTheirBuffersAreNotReadAgain) {

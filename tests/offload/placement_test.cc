@@ -36,12 +36,23 @@ PlacementInputs Small() {
           .block_bytes = 4096};
 }
 
-// One rank: a grad ring of 4 x 100 x 4 + param 4 x 100 x 2 = 2400.
-constexpr uint64_t kFixed = 1600 + 800;
+// The gradient statistics and the control block, pinned on the host and
+// allocated on the device alike: 16 B per 4096 elements and per sub-group,
+// and 4 KiB.
+constexpr uint64_t StatsBytes(uint64_t shard_elems, uint64_t sub_groups) {
+  return 16 * ((shard_elems + 4095) / 4096 + sub_groups) + 4096;
+}
+constexpr uint64_t kSmallStats = StatsBytes(350, 4);
+
+// One rank: a grad ring of 4 x 100 x 4 + param 4 x 100 x 2 = 2400, and the
+// statistics' mirror.
+constexpr uint64_t kRing = 1600 + 800;
+constexpr uint64_t kFixed = kRing + kSmallStats;
 constexpr uint64_t kAllState = 350 * 12;
 
 // Ten sub-groups of 2048 elems and one of 1024, two buffers, with NVMe:
-// grad ring 2 x 2048 x 4 = 16384, param 2 x 2048 x 2 = 8192, nvme 2 x (24576 + 4096).
+// grad ring 2 x 2048 x 4 = 16384, param 2 x 2048 x 2 = 8192, the statistics,
+// nvme 2 x (24576 + 4096).
 PlacementInputs Large() {
   PlacementInputs in{.sub_group_elems = {},
                      .state_bytes_per_elem = 12,
@@ -54,7 +65,7 @@ PlacementInputs Large() {
   in.sub_group_elems.push_back(1024);
   return in;
 }
-constexpr uint64_t kLargeStaging = 16384 + 8192 + 2 * 28672;
+constexpr uint64_t kLargeStaging = 16384 + 8192 + StatsBytes(10 * 2048 + 1024, 11) + 2 * 28672;
 
 TEST(PlacementTest, EverythingFitsInHost) {
   PlacementInputs in = Small();
@@ -67,16 +78,21 @@ TEST(PlacementTest, EverythingFitsInHost) {
   EXPECT_EQ(p->host_staging_bytes, kFixed);
   EXPECT_EQ(p->host_total_bytes(), in.host_budget_bytes);
   EXPECT_EQ(p->nvme_buffer_bytes, 0u);
-  ASSERT_EQ(p->buffers.size(), 3u);  // grad ring, param, grad stats: no nvme buffers
+  // grad ring, param, grad stats (host, device): no nvme buffers
+  ASSERT_EQ(p->buffers.size(), 4u);
   EXPECT_EQ(p->buffers[0].name, "grad ring");
   EXPECT_EQ(p->buffers[0].count, 4u);
   EXPECT_EQ(p->buffers[0].total_bytes(), 1600u);
   EXPECT_EQ(p->buffers[1].count, 4u);
   EXPECT_EQ(p->buffers[1].bytes_each, 200u);
-  // One rank: the device holds only the statistics (16 bytes per 4096
-  // elements and per sub-group), no bucket.
   EXPECT_EQ(p->buffers[2].name, "grad stats");
-  EXPECT_EQ(p->device_staging_bytes, 16u * (1 + 4));
+  EXPECT_EQ(p->buffers[2].tier, Tier::kHost);
+  EXPECT_EQ(p->buffers[2].total_bytes(), kSmallStats);
+  // One rank: the device holds only the statistics (16 bytes per 4096
+  // elements and per sub-group, and the control block), no bucket.
+  EXPECT_EQ(p->buffers[3].name, "grad stats");
+  EXPECT_EQ(p->buffers[3].tier, Tier::kDevice);
+  EXPECT_EQ(p->device_staging_bytes, 16u * (1 + 4) + 4096);
 }
 
 // Several ranks: the reduced shard waits on the host for the decision (in
@@ -87,15 +103,17 @@ TEST(PlacementTest, SeveralRanksStageTheShardAndTwoBuckets) {
   in.world_size = 2;
   Result<PlacementPlan> p = PlanPlacement(in);
   ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_EQ(p->buffers.size(), 4u);
+  ASSERT_EQ(p->buffers.size(), 6u);
   EXPECT_EQ(p->buffers[0].name, "grad shard");
   EXPECT_EQ(p->buffers[0].total_bytes(), 350u * 4);
-  EXPECT_EQ(p->buffers[2].name, "grad bucket");
-  EXPECT_EQ(p->buffers[2].total_bytes(), 2u * 100 * 4);
-  EXPECT_EQ(p->buffers[3].name, "param bucket");
-  EXPECT_EQ(p->buffers[3].total_bytes(), 2u * 100 * 2);
-  EXPECT_EQ(p->host_staging_bytes, 1400u + 800);
-  EXPECT_EQ(p->device_staging_bytes, 800u + 400);
+  EXPECT_EQ(p->buffers[2].name, "grad stats");
+  EXPECT_EQ(p->buffers[3].name, "grad stats");  // on the device: every rank count has them
+  EXPECT_EQ(p->buffers[4].name, "grad bucket");
+  EXPECT_EQ(p->buffers[4].total_bytes(), 2u * 100 * 4);
+  EXPECT_EQ(p->buffers[5].name, "param bucket");
+  EXPECT_EQ(p->buffers[5].total_bytes(), 2u * 100 * 2);
+  EXPECT_EQ(p->host_staging_bytes, 1400u + 800 + kSmallStats);
+  EXPECT_EQ(p->device_staging_bytes, kSmallStats + 800u + 400);
 }
 
 TEST(PlacementTest, ZeroHostBudgetWithoutNvmeIsUnlimited) {
@@ -162,12 +180,14 @@ TEST(PlacementTest, RefusesWhenStagingAloneDoesNotFit) {
 TEST(PlacementTest, RefusesWhenDeviceStagingExceedsDeviceBudget) {
   PlacementInputs in = Small();
   in.world_size = 2;
-  in.device_budget_bytes = 1199;  // needs 2 x 100 x 4 + 2 x 100 x 2 = 1200
+  // needs the statistics and 2 x 100 x 4 + 2 x 100 x 2 = 1200
+  in.device_budget_bytes = kSmallStats + 1199;
   Result<PlacementPlan> p = PlanPlacement(in);
   ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
   EXPECT_TRUE(Contains(p.status().message(), "strata.device_budget")) << p.status();
-  EXPECT_TRUE(Contains(p.status().message(), "needs " + FormatBytes(1200))) << p.status();
-  in.device_budget_bytes = 1200;
+  EXPECT_TRUE(Contains(p.status().message(), "needs " + FormatBytes(kSmallStats + 1200)))
+      << p.status();
+  in.device_budget_bytes = kSmallStats + 1200;
   EXPECT_TRUE(PlanPlacement(in).ok());
 }
 
@@ -217,7 +237,7 @@ TEST(PlacementTest, GpuFractionKeepsTheClosestCountOfFirstSubGroupsOnTheDevice) 
   EXPECT_NEAR(p->gpu_fraction(), 100.0 / 350, 1e-12);
   // The host staging serves the host sub-groups only (still 100 elems), one
   // slot each at most: 3 of the 4 buffers (the fourth would never be used).
-  EXPECT_EQ(p->host_staging_bytes, kFixed / 4 * 3);
+  EXPECT_EQ(p->host_staging_bytes, kRing / 4 * 3 + kSmallStats);
   const std::string text = FormatPlan(*p);
   EXPECT_TRUE(Contains(text, "0 device, 1-3 host")) << text;
   EXPECT_TRUE(Contains(text, "gpu_fraction: 0.286")) << text;
@@ -232,8 +252,9 @@ TEST(PlacementTest, GpuFractionKeepsTheClosestCountOfFirstSubGroupsOnTheDevice) 
   EXPECT_EQ(p->device_sub_groups, 4u);
   EXPECT_EQ(p->host_sub_groups, 0u);
   EXPECT_EQ(p->host_state_bytes, 0u);
-  // Nothing left for the host: no gradient or param staging.
-  EXPECT_EQ(p->host_staging_bytes, 0u);
+  // Nothing left for the host: no gradient or param staging, only the
+  // statistics' mirror.
+  EXPECT_EQ(p->host_staging_bytes, kSmallStats);
 }
 
 TEST(PlacementTest, GpuFractionWithNvmePlacesTheRestAsBefore) {
@@ -254,7 +275,7 @@ TEST(PlacementTest, GpuFractionAutoTakesWhatFitsTheDeviceBudget) {
   PlacementInputs in = Small();
   in.world_size = 2;  // buckets 2 x 100 x (4 + 2) = 1200; device grads 4 bytes per elem
   in.gpu_fraction = kGpuFractionAuto;
-  in.device_budget_bytes = 1200 + 2 * 100 * 16;  // two sub-groups' state and grads
+  in.device_budget_bytes = kSmallStats + 1200 + 2 * 100 * 16;  // two sub-groups' state, grads
   Result<PlacementPlan> p = PlanPlacement(in);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->device_sub_groups, 2u);
@@ -262,7 +283,7 @@ TEST(PlacementTest, GpuFractionAutoTakesWhatFitsTheDeviceBudget) {
   EXPECT_LE(p->device_total_bytes(), in.device_budget_bytes);
   in.device_budget_bytes -= 1;
   EXPECT_EQ(PlanPlacement(in)->device_sub_groups, 1u);
-  in.device_budget_bytes = 1200;  // the staging only: nothing on the device
+  in.device_budget_bytes = kSmallStats + 1200;  // the staging only: nothing on the device
   EXPECT_EQ(PlanPlacement(in)->device_sub_groups, 0u);
   // "auto" needs a budget to fill.
   in.device_budget_bytes = 0;
@@ -274,7 +295,7 @@ TEST(PlacementTest, GpuFractionAutoTakesWhatFitsTheDeviceBudget) {
 TEST(PlacementTest, GpuFractionBeyondTheDeviceBudgetSaysWhatFits) {
   PlacementInputs in = Small();
   in.gpu_fraction = 1.0;
-  in.device_budget_bytes = 80 + 250 * 12;  // statistics (16 x 5) + 250 elems of state
+  in.device_budget_bytes = kSmallStats + 250 * 12;  // statistics + 250 elems of state
   Result<PlacementPlan> p = PlanPlacement(in);
   ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted) << p.status();
   EXPECT_TRUE(Contains(p.status().message(), "lower gpu_fraction to 0.571 (2 sub-groups)"))
@@ -315,8 +336,8 @@ TEST(PlacementTest, RandomInputsMatchBruteForceAndAreDeterministic) {
     // One rank: a ring of buffer_count gradient slots and as many param
     // slots, at most one per sub-group.
     const uint64_t slots = std::min<uint64_t>(in.buffer_count, n);
-    const uint64_t fixed = slots * max_elems * in.grad_bytes_per_elem + slots * max_elems * 2;
-    (void)shard;
+    const uint64_t fixed = slots * max_elems * in.grad_bytes_per_elem + slots * max_elems * 2 +
+                           StatsBytes(shard, n);
     uint64_t all_state = shard * in.state_bytes_per_elem;
     const bool unlimited = in.host_budget_bytes == 0 && in.nvme == NvmeTier::kUnavailable;
     size_t want_host = 0;
@@ -359,8 +380,9 @@ TEST(PlacementTest, EstimateCountsEachResourceAtTheGivenRates) {
   in.sub_group_elems = {1000, 1000, 1000, 500};  // 4 B grads, 2 B params, 12 B state
   in.buffer_count = 1;
   in.nvme = NvmeTier::kAvailable;
-  // Staging (grad 4000 + param 2000 + one 16 KiB NVMe buffer), then the last sub-group.
-  in.host_budget_bytes = 6000 + 16384 + 500 * 12;
+  // Staging (grad 4000 + param 2000 + statistics + one 16 KiB NVMe buffer), then the last
+  // sub-group.
+  in.host_budget_bytes = 6000 + StatsBytes(3500, 4) + 16384 + 500 * 12;
   in.rates = {.cpu_adam_elems_per_sec = 100,
               .pcie_bytes_per_sec = 1000,
               .nvme_read_bytes_per_sec = 3600,
@@ -413,7 +435,7 @@ TEST(PlacementTest, GpuFractionAutoWithRatesLetsBothSidesFinishTogether) {
   EXPECT_TRUE(p->auto_balanced);
   EXPECT_TRUE(Contains(FormatPlan(*p), "auto: fewer than fit")) << FormatPlan(*p);
   // The budget still caps it.
-  in.device_budget_bytes = 16 * ((10000 + 4095) / 4096 + 10) + 5 * 12000;  // stats + 5
+  in.device_budget_bytes = StatsBytes(10000, 10) + 5 * 12000;  // stats + 5
   p = PlanPlacement(in);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->device_sub_groups, 5u);
@@ -492,16 +514,16 @@ TEST(PreflightTest, NothingCheckedByDefault) {
 }
 
 TEST(PreflightTest, StateLargerThanMemoryWithoutNvmeNamesTheNumbersAndTheKnob) {
-  PlacementInputs in = Small();  // unlimited host: all 4200 B of state + 2400 staging pinned
-  in.machine = {.host_available_bytes = 6000, .host_total_bytes = 8192};
+  PlacementInputs in = Small();  // unlimited host: all 4200 B of state + 6576 staging pinned
+  in.machine = {.host_available_bytes = 10000, .host_total_bytes = 16384};
   Result<PlacementPlan> p = PlanPlacement(in);
   ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
   const std::string m(p.status().message());
-  EXPECT_TRUE(Contains(m, "the plan pins 6.45 KiB of host memory (4.10 KiB state + 2.34 KiB "
-                          "staging) but this machine has 5.86 KiB available (8.00 KiB total)"))
+  EXPECT_TRUE(Contains(m, "the plan pins 10.52 KiB of host memory (4.10 KiB state + 6.42 KiB "
+                          "staging) but this machine has 9.77 KiB available (16.00 KiB total)"))
       << m;
   EXPECT_TRUE(Contains(m, "offload_optimizer.device to \"nvme\" with an nvme_path and "
-                          "strata.host_budget to at most 5.86 KiB"))
+                          "strata.host_budget to at most 9.77 KiB"))
       << m;
   in.machine.host_available_bytes = kFixed + kAllState;  // exactly enough
   EXPECT_TRUE(PlanPlacement(in).ok());
