@@ -105,6 +105,13 @@ StateStore::~StateStore() {
       if (!ReapFile(static_cast<uint32_t>(f), 1).ok()) break;
     }
   }
+  // Files about to be removed are emptied first: their io_uring instances
+  // let go of them some time after they close, and until then an unlinked
+  // file holds its blocks (an optimizer built next would find the disk
+  // still full).
+  if (options_.close == StoreClose::kRemove && broken_.ok()) {
+    for (auto& f : files_) (void)f->Resize(0);
+  }
   // A broken file drains what it still has in flight when it closes, and its
   // requests live in ops_: close the files first.
   files_.clear();

@@ -61,7 +61,26 @@ struct DriveRates {
   // step's read-ahead and write-behind run: bytes moved both ways / time.
   double mixed_bytes_per_sec = 0;
 };
+// Writes two files of `bytes_per_dir` (whole blocks) under each directory
+// and measures reads, writes and both at once; the files are removed
+// afterwards. A probe that would not fit in the free space is refused before
+// it writes, naming `size_flag` (the caller's option for the size) and
+// saying `skip_hint` (how to do without the probe).
 Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t bytes_per_dir,
-                                     uint64_t block_bytes, uint32_t queue_depth);
+                                     uint64_t block_bytes, uint32_t queue_depth,
+                                     std::string_view size_flag, std::string_view skip_hint);
+
+// The most bytes each of `files_per_dir` files in every directory of `dirs`
+// may take: all of them within 9/10 of the free space of each filesystem
+// (directories on one filesystem share it), in whole blocks; 0 when not one
+// block fits.
+Result<uint64_t> ProbeRoom(std::span<const std::string> dirs, uint32_t files_per_dir,
+                           uint64_t block_bytes);
+// ResourceExhausted when `file_bytes` exceeds ProbeRoom, saying the size
+// that fits (`size_flag`: the caller's option for the total over `dirs`) and
+// `other_way` (what else to do).
+Status CheckProbeFits(std::span<const std::string> dirs, uint32_t files_per_dir,
+                      uint64_t file_bytes, uint64_t block_bytes, std::string_view size_flag,
+                      std::string_view other_way);
 
 }  // namespace strata::cli

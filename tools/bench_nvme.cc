@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -22,6 +24,7 @@
 
 #include "runtime/device.h"
 #include "runtime/log.h"
+#include "runtime/machine.h"
 #include "runtime/pinned.h"
 #include "runtime/storage.h"
 #include "runtime/units.h"
@@ -347,6 +350,8 @@ Status RunBenchNvme(const NvmeArgs& a) {
     return InvalidArgumentError(fmt::format("--size {}: smaller than one block per path", a.size));
   }
   const IoOp op = a.op == "read" ? IoOp::kRead : IoOp::kWrite;
+  STRATA_RETURN_IF_ERROR(CheckProbeFits(dirs, 1, per_file_bytes, block_bytes, "--size",
+                                        "give --dir a drive with more room"));
 
   STRATA_ASSIGN_OR_RETURN(
       auto storage, CreateStorage({.backend = a.backend == "posix" ? StorageBackend::kPosix
@@ -481,8 +486,47 @@ Status RunBenchNvme(const NvmeArgs& a) {
 
 }  // namespace
 
+Result<uint64_t> ProbeRoom(std::span<const std::string> dirs, uint32_t files_per_dir,
+                           uint64_t block_bytes) {
+  // Free space and the number of directories, per filesystem.
+  std::map<uint64_t, std::pair<uint64_t, uint64_t>> filesystems;
+  for (const std::string& d : dirs) {
+    const DirectoryProbe p = ProbeDirectory(d, DirectoryChecks::kSpace);
+    if (!p.space.ok()) {
+      return Status(p.space).WithContext(fmt::format("measure the drive under {}", d));
+    }
+    auto& [free, count] = filesystems[p.device_id];
+    free = p.free_bytes;
+    ++count;
+  }
+  uint64_t room = std::numeric_limits<uint64_t>::max();
+  for (const auto& [id, fs] : filesystems) {
+    room = std::min(room, fs.first / 10 * 9 / (files_per_dir * fs.second));
+  }
+  return room / block_bytes * block_bytes;
+}
+
+Status CheckProbeFits(std::span<const std::string> dirs, uint32_t files_per_dir,
+                      uint64_t file_bytes, uint64_t block_bytes, std::string_view size_flag,
+                      std::string_view other_way) {
+  STRATA_ASSIGN_OR_RETURN(const uint64_t room, ProbeRoom(dirs, files_per_dir, block_bytes));
+  if (file_bytes <= room) return OkStatus();
+  const char* files = files_per_dir == 1 ? "a file" : "two files";
+  return ResourceExhaustedError(fmt::format(
+      "measure the drive under {}: {} of {} in each directory {} not fit (room for {} of {}, "
+      "9/10 of the free space); free some space, {}or {}",
+      fmt::join(dirs, ", "), files, FormatBytes(file_bytes), files_per_dir == 1 ? "does" : "do",
+      files_per_dir == 1 ? "one" : "two",
+      FormatBytes(room),
+      room * dirs.size() >= kMiB
+          ? fmt::format("give {} {}MiB or less, ", size_flag, room * dirs.size() / kMiB)
+          : std::string(),
+      other_way));
+}
+
 Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t bytes_per_dir,
-                                     uint64_t block_bytes, uint32_t queue_depth) {
+                                     uint64_t block_bytes, uint32_t queue_depth,
+                                     std::string_view size_flag, std::string_view skip_hint) {
   if (dirs.empty()) return InvalidArgumentError("measure the drive: no directory");
   for (const std::string& d : dirs) {
     std::error_code ec;
@@ -498,6 +542,10 @@ Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t
         "measure the drive: block {} is not a positive multiple of 4096 (O_DIRECT)", block_bytes));
   }
   const uint64_t per_file = std::max(bytes_per_dir / block_bytes, uint64_t{1}) * block_bytes;
+  // Refused before anything is written: a probe that fills the disk fails
+  // half-way with ENOSPC and says nothing of its size.
+  STRATA_RETURN_IF_ERROR(
+      CheckProbeFits(dirs, 2, per_file, block_bytes, size_flag, skip_hint));
   // A 256 MiB region of buffers per file (at least one per request slot).
   const size_t probe_buffers =
       std::max<size_t>(queue_depth, std::min<uint64_t>(per_file, 256 * kMiB) / block_bytes);

@@ -701,14 +701,29 @@ Status RunStep(const StepArgs& a) {
     rates.device_adam_bytes_per_sec = device_adam_elems_per_sec * adam_shape.device_bytes_per_elem();
   }
   // auto: as many bytes as one copy of the rank's NVMe state (256 MiB to 4
-  // GiB): a small file may sit in a cache (a VM's host) the state does not.
-  const uint64_t probe_bytes = drive_probe_bytes.value_or(
+  // GiB): a small file may sit in a cache (a VM's host) the state does not;
+  // less where the disk has no room for that (the probe's files are gone
+  // before the optimizer writes its state).
+  uint64_t probe_bytes = drive_probe_bytes.value_or(
       std::clamp<uint64_t>(plan0.nvme_state_bytes, 256 * kMiB, 4 * kGiB));
   if (plan0.nvme_sub_groups > 0 && probe_bytes > 0) {
+    const size_t dirs = config.nvme_paths.size();
+    if (!drive_probe_bytes) {
+      STRATA_ASSIGN_OR_RETURN(const uint64_t room,
+                              ProbeRoom(config.nvme_paths, 2, config.aio.block_bytes));
+      if (room * dirs < probe_bytes && room > 0) {
+        std::fprintf(stderr,
+                     "bench step: the drive baseline probes %s, not %s: the disk has no room "
+                     "for more (--drive-probe SIZE to choose)\n",
+                     FormatBytes(room * dirs).c_str(), FormatBytes(probe_bytes).c_str());
+        probe_bytes = room * dirs;
+      }
+    }
     STRATA_ASSIGN_OR_RETURN(rates.drive,
-                            MeasureDriveRates(config.nvme_paths,
-                                              probe_bytes / config.nvme_paths.size(),
-                                              config.aio.block_bytes, config.aio.queue_depth));
+                            MeasureDriveRates(config.nvme_paths, probe_bytes / dirs,
+                                              config.aio.block_bytes, config.aio.queue_depth,
+                                              "--drive-probe",
+                                              "--drive-probe 0 to skip the drive baseline"));
   }
 
   std::unique_ptr<TraceRecorder> trace;

@@ -193,7 +193,9 @@ Status RunPlan(const PlanArgs& args) {
     STRATA_ASSIGN_OR_RETURN(drive,
                             MeasureDriveRates(config.nvme_paths,
                                               probe_bytes / config.nvme_paths.size(),
-                                              config.aio.block_bytes, config.aio.queue_depth));
+                                              config.aio.block_bytes, config.aio.queue_depth,
+                                              "--probe-drive",
+                                              "leave out --probe-drive to plan without the drive"));
     inputs.rates.nvme_read_bytes_per_sec = drive->read_bytes_per_sec;
     inputs.rates.nvme_write_bytes_per_sec = drive->write_bytes_per_sec;
     STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
