@@ -386,7 +386,7 @@ struct OffloadOptimizer::Impl {
 
   ~Impl();
   Status Init(const EngineContext& context, std::span<const ParamGroup> groups);
-  Status ProbeRates();                                  // gpu_fraction "auto"
+  Status ProbeRates(std::span<const ParamGroup> groups);  // gpu_fraction "auto"
   Status InitPlan(std::span<const ParamGroup> groups);  // validation, layout, placement
   Status AgreeOnPlan(Status planned);                   // several ranks
   Status InitUnits(const EngineContext& context);       // buffers, store, initial state
@@ -480,11 +480,11 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
   // first collective of Step.
   if (world == 1) {
     STRATA_RETURN_IF_ERROR(runs);
-    STRATA_RETURN_IF_ERROR(ProbeRates());
+    STRATA_RETURN_IF_ERROR(ProbeRates(groups));
     STRATA_RETURN_IF_ERROR(InitPlan(groups));
     return InitUnits(context);
   }
-  Status probed = runs.ok() ? ProbeRates() : OkStatus();
+  Status probed = runs.ok() ? ProbeRates(groups) : OkStatus();
   if (config.gpu_fraction == kGpuFractionAuto) {
     // Every rank plans with the same rates (the slowest rank's), so that they
     // keep the same sub-groups on the device.
@@ -519,8 +519,9 @@ Status OffloadOptimizer::Impl::OtherRankFailed() const {
 // gpu_fraction "auto" balances the device and CPU sides by their Adam rates
 // (placement.h, step 0): the ones strata.rates does not give are measured
 // here, in the engine's shapes (offload/rate_probe.h), in a few tenths of a
-// second.
-Status OffloadOptimizer::Impl::ProbeRates() {
+// second, on as many elements as the shard (1 Mi to 8 Mi) and, on the
+// device, in at most a quarter of device_budget (or 1 Mi elements).
+Status OffloadOptimizer::Impl::ProbeRates(std::span<const ParamGroup> groups) {
   PlanRates& r = config.rates;
   // A config InitPlan refuses is not worth measuring for.
   if (config.gpu_fraction != kGpuFractionAuto ||
@@ -528,15 +529,25 @@ Status OffloadOptimizer::Impl::ProbeRates() {
       !ValidateConfig(config).ok()) {
     return OkStatus();
   }
-  constexpr uint64_t kProbeElems = uint64_t{8} << 20;
+  // Fewer elements would measure the launch, not the update.
+  constexpr uint64_t kMinProbeElems = uint64_t{1} << 20;
+  constexpr uint64_t kMaxProbeElems = uint64_t{8} << 20;
+  uint64_t elems = 0;
+  for (const ParamGroup& g : groups) {
+    for (const Param& p : g.params) elems += p.elems;
+  }
+  elems = std::clamp<uint64_t>(elems / std::max(world, 1), kMinProbeElems, kMaxProbeElems);
   const AdamShape shape = AdamShape::Of(config, static_cast<uint32_t>(world));
   if (r.cpu_adam_elems_per_sec <= 0) {
     STRATA_ASSIGN_OR_RETURN(cpu, CpuAdam::Create({.threads = config.threads}));
-    STRATA_ASSIGN_OR_RETURN(r.cpu_adam_elems_per_sec, MeasureCpuAdamRate(*cpu, shape, kProbeElems));
+    STRATA_ASSIGN_OR_RETURN(r.cpu_adam_elems_per_sec, MeasureCpuAdamRate(*cpu, shape, elems));
   }
   if (r.device_adam_elems_per_sec <= 0) {
-    STRATA_ASSIGN_OR_RETURN(r.device_adam_elems_per_sec,
-                            MeasureDeviceAdamRate(*device, shape, kProbeElems));
+    const uint64_t in_budget = config.device_budget_bytes / 4 / shape.device_memory_per_elem();
+    STRATA_ASSIGN_OR_RETURN(
+        r.device_adam_elems_per_sec,
+        MeasureDeviceAdamRate(*device, shape,
+                              std::clamp<uint64_t>(in_budget, kMinProbeElems, elems)));
   }
   LogInfo(fmt::format(
       "rank {}: gpu_fraction \"auto\": CPU Adam {:.3g} G elems/s, device Adam {:.3g} G elems/s "

@@ -39,6 +39,11 @@ struct AdamShape {
   uint64_t device_bytes_per_elem() const {
     return 24 + DTypeSize(grad) + (device_writes_params ? DTypeSize(out) : 0);
   }
+  // Device memory one element of DeviceAdamProbe takes: master, m and v, the
+  // gradient, the params.
+  uint64_t device_memory_per_elem() const {
+    return 12 + DTypeSize(grad) + (device_writes_params ? DTypeSize(out) : 0);
+  }
 };
 
 Result<double> MeasureCpuAdamRate(CpuAdam& cpu, const AdamShape& shape, uint64_t elems);

@@ -330,6 +330,27 @@ TEST(EnginePlan, TheEnginePinsWhatThePlanSaysInWholePages) {
   }
 }
 
+// gpu_fraction "auto" measures the Adam rates on a shard-sized probe (8 Mi
+// elements at most, 1 Mi at least) and, on the device, in a quarter of
+// device_budget at most (1 Mi elements at least): a small model fits on a
+// device with little memory (the probe took 144 MiB of it here whatever the
+// model and the budget; now 18 MiB).
+TEST(EnginePlan, TheAutoFractionProbeFitsTheShardAndTheDeviceBudget) {
+  auto device = *CreateHostDevice({.memory_budget_bytes = 32 << 20});
+  auto storage = CreateMemStorage();
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
+  OffloadConfig config = MakeConfig(Case{.gpu_fraction = 0.0});
+  config.gpu_fraction = kGpuFractionAuto;
+  for (uint64_t budget : {uint64_t{64} << 20, uint64_t{8} << 20, uint64_t{64} << 10}) {
+    SCOPED_TRACE(budget);
+    config.device_budget_bytes = budget;
+    auto opt = MakeOptimizer(*device, storage.get(), config, model);
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    EXPECT_GT((*opt)->plan().rates.cpu_adam_elems_per_sec, 0);
+    EXPECT_GT((*opt)->plan().rates.device_adam_elems_per_sec, 0);
+  }
+}
+
 TEST(EngineNvme, ExtentsStillInTheirBuffersAreNotReadAgain) {
   const uint64_t seed = TestSeed();
   std::mt19937_64 rng(seed);
@@ -393,7 +414,7 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32,
   OffloadConfig config = MakeConfig(c);
   config.host_budget_bytes = 64 * 1024;  // a few sub-groups of each rank stay in DRAM
   config.nvme_paths = {"/mem/nvme"};
-  if (gpu_fraction == kGpuFractionAuto) config.device_budget_bytes = 1 << 20;  // all fit
+  if (gpu_fraction == kGpuFractionAuto) config.device_budget_bytes = 16 << 20;  // all fit
   constexpr int kSteps = 3;
   // Every rank's grads of every step, drawn up front from one generator.
   std::mt19937_64 rng(seed);
