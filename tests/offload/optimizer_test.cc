@@ -82,13 +82,10 @@ OffloadConfig MakeConfig(const Case& c) {
 }
 
 // For kMixed: a host budget that holds the staging and about half the state.
-void SetMixedBudget(OffloadConfig& config, uint64_t total_tensor_elems) {
-  FlatLayout layout = *PlanFlatLayout(std::vector<TensorSpec>(kSizes.size() + 0, TensorSpec{}),
-                                      {.align_elems = config.align_elems});
-  (void)layout;
+void SetMixedBudget(OffloadConfig& config) {
   std::vector<TensorSpec> specs;
   for (uint64_t n : kSizes) specs.push_back({.elems = n, .dtype = config.param_dtype});
-  layout = *PlanFlatLayout(specs, {.align_elems = config.align_elems});
+  const FlatLayout layout = *PlanFlatLayout(specs, {.align_elems = config.align_elems});
   auto sgs = *CutSubGroups(*ShardRange(layout, 0), config.sub_group_elems);
   std::vector<uint64_t> sizes;
   for (auto& r : sgs) sizes.push_back(r.elems());
@@ -96,7 +93,6 @@ void SetMixedBudget(OffloadConfig& config, uint64_t total_tensor_elems) {
   in.host_budget_bytes = 0;  // staging only
   PlacementPlan staging_only = *PlanPlacement(in);
   config.host_budget_bytes = staging_only.host_staging_bytes + staging_only.nvme_state_bytes / 4;
-  (void)total_tensor_elems;
 }
 
 class EngineBitwiseTest : public ::testing::TestWithParam<Case> {};
@@ -109,7 +105,7 @@ TEST_P(EngineBitwiseTest, MatchesTheInMemoryReference) {
   auto storage = CreateMemStorage();
   TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
   OffloadConfig config = MakeConfig(c);
-  if (c.where == Where::kMixed) SetMixedBudget(config, 0);
+  if (c.where == Where::kMixed) SetMixedBudget(config);
   auto master = model.SetParams(rng);
   auto opt_or = OffloadOptimizer::Create({.device = device.get(), .storage = storage.get()}, config,
                                          model.Groups(kHypers));
@@ -305,7 +301,7 @@ TEST(EnginePlan, TheEnginePinsWhatThePlanSaysInWholePages) {
                         Case{.where = Where::kMixed, .gpu_fraction = 0.4}}) {
     SCOPED_TRACE(static_cast<int>(c.where));
     OffloadConfig config = MakeConfig(c);
-    if (c.where == Where::kMixed) SetMixedBudget(config, 0);
+    if (c.where == Where::kMixed) SetMixedBudget(config);
     const int64_t before = LockedBytes();
     auto opt = MakeOptimizer(*device, storage.get(), config, model);
     ASSERT_TRUE(opt.ok()) << opt.status();
@@ -586,7 +582,7 @@ void RunInfSkips(double gpu_fraction) {
   Case c{.where = Where::kMixed, .param_dtype = DType::kF16, .grad_dtype = DType::kF16,
          .max_grad_norm = 1.0, .gpu_fraction = gpu_fraction};
   OffloadConfig config = MakeConfig(c);
-  SetMixedBudget(config, 0);
+  SetMixedBudget(config);
   config.loss_scaler = {.mode = LossScaleMode::kDynamic, .initial_scale_power = 24,
                         .hysteresis = 1};
   TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
@@ -1025,7 +1021,7 @@ void RunFaultRetry(testing::FaultOptions faults, double gpu_fraction = 0.0) {
   Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0,
          .gpu_fraction = gpu_fraction};
   OffloadConfig config = MakeConfig(c);
-  SetMixedBudget(config, 0);
+  SetMixedBudget(config);
   std::mt19937_64 rng(seed);
   TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
   auto master = model.SetParams(rng);
@@ -1144,7 +1140,7 @@ TEST(EngineFaults, BrokenQueueStopsTheOptimizerWithAClearError) {
   auto fault = testing::FaultStorage::Create(CreatePosixStorage(), {.seed = seed});
   Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0};
   OffloadConfig config = MakeConfig(c);
-  SetMixedBudget(config, 0);
+  SetMixedBudget(config);
   testing::TempDir dir;  // posix: worker threads still hold requests when it breaks
   ASSERT_TRUE(dir.ok());
   config.nvme_paths = {dir.path()};
@@ -1188,7 +1184,7 @@ TEST(EngineRebind, NewStorageIsUsedAndResultsStayBitwise) {
   auto storage = CreateMemStorage();
   Case c{.where = Where::kMixed, .buffer_count = 2, .max_grad_norm = 1.0};
   OffloadConfig config = MakeConfig(c);
-  SetMixedBudget(config, 0);
+  SetMixedBudget(config);
   TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
   auto master = model.SetParams(rng);
   auto opt = *MakeOptimizer(*device, storage.get(), config, model);
