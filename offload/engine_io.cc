@@ -90,13 +90,16 @@ void IoPump::Run() {
         if (waited.ok()) continue;
         s = store_.Wait(e.ticket);  // the storage failed: finish it with its error
       }
-      Complete(e, std::move(*s));
-      queue.pop_front();
-      --queued;
+      // The busy interval is counted before the request's future is ready:
+      // a step that waits for its last write and then takes the busy time
+      // gets all of it (it once went to the next step's).
       if (--active == 0) {
         std::lock_guard<std::mutex> lock(mu_);
         busy_sec_ += (TraceRecorder::Now() - busy_since) * 1e-9;
       }
+      Complete(e, std::move(*s));
+      queue.pop_front();
+      --queued;
     }
   }
 }
