@@ -52,11 +52,12 @@ Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
   if (m.host_available_bytes != 0 && pinned * ranks > m.host_available_bytes) {
     const uint64_t each = m.host_available_bytes / ranks;
     const std::string have =
-        ranks > 1 ? fmt::format("{} available ({} total) shared by {} ranks: {} each",
+        ranks > 1 ? fmt::format("{} available ({} total{}) shared by {} ranks: {} each",
                                 FormatBytes(m.host_available_bytes),
-                                FormatBytes(m.host_total_bytes), ranks, FormatBytes(each))
-                  : fmt::format("{} available ({} total)", FormatBytes(m.host_available_bytes),
-                                FormatBytes(m.host_total_bytes));
+                                FormatBytes(m.host_total_bytes), m.host_memory_note, ranks,
+                                FormatBytes(each))
+                  : fmt::format("{} available ({} total{})", FormatBytes(m.host_available_bytes),
+                                FormatBytes(m.host_total_bytes), m.host_memory_note);
     std::string knob;
     if (plan.host_staging_bytes > each) {
       // One rank: a ring of sub-group slots; several: the reduced shard.
@@ -584,6 +585,7 @@ MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32
   if (Result<HostMemory> mem = ProbeHostMemory(); mem.ok()) {
     m.host_available_bytes = mem->available_bytes;
     m.host_total_bytes = mem->total_bytes;
+    m.host_memory_note = mem->limit_note();
     m.memlock_bytes =
         mem->memlock == MemlockLimit::kUnlimited ? kUnlimitedBytes : mem->memlock_limit_bytes;
   }

@@ -11,6 +11,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "runtime/storage.h"
 #include "runtime/units.h"
@@ -177,6 +179,108 @@ std::string_view PathKindName(PathKind kind) {
   return "?";
 }
 
+namespace internal {
+namespace {
+
+// The first number of a cgroup file ("max" and absent files: unlimited).
+uint64_t CgroupNumber(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::string word;
+  if (!(in >> word) || word == "max") return kUnlimitedBytes;
+  char* end = nullptr;
+  const uint64_t v = std::strtoull(word.c_str(), &end, 10);
+  return end != word.c_str() ? v : kUnlimitedBytes;
+}
+
+// A key of memory.stat ("inactive_file 4096"); 0 when absent.
+uint64_t CgroupStat(const std::filesystem::path& file, std::string_view key) {
+  std::ifstream in(file);
+  std::string k;
+  uint64_t v = 0;
+  while (in >> k >> v) {
+    if (k == key) return v;
+  }
+  return 0;
+}
+
+}  // namespace
+
+CgroupMemory ReadCgroupMemory(std::string_view proc_self_cgroup,
+                              const std::string& cgroup_root) {
+  namespace fs = std::filesystem;
+  // "0::/path" (v2) or "4:memory:/path" (v1; the memory controller may share
+  // its line with others).
+  std::string v1_path, v2_path;
+  bool have_v1 = false, have_v2 = false;
+  std::istringstream lines{std::string(proc_self_cgroup)};
+  for (std::string line; std::getline(lines, line);) {
+    const size_t a = line.find(':');
+    const size_t b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1);
+    const std::string path = line.substr(b + 1);
+    if (controllers.empty() && line.compare(0, a, "0") == 0) {
+      v2_path = path, have_v2 = true;
+    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+      v1_path = path, have_v1 = true;
+    }
+  }
+  struct Layout {
+    fs::path mount;
+    std::string path;
+    const char* limit;
+    const char* usage;
+    const char* inactive;
+  };
+  std::vector<Layout> layouts;
+  if (have_v1) {
+    layouts.push_back({fs::path(cgroup_root) / "memory", v1_path, "memory.limit_in_bytes",
+                       "memory.usage_in_bytes", "total_inactive_file"});
+  }
+  if (have_v2) {
+    layouts.push_back(
+        {fs::path(cgroup_root), v2_path, "memory.max", "memory.current", "inactive_file"});
+  }
+  CgroupMemory best;
+  uint64_t best_room = kUnlimitedBytes;
+  std::error_code ec;
+  for (const Layout& l : layouts) {
+    if (!fs::is_directory(l.mount, ec)) continue;
+    // The cgroup and its ancestors up to the mount; a path the mount does not
+    // show (another cgroup namespace) stands for the mount itself.
+    fs::path rel = fs::path(l.path).relative_path();
+    if (!fs::is_directory(l.mount / rel, ec)) rel.clear();
+    for (;;) {
+      const fs::path dir = l.mount / rel;
+      const uint64_t limit = CgroupNumber(dir / l.limit);
+      // v1 writes "no limit" as the largest page-aligned long.
+      if (limit < (uint64_t{1} << 62)) {
+        const uint64_t usage = CgroupNumber(dir / l.usage);
+        const uint64_t inactive = CgroupStat(dir / "memory.stat", l.inactive);
+        const uint64_t used =
+            usage == kUnlimitedBytes ? 0 : usage - std::min(usage, inactive);
+        const uint64_t room = limit - std::min(limit, used);
+        if (room < best_room) {
+          best_room = room;
+          best = {.path = "/" + rel.generic_string(), .limit_bytes = limit, .used_bytes = used};
+        }
+      }
+      if (rel.empty()) break;
+      rel = rel.parent_path();
+      if (rel == rel.root_path()) rel.clear();
+    }
+  }
+  return best;
+}
+
+}  // namespace internal
+
+std::string HostMemory::limit_note() const {
+  if (cgroup.limit_bytes == kUnlimitedBytes) return "";
+  return fmt::format(", limited by cgroup {} (memory limit {}, {} in use)", cgroup.path,
+                     FormatBytes(cgroup.limit_bytes), FormatBytes(cgroup.used_bytes));
+}
+
 Result<HostMemory> ProbeHostMemory() {
   std::ifstream in("/proc/meminfo");
   if (!in) return UnavailableError("read /proc/meminfo: cannot open it");
@@ -187,6 +291,19 @@ Result<HostMemory> ProbeHostMemory() {
   m.available_bytes = MeminfoBytes(text.str(), "MemAvailable");
   if (m.total_bytes == 0) return UnavailableError("read /proc/meminfo: no MemTotal line");
   if (m.available_bytes == 0) m.available_bytes = MeminfoBytes(text.str(), "MemFree");
+  // In a container or a job with a memory limit, the limit is what there is:
+  // past it the kernel kills the process, however much the machine has.
+  std::ifstream cgroup_file("/proc/self/cgroup");
+  std::stringstream cgroup_text;
+  cgroup_text << cgroup_file.rdbuf();
+  const CgroupMemory cg = internal::ReadCgroupMemory(cgroup_text.str(), "/sys/fs/cgroup");
+  if (cg.limit_bytes < m.total_bytes ||
+      cg.limit_bytes - std::min(cg.limit_bytes, cg.used_bytes) < m.available_bytes) {
+    m.cgroup = cg;
+    m.total_bytes = std::min(m.total_bytes, cg.limit_bytes);
+    m.available_bytes =
+        std::min(m.available_bytes, cg.limit_bytes - std::min(cg.limit_bytes, cg.used_bytes));
+  }
   rlimit lim{};
   if (::getrlimit(RLIMIT_MEMLOCK, &lim) == 0) {
     m.memlock_limit_bytes = lim.rlim_cur == RLIM_INFINITY ? kUnlimitedBytes : lim.rlim_cur;

@@ -32,15 +32,43 @@ enum class MemlockLimit : uint8_t {
   kUnlimited = 1,  // RLIMIT_MEMLOCK is unlimited, or the process has CAP_IPC_LOCK
 };
 
-struct HostMemory {
-  uint64_t total_bytes = 0;      // MemTotal
-  uint64_t available_bytes = 0;  // MemAvailable: what can be taken without swapping
-  uint64_t memlock_limit_bytes = 0;  // soft RLIMIT_MEMLOCK (kUnlimitedBytes: unlimited)
-  MemlockLimit memlock = MemlockLimit::kLimited;
+// The memory limit of this process's control groups (a container's
+// `--memory`, a Kubernetes limit, systemd's MemoryMax, a batch scheduler's
+// job): the cgroup, or the ancestor, with the least room under its limit.
+// Its page cache that can be dropped at once (inactive files) counts as room,
+// as the kernel reclaims it before it kills.
+struct CgroupMemory {
+  std::string path;              // the cgroup as /proc/self/cgroup names it ("" when none limits)
+  uint64_t limit_bytes = kUnlimitedBytes;  // memory.max (v2) or memory.limit_in_bytes (v1)
+  uint64_t used_bytes = 0;       // its usage less inactive page cache
 };
 
-// /proc/meminfo and getrlimit; Unavailable when /proc/meminfo cannot be read.
+struct HostMemory {
+  // MemTotal, or a tighter cgroup limit.
+  uint64_t total_bytes = 0;
+  // MemAvailable (what can be taken without swapping), or the room under a
+  // tighter cgroup limit.
+  uint64_t available_bytes = 0;
+  uint64_t memlock_limit_bytes = 0;  // soft RLIMIT_MEMLOCK (kUnlimitedBytes: unlimited)
+  MemlockLimit memlock = MemlockLimit::kLimited;
+  CgroupMemory cgroup;  // limit_bytes kUnlimitedBytes: no cgroup limit applies
+  // "" or ", limited by cgroup /docker/3f2a (memory limit 8.00 GiB)": what
+  // total_bytes and available_bytes stand for, to append to them in messages.
+  std::string limit_note() const;
+};
+
+// /proc/meminfo, the cgroup limits and getrlimit; Unavailable when
+// /proc/meminfo cannot be read.
 Result<HostMemory> ProbeHostMemory();
+
+namespace internal {
+// The tightest memory limit, from /proc/self/cgroup's text and the cgroup
+// filesystem mounted at `cgroup_root` (/sys/fs/cgroup: cgroup v2 there, v1
+// in its memory/ folder). A cgroup path that is not under the mount (a
+// container shows its own cgroup as the root) is looked up at the root.
+CgroupMemory ReadCgroupMemory(std::string_view proc_self_cgroup,
+                              const std::string& cgroup_root);
+}  // namespace internal
 
 // CPUs this process may run on (sched_getaffinity), and the machine's.
 struct CpuInfo {

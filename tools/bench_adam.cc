@@ -15,6 +15,7 @@
 
 #include "cpu_adam/cpu_adam.h"
 #include "runtime/dtype.h"
+#include "runtime/machine.h"
 #include "runtime/units.h"
 #include "tools/baselines.h"
 #include "tools/cli.h"
@@ -81,6 +82,16 @@ Status Run(const Options& o) {
                held_per_param, std::string(DTypeName(grad_dtype)).c_str(),
                out_none ? "" : fmt::format(", {} out", DTypeName(out_dtype)).c_str(),
                bytes_per_param);
+  // Refused before it is allocated: memory is overcommitted, so the arrays
+  // would be taken, and past a container's limit the kernel kills the process
+  // without a word when they are filled.
+  if (Result<HostMemory> mem = ProbeHostMemory();
+      mem.ok() && n * held_per_param > mem->available_bytes) {
+    return ResourceExhaustedError(fmt::format(
+        "--params {}: {} of arrays but {} of memory is available{}; lower --params",
+        o.params, FormatBytes(n * held_per_param), FormatBytes(mem->available_bytes),
+        mem->limit_note()));
+  }
   STRATA_ASSIGN_OR_RETURN(HostArray p, HostArray::Create(n * 4, "params"));
   STRATA_ASSIGN_OR_RETURN(HostArray m, HostArray::Create(n * 4, "exp_avg"));
   STRATA_ASSIGN_OR_RETURN(HostArray v, HostArray::Create(n * 4, "exp_avg_sq"));

@@ -62,6 +62,7 @@
 #include "runtime/comm.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
+#include "runtime/machine.h"
 #include "runtime/trace.h"
 #include "runtime/units.h"
 #include "tools/baselines.h"
@@ -632,9 +633,31 @@ Status RunStep(const StepArgs& a) {
           ? std::min<uint64_t>(plan0.device_elems, uint64_t{32} << 20) *
                 adam_shape.device_bytes_per_elem()
           : 0;
-  const uint64_t device_need =
-      a.ranks * (tensor_bytes + plan0.device_total_bytes() + 64 * kMiB) + kLinkProbeBytes +
-      device_adam_probe_bytes + 64 * kMiB;
+  // What the device holds at most (its budget adds room for small buffers).
+  const uint64_t device_use = a.ranks * (tensor_bytes + plan0.device_total_bytes()) +
+                              kLinkProbeBytes + device_adam_probe_bytes;
+  const uint64_t device_need = device_use + (a.ranks + 1) * 64 * kMiB;
+  // What the bench holds in host memory at its peak, refused before any of
+  // it is allocated: past a container's memory limit the kernel kills the
+  // process without a word. On the host device its memory (the tensors,
+  // staging, probes) is host memory too; the CPU probe's arrays come and go
+  // before the optimizers are built.
+  if (Result<HostMemory> mem = ProbeHostMemory(); mem.ok()) {
+    const uint64_t cpu_probe_bytes = std::min<uint64_t>(shard0.elems(), uint64_t{32} << 20) *
+                                     (12 + DTypeSize(config.grad_dtype) +
+                                      DTypeSize(config.param_dtype));
+    const uint64_t need = (a.device == "host" ? device_use : 0) +
+                          std::max(cpu_probe_bytes, a.ranks * plan0.host_total_bytes());
+    if (need > mem->available_bytes) {
+      return ResourceExhaustedError(fmt::format(
+          "needs about {} of host memory (the optimizer{} pin {}{}) but {} is available{}; "
+          "lower --params, or give --offload nvme with a --host-budget",
+          FormatBytes(need), a.ranks > 1 ? "s" : "", FormatBytes(a.ranks * plan0.host_total_bytes()),
+          a.device == "host" ? fmt::format(", the emulated device holds {}", FormatBytes(device_use))
+                             : std::string(),
+          FormatBytes(mem->available_bytes), mem->limit_note()));
+    }
+  }
   std::unique_ptr<Device> device;
   if (a.device == "host") {
     STRATA_ASSIGN_OR_RETURN(device,

@@ -186,6 +186,11 @@ Status RunInfo(const InfoArgs& args) {
     const bool unlimited = mem->memlock == MemlockLimit::kUnlimited;
     j["memory"] = {{"total_bytes", mem->total_bytes},
                    {"available_bytes", mem->available_bytes},
+                   {"cgroup", mem->cgroup.limit_bytes == kUnlimitedBytes
+                                  ? Json(nullptr)
+                                  : Json{{"path", mem->cgroup.path},
+                                         {"limit_bytes", mem->cgroup.limit_bytes},
+                                         {"used_bytes", mem->cgroup.used_bytes}}},
                    {"memlock_limit_bytes", mem->memlock_limit_bytes == kUnlimitedBytes
                                                ? Json(nullptr)
                                                : Json(mem->memlock_limit_bytes)},
@@ -408,8 +413,8 @@ Status RunInfo(const InfoArgs& args) {
               cpu.usable, cpu.online, cpu.model.empty() ? "" : ", ", cpu.model.c_str(),
               simd.c_str());
   if (mem.ok()) {
-    std::printf("  memory:       %s total, %s available\n", FormatBytes(mem->total_bytes).c_str(),
-                FormatBytes(mem->available_bytes).c_str());
+    std::printf("  memory:       %s total, %s available%s\n", FormatBytes(mem->total_bytes).c_str(),
+                FormatBytes(mem->available_bytes).c_str(), mem->limit_note().c_str());
     std::printf("  ulimit -l:    %s%s; pinning %s: %s\n",
                 mem->memlock_limit_bytes == kUnlimitedBytes
                     ? "unlimited"

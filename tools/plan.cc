@@ -250,8 +250,9 @@ Status RunPlan(const PlanArgs& args) {
             ? std::string(", for 1 rank on this machine: --ranks-per-node (or LOCAL_WORLD_SIZE) "
                           "says how many share it")
             : std::string();
-    std::printf("preflight: fits this machine (%s of memory available%s)\n",
-                FormatBytes(inputs.machine.host_available_bytes).c_str(), shared.c_str());
+    std::printf("preflight: fits this machine (%s of memory available%s%s)\n",
+                FormatBytes(inputs.machine.host_available_bytes).c_str(),
+                inputs.machine.host_memory_note.c_str(), shared.c_str());
   }
   return OkStatus();
 }

@@ -45,6 +45,70 @@ TEST(MachineTest, HostMemoryIsSane) {
   }
 }
 
+// Control-group memory limits from a fake cgroup filesystem: v2 with a
+// tighter parent, v1, no limit, and a container whose own cgroup is the
+// mount's root.
+TEST(MachineTest, CgroupMemoryLimits) {
+  ScratchDir dir;
+  auto write = [&](const std::string& rel, const std::string& text) {
+    const fs::path p = fs::path(dir.str()) / rel;
+    fs::create_directories(p.parent_path());
+    std::ofstream(p) << text;
+  };
+  const std::string root = dir.str();
+  // v2: the job's limit is 1 GiB with 384 MiB used (512 MiB less 128 MiB of
+  // inactive page cache); its parent has max.
+  write("user.slice/memory.max", "max\n");
+  write("user.slice/job/memory.max", "1073741824\n");
+  write("user.slice/job/memory.current", "536870912\n");
+  write("user.slice/job/memory.stat", "anon 1\ninactive_file 134217728\nactive_file 5\n");
+  CgroupMemory m = internal::ReadCgroupMemory("0::/user.slice/job\n", root);
+  EXPECT_EQ(m.path, "/user.slice/job");
+  EXPECT_EQ(m.limit_bytes, 1 * kGiB);
+  EXPECT_EQ(m.used_bytes, 384 * kMiB);
+  // The parent leaves less room (768 MiB limit, 700 MiB used): it decides.
+  write("user.slice/memory.max", "805306368\n");
+  write("user.slice/memory.current", "734003200\n");
+  m = internal::ReadCgroupMemory("0::/user.slice/job\n", root);
+  EXPECT_EQ(m.path, "/user.slice");
+  EXPECT_EQ(m.limit_bytes, 768 * kMiB);
+  EXPECT_EQ(m.used_bytes, 700 * kMiB);
+  // No limit anywhere.
+  m = internal::ReadCgroupMemory("0::/other\n", root + "/none");
+  EXPECT_EQ(m.limit_bytes, kUnlimitedBytes);
+  EXPECT_EQ(m.path, "");
+  // v1 (the memory controller on its own line, or sharing one), "no limit"
+  // written as the largest page-aligned long.
+  write("v1/memory/docker/abc/memory.limit_in_bytes", "314572800\n");
+  write("v1/memory/docker/abc/memory.usage_in_bytes", "104857600\n");
+  write("v1/memory/docker/abc/memory.stat", "cache 7\ntotal_inactive_file 0\n");
+  write("v1/memory/docker/memory.limit_in_bytes", "9223372036854771712\n");
+  m = internal::ReadCgroupMemory("5:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n",
+                                 root + "/v1");
+  EXPECT_EQ(m.path, "/docker/abc");
+  EXPECT_EQ(m.limit_bytes, 300 * kMiB);
+  EXPECT_EQ(m.used_bytes, 100 * kMiB);
+  m = internal::ReadCgroupMemory("4:memory,blkio:/docker/abc\n", root + "/v1");
+  EXPECT_EQ(m.limit_bytes, 300 * kMiB);
+  // A container: /proc/self/cgroup names the host's path, the mount shows the
+  // container's cgroup as its root.
+  write("ns/memory.max", "2147483648\n");
+  write("ns/memory.current", "0\n");
+  m = internal::ReadCgroupMemory("0::/kubepods/pod1/c1\n", root + "/ns");
+  EXPECT_EQ(m.path, "/");
+  EXPECT_EQ(m.limit_bytes, 2 * kGiB);
+  // The probe applies what it finds: never more available than total.
+  Result<HostMemory> mem = ProbeHostMemory();
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  EXPECT_LE(mem->available_bytes, mem->total_bytes);
+  if (mem->cgroup.limit_bytes != kUnlimitedBytes) {
+    EXPECT_LE(mem->total_bytes, mem->cgroup.limit_bytes);
+    EXPECT_NE(mem->limit_note().find("limited by cgroup"), std::string::npos);
+  } else {
+    EXPECT_EQ(mem->limit_note(), "");
+  }
+}
+
 TEST(MachineTest, Cpus) {
   const CpuInfo c = ProbeCpus();
   EXPECT_GE(c.usable, 1u);
