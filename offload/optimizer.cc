@@ -47,6 +47,8 @@
 // wrote) because every rank must issue the same collectives.
 #include "offload/optimizer.h"
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -318,6 +320,9 @@ std::string FormatStepStats(const StepStats& s) {
 }
 
 struct OffloadOptimizer::Impl {
+  // The process that built it: a forked child (a DataLoader worker) has
+  // none of its threads, so it must not destroy it (~OffloadOptimizer).
+  const pid_t creator_pid = ::getpid();
   // ---- set up once ----
   Device* device = nullptr;
   Communicator* comm = nullptr;
@@ -1391,7 +1396,13 @@ Status OffloadOptimizer::Impl::FailedStepError(std::string_view op) const {
 
 OffloadOptimizer::OffloadOptimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-OffloadOptimizer::~OffloadOptimizer() = default;
+OffloadOptimizer::~OffloadOptimizer() {
+  // In a forked child the engine's threads do not exist: joining them, or
+  // destroying a condition variable one of them waited on, would block for
+  // ever, and the state store would remove the parent's live state file.
+  // The child leaves it all alone (its memory goes when the child exits).
+  if (impl_ && impl_->creator_pid != ::getpid()) (void)impl_.release();
+}
 
 OffloadOptimizer::Impl::~Impl() {
   // Work in flight uses the buffers: let it finish (errors are the steps'

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -322,6 +323,17 @@ class Engine {
   }
 
   ~Engine() {
+    // A forked child (a DataLoader worker that frees an inherited optimizer)
+    // has none of the engine's or the device's threads: destroying them
+    // would block for ever. It leaves them alone.
+    if (creator_pid_ != ::getpid()) {
+      (void)opt_.release();
+      (void)trace_.release();
+      (void)comm_.release();
+      (void)device_.release();
+      new Stream(std::move(stream_));
+      return;
+    }
     // The engine's streams may still hold tasks that take the GIL.
     py::gil_scoped_release release;
     opt_.reset();
@@ -620,6 +632,7 @@ class Engine {
   Stream stream_;
   std::unique_ptr<TraceRecorder> trace_;  // outlives opt_, which records into it
   std::unique_ptr<OffloadOptimizer> opt_;
+  const pid_t creator_pid_ = ::getpid();
   OneCaller caller_;         // refuses a second thread's call while one runs (Run)
   ValuesAfterCalls values_;  // what the getters read: Refresh() after every call
 };

@@ -1,6 +1,7 @@
 #include "runtime/file_lock.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <fmt/format.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -9,6 +10,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <mutex>
+#include <set>
 #include <utility>
 
 #include "runtime/log.h"
@@ -24,6 +26,48 @@ long ReadHolderPid(int fd) {
   char* end = nullptr;
   const long pid = std::strtol(buf, &end, 10);
   return end != buf && pid > 0 ? pid : 0;
+}
+
+// The descriptors of the locks this process holds. fork() duplicates them,
+// and a child's copy keeps the lock (flock belongs to the open file
+// description) until the child exits: a DataLoader worker forked after an
+// optimizer was built held the optimizer's nvme_path after its close(). A
+// child closes its copies at once; its FileLock values, the parent's, then
+// leave the descriptor numbers alone (they may be reused by then).
+std::mutex& HeldMutex() {
+  static auto* mu = new std::mutex;  // never destroyed: fork may run at exit
+  return *mu;
+}
+std::set<int>& Held() {
+  static auto* held = new std::set<int>;
+  return *held;
+}
+
+void RegisterHeld(int fd) {
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    // The forking thread holds the mutex across fork(), so the child sees
+    // the set whole; the child is single-threaded when it closes them.
+    ::pthread_atfork([] { HeldMutex().lock(); }, [] { HeldMutex().unlock(); },
+                     [] {
+                       for (int fd : Held()) ::close(fd);
+                       Held().clear();
+                       HeldMutex().unlock();
+                     });
+  });
+  std::lock_guard lock(HeldMutex());
+  Held().insert(fd);
+}
+
+// Closes `fd` if this process opened it (not in a forked child, which
+// closed its copy already).
+void Release(int fd, pid_t owner) {
+  if (fd < 0 || owner != ::getpid()) return;
+  {
+    std::lock_guard lock(HeldMutex());
+    Held().erase(fd);
+  }
+  ::close(fd);
 }
 
 }  // namespace
@@ -71,6 +115,7 @@ Result<FileLock> FileLock::Acquire(const std::string& path) {
                                "of one directory there are not detected",
                                path, ErrnoName(err)));
       });
+      RegisterHeld(fd);
       return FileLock(fd, path);
     }
     const long pid = err == EWOULDBLOCK ? ReadHolderPid(fd) : 0;
@@ -92,16 +137,21 @@ Result<FileLock> FileLock::Acquire(const std::string& path) {
     ::close(fd);
     return ErrnoError(err, "lock " + path + ": write the holder's pid");
   }
+  RegisterHeld(fd);
   return FileLock(fd, path);
 }
 
+FileLock::FileLock(int fd, std::string path)
+    : fd_(fd), owner_(::getpid()), path_(std::move(path)) {}
+
 FileLock::FileLock(FileLock&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
+    : fd_(std::exchange(other.fd_, -1)), owner_(other.owner_), path_(std::move(other.path_)) {}
 
 FileLock& FileLock::operator=(FileLock&& other) noexcept {
   if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
+    Release(fd_, owner_);
     fd_ = std::exchange(other.fd_, -1);
+    owner_ = other.owner_;
     path_ = std::move(other.path_);
   }
   return *this;
@@ -109,7 +159,7 @@ FileLock& FileLock::operator=(FileLock&& other) noexcept {
 
 FileLock::~FileLock() {
   // Closing the last descriptor of the open file description releases the lock.
-  if (fd_ >= 0) ::close(fd_);
+  Release(fd_, owner_);
 }
 
 }  // namespace strata

@@ -26,7 +26,14 @@
 // Never blocks. Thread-safe (a FileLock is a value; Acquire may run
 // concurrently from several threads). Locks on NFS work where the kernel
 // maps flock to fcntl locks (Linux >= 2.6.12).
+//
+// fork(): a child closes its copies of this process's lock descriptors at
+// once (a copy would hold the lock until the child exits), and the
+// FileLock values it inherited release nothing; the parent's locks are
+// unchanged.
 #pragma once
+
+#include <sys/types.h>
 
 #include <string>
 #include <string_view>
@@ -62,8 +69,9 @@ class FileLock {
   const std::string& path() const { return path_; }
 
  private:
-  FileLock(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  FileLock(int fd, std::string path);
   int fd_ = -1;
+  pid_t owner_ = 0;  // the process that acquired it
   std::string path_;
 };
 

@@ -185,6 +185,13 @@ class HostStream final : public internal::StreamImpl {
              std::function<void()> on_destroy)
       : StreamImpl(owner), core_(std::move(core)), on_destroy_(std::move(on_destroy)) {}
   ~HostStream() override {
+    // A forked child has no worker thread to stop, and destroying the
+    // condition variable the parent's worker waits on blocks: the child
+    // leaves the stream's core alone.
+    if (creator_pid_ != ::getpid()) {
+      new std::shared_ptr<StreamCore>(std::move(core_));
+      return;
+    }
     core_->Shutdown();
     if (on_destroy_) on_destroy_();
   }
@@ -194,6 +201,7 @@ class HostStream final : public internal::StreamImpl {
  private:
   std::shared_ptr<StreamCore> core_;
   std::function<void()> on_destroy_;
+  const pid_t creator_pid_ = ::getpid();
 };
 
 class HostEvent final : public internal::EventImpl {

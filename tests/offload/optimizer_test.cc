@@ -4,6 +4,8 @@
 #include "offload/optimizer.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -345,6 +347,71 @@ TEST(EnginePlan, TheAutoFractionProbeFitsTheShardAndTheDeviceBudget) {
     EXPECT_GT((*opt)->plan().rates.cpu_adam_elems_per_sec, 0);
     EXPECT_GT((*opt)->plan().rates.device_adam_elems_per_sec, 0);
   }
+}
+
+// A forked child (a DataLoader worker) that destroys the optimizer and the
+// device it inherited returns at once (the destructors joined threads the
+// child does not have, and blocked for ever), and leaves the parent's state
+// file and lock alone: the parent steps on, bitwise, and a new optimizer can
+// take the directory once the parent's is gone, while the child lives.
+TEST(EngineNvme, AForkedChildThatDropsTheOptimizerNeitherHangsNorTouchesTheParents) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "fork in a threaded process under TSan";
+#else
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto storage = CreatePosixStorage();
+  testing::TempDir dir;
+  OffloadConfig config = MakeConfig(Case{.where = Where::kNvme});
+  config.nvme_paths = {dir.path()};
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kF32);
+  auto master = model.SetParams(rng);
+  auto opt = MakeOptimizer(*device, storage.get(), config, model);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  const auto order = model.FlatOrder();
+  auto step = [&] {
+    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+    ASSERT_TRUE((*opt)->Step().ok());
+    const GradStats st = FlatStats(**opt, order, grads);
+    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(**opt, model, ref);
+    ASSERT_TRUE((*opt)->ZeroGrad().ok());
+    ASSERT_TRUE(device->Synchronize().ok());
+  };
+  step();
+  int go[2], done[2];
+  ASSERT_EQ(::pipe(go), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(20);  // a hang ends the child with SIGALRM, which the parent sees
+    opt->reset();
+    device.reset();
+    char c;
+    if (::write(done[1], "x", 1) != 1 || ::read(go[0], &c, 1) != 1) ::_exit(1);
+    ::_exit(0);
+  }
+  ::close(done[1]);  // a child that dies ends the read below
+  ::close(go[0]);
+  char c;
+  ASSERT_EQ(::read(done[0], &c, 1), 1) << "the child hung or failed dropping them";
+  EXPECT_TRUE(std::filesystem::exists(dir.File("strata-rank0.state")));
+  step();
+  step();
+  opt->reset();  // the parent's own: removes its state, releases the lock
+  EXPECT_FALSE(std::filesystem::exists(dir.File("strata-rank0.state")));
+  auto next = MakeOptimizer(*device, storage.get(), config, model);
+  EXPECT_TRUE(next.ok()) << next.status();
+  ASSERT_EQ(::write(go[1], "x", 1), 1);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  ::close(go[1]);
+  ::close(done[0]);
+#endif
 }
 
 TEST(EngineNvme, ExtentsStillInTheirBuffersAreNotReadAgain) {

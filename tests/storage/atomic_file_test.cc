@@ -310,6 +310,44 @@ TEST(FileLockTest, AnotherProcessIsNamedAndItsDeathReleasesTheLock) {
   EXPECT_TRUE(after.ok()) << after.status();
 }
 
+// A child forked while a lock is held does not keep it: released in the
+// parent, the lock can be taken again while the child lives (a DataLoader
+// worker forked after an optimizer was built kept its nvme_path locked after
+// close()). The child's inherited FileLock releases nothing of the parent's.
+TEST(FileLockTest, AForkedChildDoesNotKeepTheLock) {
+  TempDir dir;
+  const std::string path = dir.File("strata-rank0.lock");
+  auto lock = FileLock::Acquire(path);
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  auto kept = FileLock::Acquire(dir.File("kept.lock"));
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  int go[2], done[2];
+  ASSERT_EQ(::pipe(go), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Drop the inherited FileLock values as a child's exit would; then wait.
+    { FileLock gone = std::move(*kept); }
+    char c;
+    if (::write(done[1], "x", 1) != 1 || ::read(go[0], &c, 1) != 1) ::_exit(1);
+    ::_exit(0);
+  }
+  char c;
+  ASSERT_EQ(::read(done[0], &c, 1), 1);
+  // The child dropped its copy of `kept`: the parent still holds that lock.
+  auto again_kept = FileLock::Acquire(dir.File("kept.lock"));
+  EXPECT_FALSE(again_kept.ok());
+  *lock = FileLock();  // released here, while the child lives
+  auto again = FileLock::Acquire(path);
+  EXPECT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(::write(go[1], "x", 1), 1);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  for (int fd : {go[0], go[1], done[0], done[1]}) ::close(fd);
+}
+
 // A lock file that cannot be created, or opened for writing, names its errno,
 // the path and the fix, and never says "held by" (which the state store and
 // the save lock read as another user of the directory: an nvme_path this
