@@ -62,6 +62,7 @@
 #include "runtime/comm.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
+#include "runtime/file_lock.h"
 #include "runtime/machine.h"
 #include "runtime/trace.h"
 #include "runtime/units.h"
@@ -447,6 +448,15 @@ Status RunStep(const StepArgs& a) {
         "--pcie-rate {}: give bytes per second (12G, 25GiB) or 0 for memcpy speed", a.pcie_rate));
   }
   const uint64_t pcie_rate = *pcie_rate_parsed;
+  // A link slower than 1 MB/s takes minutes to move even a small model, in
+  // silence: "12" was meant as 12G far more often than as 12 bytes/s.
+  if (pcie_rate != 0 && pcie_rate < 1000 * 1000) {
+    const bool digits = a.pcie_rate.find_first_not_of("0123456789") == std::string::npos;
+    return InvalidArgumentError(fmt::format(
+        "--pcie-rate {}: {} bytes/s is slower than any link (the value is in bytes per "
+        "second{}); give at least 1M, or 0 for memcpy speed",
+        a.pcie_rate, pcie_rate, digits ? fmt::format(": did you mean {}G?", a.pcie_rate) : ""));
+  }
   int cuda_ordinal = -1;
   if (a.device != "host") {
     if (a.device.rfind("cuda:", 0) == 0 && a.device.size() > 5 && a.device.size() < 10 &&
@@ -553,6 +563,16 @@ Status RunStep(const StepArgs& a) {
         return InvalidArgumentError(fmt::format(
             "--nvme-dir {}: not an existing directory; create it on the drive to measure", d));
       }
+      // Before anything is measured: a directory the optimizer cannot use
+      // failed only after seconds of probes (naming a probe's file), and
+      // another run's directory had its figures disturbed by our drive probe.
+      const DirectoryProbe probe = ProbeDirectory(d, DirectoryChecks::kSpace);
+      if (!probe.writable.ok()) {
+        return FailedPreconditionError(fmt::format(
+            "--nvme-dir {}: {}; give a directory this user can write (`strata info --nvme-dir "
+            "{}` says more)",
+            d, probe.writable.message(), d));
+      }
       for (int r = 0; r < a.ranks; ++r) {
         for (const char* ext : {"state", "lock"}) {
           const std::string f = fmt::format("{}/strata-rank{}.{}", d, r, ext);
@@ -562,6 +582,13 @@ Status RunStep(const StepArgs& a) {
           } else if (std::string_view(ext) == "state") {
             state_files_to_claim.emplace_back(r, f);
           }
+        }
+        const Result<FileLock> lock = FileLock::Acquire(fmt::format("{}/strata-rank{}.lock", d, r));
+        if (!lock.ok() && LockHeldByAnother(lock.status())) {
+          return FailedPreconditionError(fmt::format(
+              "--nvme-dir {}: another run uses it ({}); wait for it to end, or give another "
+              "--nvme-dir",
+              d, lock.status().message()));
         }
       }
     }
@@ -1226,8 +1253,8 @@ void AddBenchStepCommand(Cli& cli) {
       ->capture_default_str()
       ->check(CLI::Range(1u, 4096u));
   cmd->add_option("--pcie-rate", a->pcie_rate,
-                  "Model a PCIe link: H2D and D2H each capped at this many bytes/s (0: memcpy "
-                  "speed)")
+                  "Model a PCIe link: H2D and D2H each capped at this many bytes/s, e.g. 12G "
+                  "(0: memcpy speed)")
       ->capture_default_str();
   cmd->add_option("--device", a->device,
                   "host (the emulated device, the embedded default) or cuda:N")
