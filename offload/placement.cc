@@ -102,6 +102,25 @@ Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
         "or zero_optimization.sub_group_size",
         FormatBytes(pinned * ranks), ranks > 1 ? fmt::format(" ({} ranks)", ranks) : "",
         FormatBytes(m.host_available_bytes)));
+  } else if (const uint64_t accum = plan.accumulation_host_bytes();
+             m.host_available_bytes != 0 && pinned * ranks <= m.host_available_bytes &&
+             (pinned + accum) * ranks > m.host_available_bytes) {
+    // The plan fits, its own accumulation line does not: say so before a
+    // ReduceGradients finds out.
+    plan.warnings.push_back(fmt::format(
+        "with gradient accumulation (ReduceGradients) the optimizer needs {}{} ({} pinned + "
+        "{} of sums) but {} is available: without accumulation it fits; with it, lower "
+        "strata.host_budget (more state on NVMe) or shard over more ranks",
+        FormatBytes((pinned + accum) * ranks), ranks > 1 ? fmt::format(" ({} ranks)", ranks) : "",
+        FormatBytes(pinned), FormatBytes(accum), FormatBytes(m.host_available_bytes)));
+  }
+  if (in.host_budget_bytes != 0 && m.host_total_bytes != 0 &&
+      in.host_budget_bytes * ranks > m.host_total_bytes) {
+    plan.warnings.push_back(fmt::format(
+        "strata.host_budget {}{} exceeds this machine's {} of memory{}: it bounds nothing here, "
+        "the state it lets stay in DRAM may not fit; give at most what the machine has",
+        FormatBytes(in.host_budget_bytes), ranks > 1 ? fmt::format(" x {} ranks", ranks) : "",
+        FormatBytes(m.host_total_bytes), m.host_memory_note));
   }
   if (m.memlock_bytes != 0 && m.memlock_bytes != kUnlimitedBytes && pinned > m.memlock_bytes) {
     plan.warnings.push_back(fmt::format(

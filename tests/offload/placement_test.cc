@@ -617,6 +617,41 @@ TEST(PreflightTest, APlanThatLeavesLittleMemoryIsWarnedAbout) {
   EXPECT_TRUE(PlanPlacement(in)->warnings.empty());
 }
 
+// A plan that fits, but not with the accumulation sums its own plan line
+// counts: warned before a ReduceGradients finds out. A host_budget larger
+// than the machine bounds nothing: warned too.
+TEST(PreflightTest, AccumulationBeyondTheMemoryAndABudgetBeyondTheMachineAreWarnedAbout) {
+  PlacementInputs in = Large();
+  in.host_budget_bytes = 0;  // staging only
+  in.machine = {.host_available_bytes = uint64_t{1} << 50, .host_total_bytes = uint64_t{1} << 50};
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const uint64_t pinned = p->host_total_bytes();
+  const uint64_t accum = p->accumulation_host_bytes();
+  ASSERT_GT(accum, pinned / 4);
+  EXPECT_TRUE(p->warnings.empty());
+  in.machine.host_available_bytes = pinned + accum / 2;  // more than 1.1 x pinned
+  ASSERT_LT(pinned * 10, in.machine.host_available_bytes * 9);
+  p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->warnings.size(), 1u);
+  EXPECT_TRUE(Contains(p->warnings[0], "with gradient accumulation (ReduceGradients)"))
+      << p->warnings[0];
+  EXPECT_TRUE(Contains(p->warnings[0], FormatBytes(pinned + accum))) << p->warnings[0];
+  in.machine.host_available_bytes = pinned + accum;
+  EXPECT_TRUE(PlanPlacement(in)->warnings.empty());
+
+  in.machine = {.host_available_bytes = uint64_t{1} << 50, .host_total_bytes = 1 << 20};
+  in.host_budget_bytes = (1 << 20) + 1;
+  p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->warnings.size(), 1u);
+  EXPECT_TRUE(Contains(p->warnings[0], "exceeds this machine's 1.00 MiB of memory"))
+      << p->warnings[0];
+  in.host_budget_bytes = 1 << 20;
+  EXPECT_TRUE(PlanPlacement(in)->warnings.empty());
+}
+
 TEST(PreflightTest, DiskSpaceIsCheckedPerFilesystem) {
   PlacementInputs in = Large();
   in.host_budget_bytes = 0;
