@@ -200,9 +200,15 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
   namespace fs = std::filesystem;
   std::error_code ec;
   STRATA_ASSIGN_OR_RETURN(const bool exists, Present(dir, "open checkpoint " + dir));
-  if (!exists || !fs::is_directory(dir, ec)) {
+  if (!exists) {
     return NotFoundError(fmt::format(
         "open checkpoint {}: no such directory; pass the directory given to Save", dir));
+  }
+  if (!fs::is_directory(dir, ec)) {
+    return NotFoundError(fmt::format(
+        "open checkpoint {}: not a directory; a checkpoint is the directory given to Save "
+        "(it holds latest.json and step-* folders)",
+        dir));
   }
   const std::string latest = JoinPath(dir, kLatest);
   STRATA_ASSIGN_OR_RETURN(const bool has_latest, Present(latest, "open checkpoint " + dir));

@@ -878,6 +878,7 @@ Status RunStep(const StepArgs& a) {
   const int steps_per_round = trace ? 3 : 2;
   const int total = steps_per_round * (a.warmup + a.steps);
   int done = 0;
+  const bool stderr_tty = ::isatty(STDERR_FILENO) == 1;
   std::vector<StepSample> overlapped, serial, traced;
   for (int round = 0; round < a.warmup + a.steps; ++round) {
     const bool warm = round < a.warmup;
@@ -885,16 +886,20 @@ Status RunStep(const StepArgs& a) {
                                round % 2 == 0 ? Kind::kSerial : Kind::kOverlapped};
     if (trace) order.insert(order.begin() + (round % 2 == 0 ? 1 : 2), Kind::kTraced);
     for (Kind k : order) {
-      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s) ...   ", done + 1, total, name(k),
-                   warm ? ", warm-up" : "");
+      // On a terminal a line that the result overwrites; in a log only the result.
+      if (stderr_tty) {
+        std::fprintf(stderr, "\rbench step: step %d/%d (%s%s) ...   ", done + 1, total, name(k),
+                     warm ? ", warm-up" : "");
+      }
       if (trace) trace->SetEnabled(k == Kind::kTraced && !warm);
       STRATA_ASSIGN_OR_RETURN(
           StepSample s, run_step(k == Kind::kSerial ? PipelineMode::kSerial
                                                     : PipelineMode::kOverlapped));
       if (trace) trace->SetEnabled(false);
       ++done;
-      std::fprintf(stderr, "\rbench step: step %d/%d (%s%s): %s\n", done, total, name(k),
-                   warm ? ", warm-up" : "", FormatSeconds(s.times.step).c_str());
+      std::fprintf(stderr, "%sbench step: step %d/%d (%s%s): %s\n", stderr_tty ? "\r" : "",
+                   done, total, name(k), warm ? ", warm-up" : "",
+                   FormatSeconds(s.times.step).c_str());
       if (warm) continue;
       (k == Kind::kSerial ? serial : k == Kind::kTraced ? traced : overlapped).push_back(s);
     }

@@ -196,7 +196,7 @@ Status RunInfo(const InfoArgs& args) {
                                                : Json(mem->memlock_limit_bytes)},
                    {"memlock_unlimited", unlimited},
                    {"pin_test_bytes", pin_bytes},
-                   {"pin_test", pin.ok() ? "ok" : pin.ToString()}};
+                   {"pin_test", pin_bytes == 0 ? "skipped" : pin.ok() ? "ok" : pin.ToString()}};
     if (!unlimited) {
       problems.push_back(
           {"warning",
@@ -345,6 +345,14 @@ Status RunInfo(const InfoArgs& args) {
            "the state store falls back to buffered IO through the page cache; put nvme_path on "
            "a local ext4/xfs filesystem on the NVMe drive (not tmpfs, overlay or NFS)"});
     }
+    if (d.filesystem == "tmpfs" || d.filesystem == "ramfs") {
+      problems.push_back(
+          {"warning",
+           fmt::format("{} is on {}: memory, not a drive", dir, d.filesystem),
+           "state \"on NVMe\" there takes host memory beside the pinned DRAM tier (twice the "
+           "state: two slots); put nvme_path on the NVMe drive, or keep the state in DRAM "
+           "(offload_optimizer.device \"cpu\")"});
+    }
     if (uring && !d.io_uring.ok()) {
       problems.push_back({"warning",
                           fmt::format("io_uring IO in {} failed: {}", dir, d.io_uring.message()),
@@ -423,7 +431,8 @@ Status RunInfo(const InfoArgs& args) {
                         mem->memlock_limit_bytes != kUnlimitedBytes
                     ? " (CAP_IPC_LOCK: no limit applies)"
                     : "",
-                FormatBytes(pin_bytes).c_str(), pin.ok() ? "ok" : pin.ToString().c_str());
+                FormatBytes(pin_bytes).c_str(),
+                pin_bytes == 0 ? "skipped" : pin.ok() ? "ok" : pin.ToString().c_str());
   }
   std::printf("  io_uring:     %s\n", uring ? "available" : "not available");
   std::printf("  versions:     CUDA runtime %s, driver %s, NCCL %s\n",

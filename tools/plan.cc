@@ -120,6 +120,13 @@ Status RunPlan(const PlanArgs& args) {
     return InvalidArgumentError(
         fmt::format("--rank {} must be below --world-size {}", args.rank, args.world_size));
   }
+  // Checked whatever the plan puts on NVMe (a bad size went unnoticed when
+  // nothing was there to probe).
+  if (!args.probe_drive.empty() && !ParseBytes(args.probe_drive).ok()) {
+    return InvalidArgumentError(fmt::format(
+        "--probe-drive {}: {}; give a size such as 4GiB", args.probe_drive,
+        ParseBytes(args.probe_drive).status().message()));
+  }
   OffloadConfig config;
   if (!args.config_path.empty()) {
     STRATA_ASSIGN_OR_RETURN(std::string text, ReadConfigFile(args.config_path));
@@ -267,7 +274,7 @@ void AddPlanCommand(Cli& cli) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--params", args->params, "model parameters, e.g. 7B or 350M")->required();
   cmd->add_option("--world-size", args->world_size, "data-parallel ranks")
-      ->check(CLI::Range(1u, 1u << 20));
+      ->check(CLI::Range(1u, 1u << 16));  // the planner's limit
   cmd->add_option("--rank", args->rank, "the rank to plan for");
   cmd->add_option("--ranks-per-node", args->ranks_per_node,
                   "ranks sharing this machine's memory (default: $LOCAL_WORLD_SIZE, else 1)")

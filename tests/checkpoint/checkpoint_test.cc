@@ -457,6 +457,11 @@ TEST_F(BadInputTest, NoCheckpointIsNotFound) {
   s = LoadExpectingFailure(empty.path());
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
   ExpectMentions(s, "latest.json");
+  // A file is not a directory (it was "no such directory").
+  std::ofstream(empty.File("a.safetensors")) << "x";
+  s = LoadExpectingFailure(empty.File("a.safetensors"));
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
+  ExpectMentions(s, "a.safetensors: not a directory");
 }
 
 TEST_F(BadInputTest, MissingDataFileIsNotFoundNamingIt) {
