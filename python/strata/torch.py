@@ -918,6 +918,9 @@ class OffloadAdam(torch.optim.Optimizer):
         # Each param's torch version counter when the engine last wrote it or took it
         # as the master weight: a bump means the trainer wrote into it (see _adopt).
         self._versions = [r.param._version for r in self._reg]
+        # Whether the params hold values the engine gave them (a step or a load) rather
+        # than the trainer's own (load_state_dict keeps the trainer's: see there).
+        self._published = False
         # The step trace: steps kept by trace= (recording since construction), and
         # whether a trace() block records now.
         self._trace_steps = trace_steps
@@ -1083,6 +1086,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def _mark_versions(self):
         """The params as they are now are what the engine holds."""
         self._versions = [r.param._version for r in self._reg]
+        self._published = True
 
     @torch.no_grad()
     def _adopt(self, indices):
@@ -1092,29 +1096,41 @@ class OffloadAdam(torch.optim.Optimizer):
         (a version bump without a change costs one read of the state, no precision)."""
         layout = self._engine.layout()
         n = self._engine.state_array_count
-        bits = {torch.float32: torch.int32, torch.float16: torch.int16,
-                torch.bfloat16: torch.int16}[self._dtype]
         for sg, (begin, end) in enumerate(self._engine.sub_groups()):
-            hits = []
-            for k in indices:
-                offset, elems = layout[k]
-                lo, hi = max(begin, offset), min(end, offset + elems)
-                if lo < hi:
-                    hits.append((k, offset, lo, hi))
-            if not hits:
+            if not self._overlaps(begin, end, indices, layout):
                 continue
             arr = torch.empty((end - begin) * n, dtype=torch.float32)
             self._engine.read_state(sg, arr.data_ptr(), arr.numel())
-            changed = False
-            for k, offset, lo, hi in hits:
-                value = self._reg[k].param.detach().reshape(-1)[lo - offset:hi - offset].to("cpu")
-                master = arr[lo - begin:hi - begin]
-                differ = value.view(bits) != master.to(self._dtype).view(bits)
-                if bool(differ.any()):
-                    master[differ] = value[differ].to(torch.float32)
-                    changed = True
-            if changed:
+            if self._adopt_into(arr, begin, end, indices, layout):
                 self._engine.write_state(sg, arr.data_ptr(), arr.numel())
+
+    @staticmethod
+    def _overlaps(begin, end, indices, layout):
+        """Whether a param of `indices` has elements in the sub-group [begin, end)."""
+        return any(max(begin, layout[k][0]) < min(end, layout[k][0] + layout[k][1])
+                   for k in indices)
+
+    @torch.no_grad()
+    def _adopt_into(self, arr, begin, end, indices, layout):
+        """_adopt for one sub-group [begin, end) whose state `arr` (master | moments, CPU
+        float32) is in memory: the elements of params `indices` that differ from their
+        master in the param's dtype are written into the master in `arr`. Returns
+        whether any did."""
+        bits = {torch.float32: torch.int32, torch.float16: torch.int16,
+                torch.bfloat16: torch.int16}[self._dtype]
+        changed = False
+        for k in indices:
+            offset, elems = layout[k]
+            lo, hi = max(begin, offset), min(end, offset + elems)
+            if lo >= hi:
+                continue
+            value = self._reg[k].param.detach().reshape(-1)[lo - offset:hi - offset].to("cpu")
+            master = arr[lo - begin:hi - begin]
+            differ = value.view(bits) != master.to(self._dtype).view(bits)
+            if bool(differ.any()):
+                master[differ] = value[differ].to(torch.float32)
+                changed = True
+        return changed
 
     def _rebind(self, moved):
         """Re-registers the params in `moved` at their new storage (and grad buffer), in
@@ -1373,6 +1389,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 "(requires_grad=False) before building the optimizer. Warned once",
                 stacklevel=_outside_stacklevel())
         self._state_version += 1
+        self._published = True  # the params are the master weights (adopted above)
         try:
             self._run("step")
         except BaseException:
@@ -1507,21 +1524,36 @@ class OffloadAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Loads a state_dict() of an optimizer built the same way (params, groups, ranks),
         or a torch.optim.Adam/AdamW state_dict (m, v, step; the master weights are the
-        params' current values). Everything is checked before anything is written."""
+        params' current values). Everything is checked before anything is written.
+
+        The params: as with torch.optim, whatever the model holds is where the next
+        step starts. A param the trainer wrote since the optimizer last wrote it (a
+        step or a load; before the first, every param: model.load_state_dict(W)
+        before or after building the optimizer, an in-place write, a new .data) keeps
+        its values, which become the master weights where they differ from the loaded
+        ones in the param's dtype; the other elements keep the loaded fp32 master.
+        A param the trainer left alone since a step or load takes the loaded master
+        weights (written into it at once: a rollback of the optimizer rolls the
+        weights back too). So the order of the loads does not matter, and a
+        consistent resume keeps the fp32 master of bf16/fp16 params bitwise."""
         try:
             state, saved_groups = state_dict["state"], state_dict["param_groups"]
         except (KeyError, TypeError):
             raise ValueError("OffloadAdam.load_state_dict: not an optimizer state_dict (no "
                              "'state' and 'param_groups')")
         self._state_version += 1
-        failed = self._engine.step_failed
         if isinstance(state, dict) and "strata" in state:
-            self._load_strata_state(state["strata"], saved_groups)
-            if failed:
-                # The failed step wrote some params already: they follow the loaded
-                # master weights again (a collective, like the failed step).
-                self._check_params("load_state_dict")
-                self._run("upload_params")
+            self._refuse_if_comm_failed("load_state_dict")
+            self._refuse_mid_hand_over("load_state_dict")
+            # Before anything is loaded: which params hold the trainer's values. Those it
+            # wrote since the engine last wrote them (their version counter moved, or
+            # their storage was replaced: re-registered here); all of them before the
+            # first step or load (the values the optimizer was built over are the
+            # trainer's, such as a model.load_state_dict before building it).
+            moved = self._check_params("load_state_dict")
+            written = (self._written(moved) if self._published
+                       else list(range(len(self._reg))))
+            self._load_strata_state(state["strata"], saved_groups, written)
         else:
             self._check_groups_match(saved_groups)
             self._load_torch_adam_state(state, saved_groups)
@@ -1543,7 +1575,9 @@ class OffloadAdam(torch.optim.Optimizer):
             _check_hyper(f"load_state_dict: param_groups[{gi}]: ", g.get("lr"), g.get("betas"),
                          g.get("eps"), g.get("weight_decay"))
 
-    def _load_strata_state(self, s, saved_groups):
+    def _load_strata_state(self, s, saved_groups, written):
+        """Loads an OffloadAdam state_dict; the params in `written` (indices) keep their
+        values (load_state_dict)."""
         bad = "OffloadAdam.load_state_dict: "
         if not isinstance(s, dict) or s.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"{bad}version {s.get('version') if isinstance(s, dict) else s!r}; "
@@ -1573,7 +1607,16 @@ class OffloadAdam(torch.optim.Optimizer):
                              "another update rule; build the optimizer as the saved one was")
         self._check_groups_match(saved_groups)
         if s.get("kind") == "checkpoint":
+            # The load writes every param from the checkpoint: the written ones whose
+            # values differ from it are kept aside, put back, and adopted.
+            kept = self._values_differing_from(s["checkpoint"], written)
             self.load_checkpoint(s["checkpoint"])
+            if kept:
+                with torch.no_grad():
+                    for k, value in kept.items():
+                        param = self._reg[k].param
+                        param.copy_(value.view_as(param))
+                self._adopt(sorted(kept))
             return
         sub_groups = [tuple(x) for x in self._engine.sub_groups()]
         n = self._engine.state_array_count
@@ -1607,14 +1650,54 @@ class OffloadAdam(torch.optim.Optimizer):
             scaler = self._engine.scaler_state()
         self._engine.check_counters(step, scaler)
         # Everything holds: write. Only an IO error can stop it now.
+        layout = self._engine.layout()
         try:
-            for i, t in enumerate(arrays):
+            for i, (t, (begin, end)) in enumerate(zip(arrays, sub_groups)):
                 t = t.detach().to(device="cpu").contiguous()
+                if self._overlaps(begin, end, written, layout):
+                    # The params the trainer wrote win where they differ (a copy: the
+                    # caller's state_dict stays as it was).
+                    t = t.clone()
+                    self._adopt_into(t, begin, end, written, layout)
                 self._engine.write_state(i, t.data_ptr(), t.numel())
             self._engine.restore_counters(step, scaler)
         except StrataError as e:
             raise StrataError(f"{e}\nOffloadAdam.load_state_dict: the state is partly "
                               "written; load it again (or load a checkpoint)") from e
+        # Every param follows the master weights now (the written ones keep their
+        # values exactly; a step that failed part way had written some already). A
+        # collective with several ranks, as the checkpoint kind's load.
+        self._run("upload_params")
+
+    @torch.no_grad()
+    def _values_differing_from(self, directory, indices):
+        """{k: a CPU copy of param k} for the params `indices` whose values differ from
+        the master weights of the checkpoint in `directory` in the param's dtype (read one
+        tensor at a time). {} when the checkpoint does not match the params: the load
+        that follows names what differs."""
+        if not indices:
+            return {}
+        try:
+            ckpt = _strata.Checkpoint(os.fspath(directory))
+            tensors = ckpt.tensors()
+        except StrataError:
+            return {}
+        if len(tensors) != len(self._reg) or any(
+                t["elems"] != r.param.numel() for t, r in zip(tensors, self._reg)):
+            return {}
+        bits = {torch.float32: torch.int32, torch.float16: torch.int16,
+                torch.bfloat16: torch.int16}[self._dtype]
+        kept = {}
+        for k in indices:
+            param = self._reg[k].param.detach().reshape(-1)
+            if param.numel() == 0:
+                continue
+            master = torch.empty(param.numel(), dtype=torch.float32)
+            ckpt.read_master(k, master.data_ptr(), master.numel())
+            value = param.to("cpu")
+            if bool((value.view(bits) != master.to(self._dtype).view(bits)).any()):
+                kept[k] = value.clone()
+        return kept
 
     def _load_torch_adam_state(self, state, saved_groups):
         bad = "OffloadAdam.load_state_dict: "

@@ -9,6 +9,8 @@ groups' lists) must raise an error naming the param, before the engine
 touches anything. CI also runs this file under AddressSanitizer
 (scripts/asan_python), where a stale access is a hard error.
 """
+import copy
+
 import pytest
 import torch
 
@@ -321,6 +323,150 @@ def test_a_version_bump_that_changes_nothing_keeps_the_fp32_master():
             opt.zero_grad()
         return torch.cat([t.reshape(-1) for _, _, t in opt.iter_state()])
     assert torch.equal(run(False), run(True))
+
+
+# ---- optimizer.load_state_dict after writes into the params ----------------------------
+#
+# torch.optim's state holds no params: after model.load_state_dict(W) and
+# optimizer.load_state_dict(sd), in either order, the next step starts from W.
+# OffloadAdam's state_dict holds fp32 master weights, and the loaded ones used
+# to replace W when the model was loaded first (at the next step with the
+# "arrays" kind, at the load itself with state_dict_dir).
+
+def other_weights(model):
+    torch.manual_seed(7)
+    model.load_state_dict(torch.nn.Linear(16, 4).state_dict())
+
+
+def other_storage(model):
+    torch.manual_seed(7)
+    new = torch.nn.Linear(16, 4)
+    model.weight.data = new.weight.detach().clone()
+    model.bias.data = new.bias.detach().clone()
+
+
+def state_dict_kind(kind, tmp_path):
+    return {"state_dict_dir": str(tmp_path / "sd")} if kind == "state_dict_dir" else {}
+
+
+def masters(opt):
+    """Each registered param's fp32 master weight, flat, as the engine holds it."""
+    state = {i: t for i, _, t in opt.iter_state()}
+    bounds = opt._engine.sub_groups()
+    out = []
+    for offset, elems in opt._engine.layout():
+        i = next(i for i, (b, e) in enumerate(bounds) if b <= offset < e or elems == 0)
+        begin = bounds[i][0]
+        out.append(state[i][offset - begin:offset - begin + elems].clone())
+    return out
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("kind", ["arrays", "state_dict_dir"])
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first", "model_before_building"])
+@pytest.mark.parametrize("write", [other_weights, other_storage])
+def test_weights_given_to_the_model_win_over_the_loaded_master_in_either_order(
+        kind, order, write, offload, tmp_path):
+    kw = dict(state_dict_kind(kind, tmp_path), **offload_kwargs(offload, tmp_path))
+    m_ours, m_ref = linear(), linear()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2, weight_decay=0.1, **kw)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1)
+    train(m_ours, ours, 3)
+    train(m_ref, ref, 3)
+    sd_ours, sd_ref = ours.state_dict(), copy.deepcopy(ref.state_dict())
+    ours.close()
+
+    m_ours, m_ref = linear(), linear()
+    if order == "model_before_building":
+        write(m_ours)
+        write(m_ref)
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2, weight_decay=0.1, **kw)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for model, opt, sd in ((m_ours, ours, sd_ours), (m_ref, ref, sd_ref)):
+        if order == "model_before_building":
+            opt.load_state_dict(sd)
+        elif order == "model_first":
+            write(model)
+            opt.load_state_dict(sd)
+        else:
+            opt.load_state_dict(sd)
+            write(model)
+    for p, q in zip(m_ours.parameters(), m_ref.parameters()):
+        assert torch.equal(p, q), "the load replaced the weights the model was given"
+    train(m_ours, ours, 2)
+    train(m_ref, ref, 2)
+    assert_same(m_ours, m_ref)
+    assert ours.step_count == 5
+
+
+@pytest.mark.parametrize("kind", ["arrays", "state_dict_dir"])
+def test_a_bf16_load_keeps_the_fp32_master_where_the_model_holds_it_rounded(kind, tmp_path):
+    """The master weights are more precise than bf16 params. A consistent resume
+    (model, then optimizer) keeps them bitwise and continues exactly; elements the
+    trainer changed since (pruned to 0 here) take the model's values."""
+    x = batch()[0].to(torch.bfloat16)
+
+    def train_bf16(model, opt, steps):
+        for _ in range(steps):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4).to(torch.bfloat16)
+    opt = OffloadAdam(model.parameters(), lr=1e-2, weight_decay=0.1,
+                      **state_dict_kind(kind, tmp_path))
+    train_bf16(model, opt, 3)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
+    saved = masters(opt)
+    assert not torch.equal(saved[0].to(torch.bfloat16).float(), saved[0]), \
+        "the case needs masters that bf16 does not hold exactly"
+    train_bf16(model, opt, 3)
+    first = [p.detach().clone() for p in model.parameters()]
+
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    assert all(torch.equal(a, b) for a, b in zip(masters(opt), saved))
+    train_bf16(model, opt, 3)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), first))
+
+    # The same into a new optimizer over a model loaded before building it.
+    torch.manual_seed(1)
+    fresh = torch.nn.Linear(16, 4).to(torch.bfloat16)
+    fresh.load_state_dict(saved_model)
+    fresh_opt = OffloadAdam(fresh.parameters(), lr=1e-2, weight_decay=0.1,
+                            **state_dict_kind(kind, tmp_path / "fresh"))
+    fresh_opt.load_state_dict(saved_opt)
+    assert all(torch.equal(a, b) for a, b in zip(masters(fresh_opt), saved))
+    train_bf16(fresh, fresh_opt, 3)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), first))
+
+    model.load_state_dict(saved_model)
+    with torch.no_grad():
+        model.weight[0].zero_()  # pruned after the save
+    opt.load_state_dict(saved_opt)
+    weight, bias = masters(opt)
+    assert torch.equal(weight[:16], torch.zeros(16))
+    assert torch.equal(weight[16:], saved[0][16:]) and torch.equal(bias, saved[1])
+    assert torch.equal(model.weight[0], torch.zeros(16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["arrays", "state_dict_dir"])
+def test_a_load_writes_the_loaded_weights_into_params_the_model_left_alone(kind, tmp_path):
+    """Rolled back without a model load, the params are the loaded master weights
+    at once, so the next forward and its step agree (with the "arrays" kind the
+    params kept the newer values, and the step applied their gradient to the
+    older master)."""
+    model = linear()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **state_dict_kind(kind, tmp_path))
+    train(model, opt, 2)
+    saved_weights, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
+    train(model, opt, 3)
+    after = copy.deepcopy(model.state_dict())
+    opt.load_state_dict(saved_opt)
+    assert all(torch.equal(model.state_dict()[k], saved_weights[k]) for k in saved_weights)
+    train(model, opt, 3)
+    assert all(torch.equal(model.state_dict()[k], after[k]) for k in after)
 
 
 @pytest.mark.parametrize("convert", ["double_float", "half"])
