@@ -186,10 +186,11 @@ def _check_hyper(where, lr, betas, eps, weight_decay):
 
 
 def _check_flags(where, group):
-    """ValueError for a torch.optim Adam option OffloadAdam does not run, set in a group."""
+    """ValueError for a torch.optim Adam option OffloadAdam does not run, set in a group
+    (where: "param_groups[1] has ") or given as an argument (where: "")."""
     for flag in _UNSUPPORTED_FLAGS:
         if group.get(flag):
-            raise ValueError(f"OffloadAdam: {where} has {flag}=True; OffloadAdam runs Adam/AdamW "
+            raise ValueError(f"OffloadAdam: {where}{flag}=True; OffloadAdam runs Adam/AdamW "
                              f"without {flag}: drop it (or use torch.optim for this model)")
 
 
@@ -526,6 +527,9 @@ class OffloadAdam(torch.optim.Optimizer):
             betas in [0, 1), eps > 0, weight_decay >= 0). weight_decay defaults
             to 0, as DeepSpeed's CPU Adam does; ``torch.optim.AdamW``'s default is
             0.01: pass it when replacing an AdamW built without one.
+        amsgrad: torch's 6th argument, so positional calls written for
+            ``torch.optim.AdamW`` mean the same; False, as True is refused.
+            Every argument after it is keyword-only.
         adamw: True: decoupled weight decay (``AdamW``); False: L2 decay added
             to the gradient (``torch.optim.Adam(weight_decay=...)``).
         max_grad_norm: clip by global L2 norm, exactly like
@@ -650,16 +654,19 @@ class OffloadAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 adamw=True, max_grad_norm=None, offload="cpu", nvme_path=None, host_budget=None,
-                 config=None, sub_group_size=None, threads=None, process_group=None,
-                 state_dict_dir=None, trace=None, gpu_fraction=None, device_budget=None,
-                 overlap_backward=False):
+                 amsgrad=False, *, adamw=True, max_grad_norm=None, offload="cpu",
+                 nvme_path=None, host_budget=None, config=None, sub_group_size=None,
+                 threads=None, process_group=None, state_dict_dir=None, trace=None,
+                 gpu_fraction=None, device_budget=None, overlap_backward=False):
         self._owner = None  # (thread id, method) inside a _one_thread method
         self._state_version = 0  # + 1 whenever the state may change (iter_state checks it)
         self._owner_lock = threading.Lock()
         if isinstance(params, torch.Tensor):
             raise TypeError("OffloadAdam: params argument given to the optimizer should be an "
                             f"iterable of Tensors or dicts, but got {torch.typename(params)}")
+        # Positional as in torch.optim.Adam/AdamW; the Strata arguments are keyword-only
+        # (a 6th positional argument was adamw=, so torch's amsgrad=False chose Adam-L2).
+        _check_flags("", {"amsgrad": amsgrad})
         config = _config_dict(config)
         bad = _non_finite(config)
         if bad:
@@ -715,7 +722,7 @@ class OffloadAdam(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             _check_hyper(f"param_groups[{gi}]: ", g["lr"], g["betas"], g["eps"],
                          g["weight_decay"])
-            _check_flags(f"param_groups[{gi}]", g)
+            _check_flags(f"param_groups[{gi}] has ", g)
 
         # Frozen params (requires_grad=False) are not registered: the engine
         # would decay them, torch.optim leaves them alone.
@@ -954,7 +961,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def _sync_hypers(self):
         """Hands the groups' current hyperparameters (schedulers change them) to the engine."""
         for gi, g in enumerate(self.param_groups):
-            _check_flags(f"param_groups[{gi}]", g)
+            _check_flags(f"param_groups[{gi}] has ", g)
             h = self._hyper_of(g, f"param_groups[{gi}]: ")
             if h != self._hypers[gi]:
                 _check_hyper(f"param_groups[{gi}]: ", h["lr"], h["betas"], h["eps"],

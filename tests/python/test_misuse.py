@@ -689,6 +689,29 @@ def test_what_torch_would_accept_and_offloadadam_cannot_run_is_refused():
     opt.step()
 
 
+def test_torch_positional_arguments_mean_what_they_mean_to_torch():
+    """torch.optim.AdamW's 6th positional argument is amsgrad; OffloadAdam's was adamw,
+    so AdamW(p, lr, betas, eps, wd, False) trained Adam with L2 decay, silently."""
+    m_ours, m_ref = Net(), Net()
+    ours = OffloadAdam(m_ours.parameters(), 1e-2, (0.9, 0.99), 1e-8, 0.5, False)
+    ref = torch.optim.AdamW(m_ref.parameters(), 1e-2, (0.9, 0.99), 1e-8, 0.5, False)
+    assert ours.engine_config["optimizer"]["params"]["adam_w_mode"]
+    for model, opt in ((m_ours, ours), (m_ref, ref)):
+        train(model, opt, 5)
+    for p, q in zip(m_ours.parameters(), m_ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+    w = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"OffloadAdam: amsgrad=True; OffloadAdam runs "
+                                         r"Adam/AdamW without amsgrad: drop it"):
+        OffloadAdam([w], 1e-2, (0.9, 0.99), 1e-8, 0.5, True)
+    # The Strata arguments are keyword-only; keyword callers are unchanged.
+    with pytest.raises(TypeError, match="positional argument"):
+        OffloadAdam([w], 1e-2, (0.9, 0.99), 1e-8, 0.5, False, True)
+    opt = OffloadAdam([w], lr=1e-2, weight_decay=0.5, adamw=False, max_grad_norm=1.0,
+                      offload="cpu", amsgrad=False)
+    assert not opt.engine_config["optimizer"]["params"]["adam_w_mode"]
+
+
 def test_copying_is_refused_and_close_releases_the_engine(tmp_path):
     model = Net()
     opt = OffloadAdam(model.parameters(), **nvme(tmp_path))
