@@ -55,7 +55,10 @@ _STATE_DICT_VERSION = 1
 # Each registered param -> a weak reference to the OffloadAdam that trains it:
 # a second optimizer over the same tensor would overwrite the first one's update.
 _OWNERS = {}  # id(param) -> (weakref to the param, weakref to its OffloadAdam)
-_UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
+# torch.optim.Adam/AdamW options that change what the step computes or promises (a
+# CUDA-graph-capturable step, autograd through it): refused when True, as arguments
+# and in groups. Its other options (foreach, fused) choose an implementation: ignored.
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 def _trace_steps(where, value, none_ok=False):
@@ -530,6 +533,11 @@ class OffloadAdam(torch.optim.Optimizer):
         amsgrad: torch's 6th argument, so positional calls written for
             ``torch.optim.AdamW`` mean the same; False, as True is refused.
             Every argument after it is keyword-only.
+        maximize, foreach, capturable, differentiable, fused: torch's keyword
+            arguments, accepted so configs written for ``torch.optim.AdamW``
+            work: ``foreach`` and ``fused`` are implementation hints and are
+            ignored; ``maximize``, ``capturable`` and ``differentiable`` are
+            refused when True (as ``amsgrad``, and in param groups).
         adamw: True: decoupled weight decay (``AdamW``); False: L2 decay added
             to the gradient (``torch.optim.Adam(weight_decay=...)``).
         max_grad_norm: clip by global L2 norm, exactly like
@@ -654,7 +662,8 @@ class OffloadAdam(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, adamw=True, max_grad_norm=None, offload="cpu",
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, adamw=True, max_grad_norm=None, offload="cpu",
                  nvme_path=None, host_budget=None, config=None, sub_group_size=None,
                  threads=None, process_group=None, state_dict_dir=None, trace=None,
                  gpu_fraction=None, device_budget=None, overlap_backward=False):
@@ -666,7 +675,10 @@ class OffloadAdam(torch.optim.Optimizer):
                             f"iterable of Tensors or dicts, but got {torch.typename(params)}")
         # Positional as in torch.optim.Adam/AdamW; the Strata arguments are keyword-only
         # (a 6th positional argument was adamw=, so torch's amsgrad=False chose Adam-L2).
-        _check_flags("", {"amsgrad": amsgrad})
+        # torch's keyword arguments: foreach and fused are implementation hints (ignored).
+        del foreach, fused
+        _check_flags("", {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
+                          "differentiable": differentiable})
         config = _config_dict(config)
         bad = _non_finite(config)
         if bad:
@@ -1711,10 +1723,14 @@ class OffloadAdam(torch.optim.Optimizer):
         if not isinstance(state, dict):
             raise ValueError(f"{bad}not an OffloadAdam or torch.optim Adam/AdamW state_dict")
         for gi, g in enumerate(saved_groups):
-            for flag in ("amsgrad", "maximize"):
+            for flag in _UNSUPPORTED_FLAGS:
                 if g.get(flag):
+                    # Such a group would refuse every step() after the load.
+                    hint = ("" if flag in ("amsgrad", "maximize") else
+                            f": set state_dict['param_groups'][{gi}]['{flag}'] = False "
+                            "(the state itself loads as it is)")
                     raise ValueError(f"{bad}param_groups[{gi}] has {flag}=True; OffloadAdam "
-                                     f"runs Adam/AdamW without {flag}")
+                                     f"runs Adam/AdamW without {flag}{hint}")
         # torch numbers every param of every group, frozen ones included.
         flat = [p for g in self.param_groups for p in g["params"]]
         index_of = {id(p): i for i, p in enumerate(flat)}

@@ -712,6 +712,54 @@ def test_torch_positional_arguments_mean_what_they_mean_to_torch():
     assert not opt.engine_config["optimizer"]["params"]["adam_w_mode"]
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(amsgrad=False), dict(maximize=False), dict(capturable=False),
+    dict(differentiable=False), dict(foreach=None), dict(foreach=True), dict(foreach=False),
+    dict(fused=None), dict(fused=True), dict(fused=False),
+    dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+         fused=None)])
+def test_torch_keyword_arguments_are_accepted(kwargs):
+    """Configs written for torch.optim.AdamW/Adam (hydra's _target_ swapped, a trainer's
+    optimizer kwargs) raised TypeError even for torch's own defaults. The hints
+    (foreach, fused) are ignored: training is torch's AdamW's."""
+    m_ours, m_ref = Net(), Net()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2, weight_decay=0.1, **kwargs)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for model, opt in ((m_ours, ours), (m_ref, ref)):
+        train(model, opt, 3)
+    for p, q in zip(m_ours.parameters(), m_ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize", "capturable", "differentiable"])
+def test_torch_keyword_arguments_offloadadam_cannot_honour_are_refused_when_true(flag):
+    w = torch.nn.Parameter(torch.zeros(3))
+    message = (rf"OffloadAdam: {flag}=True; OffloadAdam runs Adam/AdamW without {flag}: drop it "
+               r"\(or use torch.optim for this model\)")
+    with pytest.raises(ValueError, match=message):
+        OffloadAdam([w], lr=1e-2, **{flag: True})
+    # The same in a group, at construction and at a step.
+    with pytest.raises(ValueError, match=rf"param_groups\[0\] has {flag}=True; OffloadAdam"):
+        OffloadAdam([{"params": [w], flag: True}])
+    opt = OffloadAdam([w])
+    opt.param_groups[0][flag] = True
+    with pytest.raises(ValueError, match=rf"param_groups\[0\] has {flag}=True"):
+        opt.step()
+    if flag in ("capturable", "differentiable"):
+        # A torch state_dict would give the groups the flag: refused before any write.
+        model = Net()
+        ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, ref, 1)
+        sd = ref.state_dict()
+        sd["param_groups"][0][flag] = True
+        ours = OffloadAdam(model.parameters(), lr=1e-2)
+        with pytest.raises(ValueError, match=rf"has {flag}=True; .*: set "
+                                             rf"state_dict\['param_groups'\]\[0\]\['{flag}'\] "
+                                             r"= False"):
+            ours.load_state_dict(sd)
+        assert ours.step_count == 0
+
+
 def test_copying_is_refused_and_close_releases_the_engine(tmp_path):
     model = Net()
     opt = OffloadAdam(model.parameters(), **nvme(tmp_path))
