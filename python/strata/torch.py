@@ -22,6 +22,7 @@ import contextlib
 import copy
 import errno
 import functools
+import gc
 import json
 import math
 import numbers
@@ -833,16 +834,22 @@ class OffloadAdam(torch.optim.Optimizer):
                     where = f"param_groups[{gi}]['params'][{pi}]"
                     self._reg.append(_Registered(p, self._names.get(id(p), ""), where))
         self._group_ids = [[id(p) for p in g["params"]] for g in self.param_groups]
-        for key in [key for key, (p, o) in _OWNERS.items() if p() is None or o() is None]:
-            del _OWNERS[key]
-        for k, r in enumerate(self._reg):
-            param, owner = _OWNERS.get(id(r.param), (lambda: None, None))
-            if param() is r.param:
-                raise ValueError(
-                    f"OffloadAdam: {r.describe(k)} is already trained by another OffloadAdam "
-                    "that is alive; each would overwrite the other's update with its own "
-                    "master weights. Give each param to one optimizer (or drop the other one "
-                    "first: `del optimizer`, or optimizer.close())")
+        clash = self._trained_elsewhere()
+        if clash is not None:
+            # The other optimizer may be garbage that only the cycle collector frees:
+            # torch 1.13's OneCycleLR holds a bound method of itself, so after `del
+            # optimizer, scheduler` both live on in a reference cycle. Collect once.
+            gc.collect()
+            clash = self._trained_elsewhere()
+        if clash is not None:
+            k, r = clash
+            raise ValueError(
+                f"OffloadAdam: {r.describe(k)} is already trained by another OffloadAdam "
+                "that is alive; each would overwrite the other's update with its own master "
+                "weights. Give each param to one optimizer, or drop the other one first: call "
+                "its close(), or drop every reference to it (it survived a garbage "
+                "collection, so a scheduler or another object still refers to it: `del "
+                "optimizer` alone does not free it)")
         # One dense grad buffer per param; the engine reads grads from these.
         self._grad_bufs = [torch.zeros_like(r.param, memory_format=torch.contiguous_format)
                            for r in self._reg]
@@ -1288,6 +1295,17 @@ class OffloadAdam(torch.optim.Optimizer):
     def __exit__(self, *exc):
         self.close()
         return False
+
+    def _trained_elsewhere(self):
+        """(k, registered param) of the first param another live OffloadAdam trains, or
+        None; forgets the entries of freed optimizers and params."""
+        for key in [key for key, (p, o) in _OWNERS.items() if p() is None or o() is None]:
+            del _OWNERS[key]
+        for k, r in enumerate(self._reg):
+            param, _ = _OWNERS.get(id(r.param), (lambda: None, None))
+            if param() is r.param:
+                return k, r
+        return None
 
     def _registered_ids(self):
         ids = getattr(self, "_reg_ids", None)

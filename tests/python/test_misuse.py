@@ -778,6 +778,32 @@ def test_copying_is_refused_and_close_releases_the_engine(tmp_path):
         again.state_dict()
 
 
+def test_an_optimizer_dropped_with_its_onecycle_scheduler_makes_room_for_a_new_one(tmp_path):
+    """torch 1.13's OneCycleLR holds a bound method of itself: after `del opt, sched`
+    both live on in a reference cycle until the cycle collector runs, and a new
+    optimizer over the same params was refused as if the old one were in use."""
+    import gc
+    model = Net()
+    kw = nvme(tmp_path)
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **kw)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    train(model, opt, 1)
+    gc.disable()  # as between two automatic collections
+    try:
+        del opt, sched
+        opt = OffloadAdam(model.parameters(), lr=1e-2, **kw)  # same params and nvme_path
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+        train(model, opt, 1)
+        # Still referred to (by its scheduler here): refused, saying so.
+        del opt
+        with pytest.raises(ValueError, match=r"already trained by another OffloadAdam that is "
+                                             r"alive.*a scheduler or another object still "
+                                             r"refers to it"):
+            OffloadAdam(model.parameters(), lr=1e-2)
+    finally:
+        gc.enable()
+
+
 def test_a_monitor_thread_reads_the_properties_while_the_training_thread_steps():
     """Getters are not calls into the engine: a monitor thread reads the values as
     of the end of the last call (they used to read the engine's fields while a step
