@@ -611,7 +611,8 @@ class OffloadAdam(torch.optim.Optimizer):
     written into a param between steps (``model.load_state_dict``, in-place
     ops under ``torch.no_grad()``) are where its next step starts; after a
     write through ``p.data`` call ``reload_params()``. ``close()`` releases the
-    engine; an OffloadAdam cannot be copied or pickled.
+    engine; an OffloadAdam cannot be copied, and pickles (with a warning) as a
+    placeholder without its state that raises at any use.
 
     Gradients: ``step()`` reads each registered param's ``.grad``. Params with
     ``requires_grad=False`` at construction are not registered (never

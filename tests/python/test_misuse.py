@@ -895,6 +895,33 @@ def test_a_pickled_optimizer_is_a_placeholder_so_onecycle_state_dicts_save():
         placeholder.step()
 
 
+def test_torch_save_of_the_optimizer_does_what_the_docs_say():
+    """docs/pytorch.md said `torch.save(optimizer)` raises TypeError; it saves a
+    placeholder, with a warning, that raises at any use once loaded (as a later
+    bullet of the same page said). The page says what the code does."""
+    import io
+    model = Net()
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    train(model, opt, 2)
+    buf = io.BytesIO()
+    with pytest.warns(UserWarning, match="OffloadAdam pickled as a placeholder"):
+        torch.save(opt, buf)
+    buf.seek(0)
+    placeholder = torch.load(buf)
+    with pytest.raises(RuntimeError, match="pickled at step 2 was unpickled.*load_state_dict"):
+        placeholder.step()
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(opt)
+    docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs",
+                        "pytorch.md")
+    with open(docs) as f:
+        text = " ".join(f.read().split())
+    claims = [c for c in re.split(r"(?<=[.:;])\s", text) if "torch.save(optimizer)" in c]
+    assert claims, "docs/pytorch.md no longer says what torch.save(optimizer) does"
+    assert not [c for c in claims if "TypeError" in c], claims
+    assert any("placeholder" in c for c in claims), claims
+
+
 def test_fp16_step_after_an_unscaled_backward_is_refused():
     """fp16 params: step() divides by the loss scale, so a plain loss.backward()
     trained 65536 times too slowly without a word. It is refused until the backward
