@@ -699,30 +699,44 @@ std::string FormatPlan(const PlacementPlan& plan) {
     auto secs = [](double rate, double sec) {
       return rate > 0 ? FormatSeconds(sec) : std::string("? (rate not given)");
     };
-    auto elems_rate = [](double rate) { return fmt::format("{:.3g} G elems/s", rate * 1e-9); };
+    auto elems_rate = [](double rate) {
+      return rate > 0 ? fmt::format(" at {:.3g} G elems/s", rate * 1e-9) : std::string();
+    };
+    auto bytes_rate = [](double rate) {
+      return rate > 0 ? fmt::format(" at {}", FormatRate(rate)) : std::string();
+    };
+    const bool all_known = r.cpu_adam_elems_per_sec > 0 && r.pcie_bytes_per_sec > 0 &&
+                           (plan.device_sub_groups == 0 || r.device_adam_elems_per_sec > 0) &&
+                           (plan.nvme_sub_groups == 0 || (r.nvme_read_bytes_per_sec > 0 &&
+                                                          r.nvme_write_bytes_per_sec > 0));
     out += "  per step at these rates (busy time of each; the step costs at least the largest):\n";
-    out += fmt::format("    cpu adam     {:>10}  {} elems at {}\n",
+    out += fmt::format("    cpu adam     {:>10}  {} elems{}\n",
                        secs(r.cpu_adam_elems_per_sec, e.cpu_adam),
                        FormatCount(plan.shard_elems() - plan.device_elems),
                        elems_rate(r.cpu_adam_elems_per_sec));
     if (plan.device_sub_groups > 0) {
-      out += fmt::format("    device adam  {:>10}  {} elems at {}\n",
+      out += fmt::format("    device adam  {:>10}  {} elems{}\n",
                          secs(r.device_adam_elems_per_sec, e.device_adam),
                          FormatCount(plan.device_elems), elems_rate(r.device_adam_elems_per_sec));
     }
-    out += fmt::format("    pcie         {:>10}  {} down, {} up, each way at {}\n",
+    out += fmt::format("    pcie         {:>10}  {} down, {} up, each way{}\n",
                        secs(r.pcie_bytes_per_sec, std::max(e.d2h, e.h2d)),
                        FormatBytes(e.d2h_bytes), FormatBytes(e.h2d_bytes),
-                       FormatRate(r.pcie_bytes_per_sec));
+                       bytes_rate(r.pcie_bytes_per_sec));
     if (plan.nvme_sub_groups > 0) {
       out += fmt::format(
-          "    nvme         {:>10}  {} read at {} + {} written at {} (every rank of the node)\n",
+          "    nvme         {:>10}  {} read{} + {} written{} (every rank of the node)\n",
           secs(std::min(r.nvme_read_bytes_per_sec, r.nvme_write_bytes_per_sec), e.nvme),
-          FormatBytes(e.nvme_read_bytes), FormatRate(r.nvme_read_bytes_per_sec),
-          FormatBytes(e.nvme_write_bytes), FormatRate(r.nvme_write_bytes_per_sec));
+          FormatBytes(e.nvme_read_bytes), bytes_rate(r.nvme_read_bytes_per_sec),
+          FormatBytes(e.nvme_write_bytes), bytes_rate(r.nvme_write_bytes_per_sec));
     }
     if (!e.bottleneck().empty()) {
-      out += fmt::format("    bound        {:>10}  {}\n", FormatSeconds(e.bound()), e.bottleneck());
+      // With a rate unknown the bound is of the known ones only: the unknown
+      // may be the larger.
+      out += fmt::format("    bound        {:>10}  {}{}\n", FormatSeconds(e.bound()),
+                         e.bottleneck(),
+                         all_known ? "" : " (at least: of the rates given; strata.rates gives "
+                                          "the others)");
     }
   }
   out += "  sub-groups:";

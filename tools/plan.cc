@@ -182,6 +182,15 @@ Status RunPlan(const PlanArgs& args) {
       out["estimate"] = shape.ok() ? EstimateJson(shape->estimate) : nlohmann::json(nullptr);
       out["preflight"] = preflight_json({});
       PrintJson(out, 2);
+    } else {
+      // The plan the machine refused, to read the refusal's numbers against
+      // (nothing where the planner itself refuses).
+      PlacementInputs unchecked = inputs;
+      unchecked.machine = MachineLimits{};
+      if (Result<PlacementPlan> shape = PlanPlacement(unchecked); shape.ok()) {
+        std::printf("%s\npreflight: does not fit this machine (below)\n",
+                    FormatPlan(*shape).c_str());
+      }
     }
     return planned.status();
   }

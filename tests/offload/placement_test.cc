@@ -409,6 +409,13 @@ TEST(PlacementTest, EstimateCountsEachResourceAtTheGivenRates) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_DOUBLE_EQ(p->estimate.nvme, 2 * (24000.0 / 3600 + 20.0));
   EXPECT_EQ(p->estimate.bottleneck(), "nvme");
+  EXPECT_FALSE(Contains(FormatPlan(*p), "(at least: of the rates given")) << FormatPlan(*p);
+  // With a rate unknown the bound is of the known ones: said so, and no
+  // "0 G elems/s" for the unknown.
+  in.rates.cpu_adam_elems_per_sec = 0;
+  p = PlanPlacement(in);
+  EXPECT_TRUE(Contains(FormatPlan(*p), "nvme (at least: of the rates given")) << FormatPlan(*p);
+  EXPECT_FALSE(Contains(FormatPlan(*p), "0 G elems/s")) << FormatPlan(*p);
   // Unknown rates cost nothing, and the plan prints no estimate.
   in.rates = {};
   p = PlanPlacement(in);
