@@ -3,8 +3,10 @@
 // the same engine, block size and queue depth, interleaved, best of several.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -256,47 +258,99 @@ Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint6
   return static_cast<double>(per_file_bytes * files.size()) / secs;
 }
 
-// `path` as one shell word for fio's --filename, fio's own separator ':'
-// escaped.
-std::string FioFilenameArg(const std::string& path) {
-  std::string escaped;
-  for (char c : path) {
-    if (c == ':') escaped += '\\';
-    escaped += c;
+// fio's command line: its arguments, and the same as one shell line (in
+// --json and in errors, to run it by hand).
+struct FioCommand {
+  std::vector<std::string> argv;
+  std::string text;
+};
+
+FioCommand MakeFioCommand(const NvmeArgs& a, const std::vector<std::string>& files,
+                          uint64_t per_file_bytes, uint64_t block_bytes) {
+  FioCommand c;
+  c.argv = {"fio",
+            "--output-format=json",
+            fmt::format("--ioengine={}", a.backend == "uring" ? "io_uring" : "psync"),
+            "--direct=1",
+            fmt::format("--rw={}", a.op),
+            fmt::format("--bs={}", block_bytes),
+            fmt::format("--iodepth={}", a.qd),
+            fmt::format("--size={}", per_file_bytes),
+            "--group_reporting"};
+  if (a.backend == "uring") {
+    c.argv.push_back("--fixedbufs");
+    c.argv.push_back("--registerfiles");
   }
-  return ShellQuote(escaped);
+  c.text = fmt::format("{}", fmt::join(c.argv, " "));
+  for (size_t i = 0; i < files.size(); ++i) {
+    // fio's own separator ':' escaped.
+    std::string escaped;
+    for (char ch : files[i]) {
+      if (ch == ':') escaped += '\\';
+      escaped += ch;
+    }
+    c.argv.push_back(fmt::format("--name=job{}", i));
+    c.argv.push_back("--filename=" + escaped);
+    c.text += fmt::format(" --name=job{} --filename={}", i, ShellQuote(escaped));
+  }
+  return c;
 }
 
-std::string FioCommand(const NvmeArgs& a, const std::vector<std::string>& files,
-                       uint64_t per_file_bytes, uint64_t block_bytes) {
-  std::string cmd = fmt::format(
-      "fio --output-format=json --ioengine={} --direct=1 --rw={} --bs={} --iodepth={} --size={} "
-      "--group_reporting",
-      a.backend == "uring" ? "io_uring" : "psync", a.op, block_bytes, a.qd, per_file_bytes);
-  if (a.backend == "uring") cmd += " --fixedbufs --registerfiles";
-  for (size_t i = 0; i < files.size(); ++i)
-    cmd += fmt::format(" --name=job{} --filename={}", i, FioFilenameArg(files[i]));
-  return cmd;
-}
-
-Result<double> RunFio(const std::string& cmd, const std::string& op) {
-  FILE* p = ::popen((cmd + " 2>/dev/null").c_str(), "r");
-  if (p == nullptr) return ErrnoError(errno, "run fio");
+// Runs fio as a child of this process (not through a shell), so that a
+// signal that ends the bench kills it before the test files are removed: a
+// fio left running would re-create them. Its stderr is discarded.
+Result<double> RunFio(const FioCommand& cmd, const std::string& op) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return ErrnoError(errno, "run fio: pipe");
+  const int null_fd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+  if (null_fd < 0) {
+    const int err = errno;
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return ErrnoError(err, "run fio: open /dev/null");
+  }
+  CleanupScope fio;
+  Result<pid_t> pid = fio.Spawn(cmd.argv, fds[1], null_fd);
+  ::close(fds[1]);
+  ::close(null_fd);
+  if (!pid.ok()) {
+    ::close(fds[0]);
+    if (pid.status().code() == StatusCode::kNotFound) {
+      return FailedPreconditionError(fmt::format(
+          "run fio: {}; install the fio package (scripts/setup does) or leave out --vs-fio",
+          pid.status().message()));
+    }
+    return std::move(pid).status().WithContext("run fio");
+  }
   std::string out;
   char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  const int rc = ::pclose(p);
-  if (rc != 0) {
+  for (;;) {
+    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
+    if (n > 0) {
+      out.append(buf, static_cast<size_t>(n));
+    } else if (n == 0 || errno != EINTR) {
+      break;
+    }
+  }
+  ::close(fds[0]);
+  STRATA_ASSIGN_OR_RETURN(const int wait_status, fio.Wait(*pid));
+  if (WIFSIGNALED(wait_status)) {
+    return FailedPreconditionError(fmt::format("run `{}`: killed by signal {} ({})", cmd.text,
+                                               WTERMSIG(wait_status),
+                                               ::strsignal(WTERMSIG(wait_status))));
+  }
+  if (WEXITSTATUS(wait_status) != 0) {
     return FailedPreconditionError(
-        fmt::format("run `{}`: exit status {}; is the fio package installed?", cmd, rc));
+        fmt::format("run `{}`: exit status {} (its stderr is not shown: run the command by hand "
+                    "to see why)",
+                    cmd.text, WEXITSTATUS(wait_status)));
   }
   // fio may print notes before the JSON object.
   const size_t brace = out.find('{');
   nlohmann::json j =
       nlohmann::json::parse(brace == std::string::npos ? out : out.substr(brace), nullptr, false);
   if (j.is_discarded() || !j.contains("jobs") || j["jobs"].empty()) {
-    return InternalError("parse fio's JSON output of `" + cmd + "`");
+    return InternalError("parse fio's JSON output of `" + cmd.text + "`");
   }
   double bw = 0;
   // contains() before each const lookup: operator[] of a missing key is
@@ -305,7 +359,7 @@ Result<double> RunFio(const std::string& cmd, const std::string& op) {
     if (!job.is_object() || !job.contains(op) || !job[op].is_object() ||
         !job[op].contains("bw_bytes") || !job[op]["bw_bytes"].is_number()) {
       return InternalError(
-          fmt::format("fio's JSON output of `{}` has no jobs[].{}.bw_bytes", cmd, op));
+          fmt::format("fio's JSON output of `{}` has no jobs[].{}.bw_bytes", cmd.text, op));
     }
     bw += job[op]["bw_bytes"].get<double>();
   }
@@ -395,7 +449,7 @@ Status RunBenchNvme(const NvmeArgs& a) {
           .status());
   for (auto& f : files) STRATA_RETURN_IF_ERROR(f->Sync());
 
-  const std::string fio_cmd = FioCommand(a, test_paths, per_file_bytes, block_bytes);
+  const FioCommand fio_cmd = MakeFioCommand(a, test_paths, per_file_bytes, block_bytes);
   // fio allocates its buffers anew in every run (a new process); with 4 KiB
   // pages their physical layout, and so the segments per request, is drawn
   // anew each time. --fresh-buffers does the same for the engine's side.
@@ -466,7 +520,7 @@ Status RunBenchNvme(const NvmeArgs& a) {
       j["ratio_to_fio"] = fio_best > 0 ? best / fio_best : 0.0;
       j["fio_median_bytes_per_sec"] = fio_median;
       j["ratio_to_fio_median"] = fio_median > 0 ? median / fio_median : 0.0;
-      j["fio_command"] = fio_cmd;
+      j["fio_command"] = fio_cmd.text;
     }
     PrintJson(j);
   } else {
