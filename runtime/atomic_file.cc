@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -43,6 +44,21 @@ std::string TempPathFor(const std::string& path) {
                      salt + counter.fetch_add(1));
 }
 
+std::mutex listener_mu;
+AtomicFileListener& Listener() {
+  static AtomicFileListener* listener = new AtomicFileListener();
+  return *listener;
+}
+
+void Notify(AtomicFileEvent event, const std::string& path) {
+  AtomicFileListener listener;
+  {
+    std::lock_guard lock(listener_mu);
+    listener = Listener();
+  }
+  if (listener) listener(event, path);
+}
+
 // Why the temporary next to `path` could not be created, in terms of `path`
 // (the temporary's name means nothing to the caller).
 Status OpenTemporaryError(const std::string& path, Status opened) {
@@ -58,6 +74,12 @@ Status ExistsError(const std::string& path) {
 }
 
 }  // namespace
+
+AtomicFileListener SetAtomicFileListener(AtomicFileListener listener) {
+  std::lock_guard lock(listener_mu);
+  std::swap(Listener(), listener);
+  return listener;
+}
 
 Status CheckParentDirectory(const std::string& path) {
   const size_t slash = path.find_last_of('/');
@@ -132,10 +154,14 @@ Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& stor
   w->path_ = path;
   w->temp_path_ = TempPathFor(path);
   const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
+  Notify(AtomicFileEvent::kCreatingTemporary, w->temp_path_);
   auto opened = storage.Open(w->temp_path_, {.create = FileCreate::kCreate,
                                              .direct = options.direct,
                                              .queue_depth = depth});
-  if (!opened.ok()) return OpenTemporaryError(path, std::move(opened).status());
+  if (!opened.ok()) {
+    Notify(AtomicFileEvent::kTemporaryGone, w->temp_path_);
+    return OpenTemporaryError(path, std::move(opened).status());
+  }
   w->file_ = std::move(*opened);
   w->align_ = direct ? std::max<uint64_t>(w->file_->info().alignment_bytes, kDirectAlign) : 1;
   if (direct && options.chunk_bytes % w->align_ != 0) {
@@ -167,6 +193,7 @@ void AtomicFileWriter::Abandon() {
     Drain().IgnoreError();
     file_.reset();
     storage_->Remove(temp_path_).IgnoreError();
+    Notify(AtomicFileEvent::kTemporaryGone, temp_path_);
   }
   committed_ = false;
 }
@@ -244,9 +271,12 @@ Status AtomicFileWriter::Commit() {
     s = storage_->Rename(temp_path_, path_);
     if (s.ok()) {
       committed_ = true;
+      Notify(AtomicFileEvent::kTemporaryGone, temp_path_);
+      Notify(AtomicFileEvent::kCommitted, path_);
       return OkStatus();
     }
     storage_->Remove(temp_path_).IgnoreError();
+    Notify(AtomicFileEvent::kTemporaryGone, temp_path_);
     return error_ = s;
   }
   Abandon();

@@ -23,7 +23,8 @@
 // writer that did not commit, or a failed Commit, waits for the writes in
 // flight and removes the temporary file. A crash (SIGKILL, power loss)
 // before the rename leaves the old file intact and, at worst, a stale
-// ".tmp-" file that nothing reads.
+// ".tmp-" file that nothing reads; a command ended by a signal can remove
+// its temporaries through SetAtomicFileListener.
 //
 // Errors: FailedPrecondition for a target that exists (with kRefuse) or is
 // not a regular file, naming it and what to do; NotFound when the target's
@@ -107,6 +108,22 @@ class AtomicFileWriter {
   Status error_;
   bool committed_ = false;
 };
+
+// What every writer of this process tells the listener (SetAtomicFileListener).
+enum class AtomicFileEvent : uint8_t {
+  kCreatingTemporary,  // the temporary `path` is about to be created
+  kTemporaryGone,      // the temporary `path` was renamed over its target, or removed
+  kCommitted,          // the target `path` holds the new file (after kTemporaryGone)
+};
+using AtomicFileListener = std::function<void(AtomicFileEvent, const std::string& path)>;
+
+// Installs `listener` (an empty function: none) for every writer of this
+// process and returns the one it replaces. For a command that must remove
+// the temporaries when a signal ends it (a signal handler cannot find them:
+// tools/cleanup.h). Called on the writer's thread, so it must be
+// thread-safe where writers run on several threads, and must not use a
+// writer.
+AtomicFileListener SetAtomicFileListener(AtomicFileListener listener);
 
 // Create, Append(bytes), Commit.
 Status WriteFileAtomically(Storage& storage, const std::string& path, std::string_view bytes,

@@ -7,13 +7,21 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <signal.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
+#include <vector>
 
+#include "runtime/atomic_file.h"
 #include "runtime/units.h"
+#include "tools/cleanup.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -150,6 +158,87 @@ Status RunInspect(const InspectArgs& args) {
   return verified;
 }
 
+constexpr std::string_view kIndexName = "model.safetensors.index.json";
+
+bool IsShardName(const std::string& name) {
+  static const std::regex shard("model-[0-9]{5,}-of-[0-9]{5,}\\.safetensors");
+  return std::regex_match(name, shard);
+}
+
+// Runs an export so that a signal (Ctrl-C, kill, a closed terminal) removes
+// what it leaves unfinished: the temporary being written (as large as its
+// target, and hidden) and the shards already written, which are no export
+// without their index (the next export would refuse them as existing
+// files). Once the index is written the shards stay. A failure keeps them
+// (the error says what failed); the re-run's error then says what they are.
+Result<ExportResult> ExportRemovingWhatASignalInterrupts(const std::string& dir,
+                                                         const std::string& out,
+                                                         const ExportOptions& options) {
+  CleanupScope cleanup;
+  std::vector<std::string> shards;
+  AtomicFileListener previous =
+      SetAtomicFileListener([&](AtomicFileEvent event, const std::string& path) {
+        const std::string name = std::filesystem::path(path).filename().string();
+        switch (event) {
+          case AtomicFileEvent::kCreatingTemporary:
+            cleanup.AddFile(path);
+            break;
+          case AtomicFileEvent::kTemporaryGone:
+            cleanup.Keep(path);
+            break;
+          case AtomicFileEvent::kCommitted:
+            if (IsShardName(name)) {
+              cleanup.AddFile(path);
+              shards.push_back(path);
+            } else if (name == kIndexName) {
+              for (const std::string& shard : shards) cleanup.Keep(shard);
+              shards.clear();
+            }
+            break;
+        }
+      });
+  Result<ExportResult> result = ExportSafetensors(dir, out, options);
+  SetAtomicFileListener(std::move(previous));
+  for (const std::string& shard : shards) cleanup.Keep(shard);
+  return result;
+}
+
+// An export refused because OUT holds shards and no index: the files of an
+// export that a signal, SIGKILL or an error ended before it wrote its index.
+Status ExplainUnfinishedExport(Status s, const std::string& out) {
+  if (s.ok() || s.code() != StatusCode::kFailedPrecondition) return s;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(out, ec) ||
+      std::filesystem::exists(std::filesystem::path(out) / kIndexName, ec)) {
+    return s;
+  }
+  std::vector<std::string> shards, temporaries;
+  static const std::regex temporary(
+      "\\.model-[0-9]{5,}-of-[0-9]{5,}\\.safetensors\\.tmp-([0-9]+)-[0-9a-f]+");
+  for (const auto& e : std::filesystem::directory_iterator(out, ec)) {
+    const std::string name = e.path().filename().string();
+    std::smatch m;
+    if (IsShardName(name)) {
+      shards.push_back(name);
+    } else if (std::regex_match(name, m, temporary) &&
+               ::kill(static_cast<pid_t>(std::stol(m[1].str())), 0) != 0 && errno == ESRCH) {
+      temporaries.push_back(name);  // its writer is gone (SIGKILL): nothing removes it
+    }
+  }
+  if (shards.empty()) return s;
+  std::sort(shards.begin(), shards.end());
+  std::sort(temporaries.begin(), temporaries.end());
+  return Status(
+      s.code(),
+      fmt::format("{}; note: {} holds {} ({}{}) but no {}: an export that was interrupted or "
+                  "failed before it wrote its index; --force replaces them{}",
+                  s.message(), out, Plural(shards.size(), "shard"), shards.front(),
+                  shards.size() > 1 ? fmt::format(" ... {}", shards.back()) : "", kIndexName,
+                  temporaries.empty() ? ""
+                                      : fmt::format(" (remove its hidden temporaries by hand: {})",
+                                                    fmt::join(temporaries, ", "))));
+}
+
 }  // namespace
 
 void AddCheckpointCommands(Cli& cli) {
@@ -200,7 +289,10 @@ void AddCheckpointCommands(Cli& cli) {
         }
       }
       options.existing = args->force ? ExistingFile::kReplace : ExistingFile::kRefuse;
-      STRATA_ASSIGN_OR_RETURN(ExportResult r, ExportSafetensors(args->dir, args->out, options));
+      Result<ExportResult> exported =
+          ExportRemovingWhatASignalInterrupts(args->dir, args->out, options);
+      if (!exported.ok()) return ExplainUnfinishedExport(exported.status(), args->out);
+      const ExportResult& r = *exported;
       for (const std::string& f : r.files) std::printf("wrote %s\n", f.c_str());
       for (const std::string& f : r.removed) {
         std::printf("removed %s (an earlier export in another layout)\n", f.c_str());

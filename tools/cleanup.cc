@@ -188,6 +188,15 @@ void CleanupScope::Add(const std::string& path, Kind kind) {
   entries_.push_back({path, kind, Claim(path, kind == Kind::kFile ? kFile : kDir), 0});
 }
 
+void CleanupScope::Keep(const std::string& path) {
+  const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) {
+    return e.kind != Kind::kProcess && e.path == path;
+  });
+  if (it == entries_.end()) return;
+  if (it->slot >= 0) g_slots[it->slot].state.store(kFree, std::memory_order_release);
+  entries_.erase(it);
+}
+
 Result<pid_t> CleanupScope::Spawn(const std::vector<std::string>& argv, int stdout_fd,
                                   int stderr_fd) {
   STRATA_CHECK(!argv.empty()) << "Spawn of an empty command";

@@ -49,6 +49,10 @@ class CleanupScope {
   void AddFile(const std::string& path);
   // Removed after the files, and only when empty (rmdir).
   void AddDir(const std::string& path);
+  // No longer removed, neither by a signal nor by the destructor: a file
+  // that is gone (a temporary renamed over its target) or that the command
+  // keeps after all. A path that was not added is ignored.
+  void Keep(const std::string& path);
 
   // Starts argv (argv[0] without a '/' is looked up on PATH) as a child
   // process with `stdout_fd` and `stderr_fd` as its stdout and stderr. Until
