@@ -477,6 +477,19 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
   }
   trace.recorder = context.trace;
   trace.rank = rank;
+  // Ranks of one machine share its cores: each takes its share by default,
+  // where each took them all (8 ranks ran 8 x cores optimizer threads).
+  if (config.threads <= 0) {
+    const uint32_t per_node =
+        RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world));
+    const CpuInfo cpus = ProbeCpus();
+    config.threads = DefaultCpuThreads(cpus.usable, cpus.online, per_node);
+    if (per_node > 1) {
+      LogInfo(fmt::format("rank {}: {} CPU optimizer threads ({} usable cores, {} ranks on this "
+                          "machine; strata.threads sets it)",
+                          rank, config.threads, cpus.usable, per_node));
+    }
+  }
   // A GPU this build has no kernel image for is refused here, not inside the
   // first step.
   Status runs = kernels::CheckKernelsRunOn(*device).WithContext(kOp);

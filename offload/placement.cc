@@ -647,6 +647,16 @@ uint32_t RanksPerNode(std::string_view comm_backend, uint32_t world_size) {
   return 1;
 }
 
+int DefaultCpuThreads(uint32_t usable_cpus, uint32_t online_cpus, uint32_t ranks_per_node) {
+  const uint32_t usable = std::max<uint32_t>(usable_cpus, 1);
+  // A mask no larger than a rank's share of the machine: the launcher bound
+  // this rank to cores of its own (a container's cpuset is larger).
+  if (ranks_per_node <= 1 || uint64_t{usable} * ranks_per_node <= online_cpus) {
+    return static_cast<int>(usable);
+  }
+  return static_cast<int>(std::max<uint32_t>(usable / ranks_per_node, 1));
+}
+
 std::string FormatPlan(const PlacementPlan& plan) {
   auto budget = [](uint64_t b, std::string_view zero) {
     return b == 0 ? std::string(zero) : FormatBytes(b);

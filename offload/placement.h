@@ -283,6 +283,13 @@ MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32
 // torchrun), else 1.
 uint32_t RanksPerNode(std::string_view comm_backend, uint32_t world_size);
 
+// The CPU optimizer threads of one rank when the config leaves them to the
+// engine (strata.threads 0): the usable cores shared by the ranks on this
+// machine, at least 1 each; all of them where the rank runs alone, or where
+// its affinity mask is no larger than a rank's share of the machine (its
+// launcher bound it to cores of its own).
+int DefaultCpuThreads(uint32_t usable_cpus, uint32_t online_cpus, uint32_t ranks_per_node);
+
 // The bytes one NVMe buffer needs for a sub-group state of `state_bytes`:
 // rounded up to 4 KiB, plus the state store's 4 KiB extent header.
 uint64_t NvmeBufferBytes(uint64_t state_bytes);

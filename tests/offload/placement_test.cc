@@ -512,6 +512,17 @@ TEST(PlacementTest, GpuFractionAutoBalanceMatchesBruteForce) {
 
 // ---- Preflight: the plan against the machine ------------------------------
 
+// Ranks of one machine share its cores; a rank bound to cores of its own
+// keeps them.
+TEST(PlacementTest, DefaultCpuThreadsShareTheMachineAmongItsRanks) {
+  EXPECT_EQ(DefaultCpuThreads(64, 64, 1), 64);
+  EXPECT_EQ(DefaultCpuThreads(64, 64, 8), 8);
+  EXPECT_EQ(DefaultCpuThreads(2, 2, 4), 1);     // at least one each
+  EXPECT_EQ(DefaultCpuThreads(8, 64, 8), 8);    // bound by the launcher: its own 8
+  EXPECT_EQ(DefaultCpuThreads(32, 64, 8), 4);   // a container's cpuset shared by 8 ranks
+  EXPECT_EQ(DefaultCpuThreads(0, 0, 1), 1);
+}
+
 TEST(PreflightTest, NothingCheckedByDefault) {
   PlacementInputs in = Small();
   in.host_budget_bytes = 0;  // unlimited, no NVMe
