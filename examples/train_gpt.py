@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -106,6 +107,22 @@ def at_least(low):
     return parse
 
 
+class Terminated(Exception):
+    """SIGTERM or SIGHUP (kill, a job scheduler, a closed terminal): ends the run through
+    the same path as Ctrl-C, so the NVMe directory it made is removed."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_terminated(signum, frame):
+    # A second signal ends the process at once (the default action).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    raise Terminated(signum)
+
+
 def fmt_bytes(n):
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -173,9 +190,29 @@ def main():
     state_bytes = 12 * n_params
     param_bytes = torch.finfo(dtype).bits // 8
 
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(sig, raise_terminated)
     nvme_dir, made_dir = args.nvme_path, False
-    if args.offload == "nvme" and nvme_dir is None:
-        nvme_dir, made_dir = tempfile.mkdtemp(prefix="strata_demo_", dir="/var/tmp"), True
+    try:
+        if args.offload == "nvme" and nvme_dir is None:
+            nvme_dir, made_dir = tempfile.mkdtemp(prefix="strata_demo_", dir="/var/tmp"), True
+        return plan_and_train(args, model, device, nvme_dir, n_params, state_bytes, param_bytes)
+    except StrataError as e:
+        print(f"train_gpt: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("train_gpt: interrupted", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        print(f"train_gpt: ended by {e}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        if made_dir:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def plan_and_train(args, model, device, nvme_dir, n_params, state_bytes, param_bytes):
     if args.host_budget is None and args.offload == "nvme":
         # What the planner needs for staging (docs/offload.md): 4 grad, 4 param
         # and 4 NVMe buffers of one sub-group (and 4 B per param of headroom);
@@ -197,17 +234,7 @@ def main():
         print(f"offload: nvme at {nvme_dir}, host budget "
               f"{fmt_bytes(budget) if isinstance(budget, int) else budget} (state "
               f"{fmt_bytes(state_bytes)})", flush=True)
-    try:
-        return train(args, model, device, nvme_dir)
-    except StrataError as e:
-        print(f"train_gpt: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("train_gpt: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if made_dir:
-            shutil.rmtree(nvme_dir, ignore_errors=True)
+    return train(args, model, device, nvme_dir)
 
 
 def train(args, model, device, nvme_dir):

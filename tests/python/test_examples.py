@@ -1,6 +1,7 @@
 """examples/train_gpt.py (what scripts/demo runs) as a user meets it: bad flags are
-refused in one line naming the flag, a size string works for --host-budget, Ctrl-C
-and engine errors end it in one line, and it removes the NVMe directory it made."""
+refused in one line naming the flag, a size string works for --host-budget, Ctrl-C,
+SIGTERM, SIGHUP and engine errors end it in one line, and it removes the NVMe directory
+it made."""
 import os
 import re
 import signal
@@ -54,14 +55,34 @@ def test_an_engine_error_and_ctrl_c_end_in_one_line(tmp_path):
     assert r.returncode == 1
     assert "train_gpt: OffloadAdam: nvme_path" in r.stderr and "Traceback" not in r.stderr
 
+    p, out = start_until_first_step()
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "train_gpt: interrupted" in err and "Traceback" not in err
+    assert not os.path.exists(made_dir(out + rest))
+
+
+def start_until_first_step():
+    """A long run, started and read until it has printed its first step."""
     p = subprocess.Popen([sys.executable, SCRIPT, *TINY, "--steps", "100000"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = ""
     deadline = time.monotonic() + 120
     while "step   1/" not in out and time.monotonic() < deadline:
         out += p.stdout.readline()
-    p.send_signal(signal.SIGINT)
+    return p, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_end_it_as_ctrl_c_does(sig):
+    """kill, a job scheduler or a closed terminal: the NVMe directory it made (where the
+    state file is) is removed, and the exit status says which signal (128 + signal)."""
+    p, out = start_until_first_step()
+    nvme_dir = made_dir(out)
+    assert os.path.isdir(nvme_dir)
+    p.send_signal(sig)
     rest, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
-    assert "train_gpt: interrupted" in err and "Traceback" not in err
-    assert not os.path.exists(made_dir(out + rest))
+    assert p.returncode == 128 + sig, err
+    assert f"train_gpt: ended by {sig.name}" in err and "Traceback" not in err
+    assert not os.path.exists(nvme_dir), os.listdir(nvme_dir)
