@@ -11,7 +11,12 @@ set(STRATA_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/strata)
 
 # Installed binaries keep the directories of libraries found outside the
 # system paths (NCCL from a Python wheel, a CUDA toolkit, a conda prefix).
-set_target_properties(strata strata_capi PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
+# The build tree's copies get the same run path: CMake pads a build run path
+# with ':' to make room for the install one, and an empty entry means the
+# current directory (a libxxhash.so.0 there was loaded). Both link only
+# static Strata libraries, so nothing of the build tree is looked up.
+set_target_properties(strata strata_capi PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE
+                                                    BUILD_WITH_INSTALL_RPATH TRUE)
 
 install(TARGETS strata_runtime strata_cpu_adam strata_kernels strata_offload strata_capi
   EXPORT strataTargets

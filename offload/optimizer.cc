@@ -47,14 +47,14 @@
 // wrote) because every rank must issue the same collectives.
 #include "offload/optimizer.h"
 
-#include <unistd.h>
-
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string_view>
 #include <unordered_map>
@@ -224,12 +224,28 @@ Status ValidateHyper(const GroupHyper& h, std::string_view what) {
     return InvalidArgumentError(
         fmt::format("{}: {} is {}; it must be {}", what, field, v, allowed));
   };
-  if (!std::isfinite(h.lr) || h.lr < 0) return bad("lr", h.lr, "finite and >= 0");
-  if (!std::isfinite(h.beta1) || h.beta1 < 0 || h.beta1 >= 1)
-    return bad("beta1", h.beta1, "in [0, 1)");
-  if (!std::isfinite(h.beta2) || h.beta2 < 0 || h.beta2 >= 1)
-    return bad("beta2", h.beta2, "in [0, 1)");
-  if (!std::isfinite(h.eps) || h.eps <= 0) return bad("eps", h.eps, "finite and > 0");
+  // The update runs in fp32: a value that is finite in double but not in
+  // fp32, an eps that is 0 there, a beta that rounds to 1, made NaN params
+  // under an OK status.
+  constexpr double kMaxF32 = std::numeric_limits<float>::max();
+  constexpr double kMinNormalF32 = std::numeric_limits<float>::min();
+  if (!std::isfinite(h.lr) || h.lr < 0 || h.lr > kMaxF32) {
+    return bad("lr", h.lr, "finite, >= 0 and at most 3.4e38 (the update runs in fp32)");
+  }
+  if (!std::isfinite(h.beta1) || h.beta1 < 0 || h.beta1 >= 1 ||
+      static_cast<float>(h.beta1) >= 1.0f) {
+    return bad("beta1", h.beta1, "in [0, 1), and below 1 in fp32");
+  }
+  if (!std::isfinite(h.beta2) || h.beta2 < 0 || h.beta2 >= 1 ||
+      static_cast<float>(h.beta2) >= 1.0f) {
+    return bad("beta2", h.beta2, "in [0, 1), and below 1 in fp32");
+  }
+  if (!std::isfinite(h.eps) || h.eps < kMinNormalF32 || h.eps > kMaxF32) {
+    return bad("eps", h.eps, "finite and in [1.2e-38, 3.4e38] (the update runs in fp32)");
+  }
+  if (h.weight_decay > kMaxF32) {
+    return bad("weight_decay", h.weight_decay, "at most 3.4e38 (the update runs in fp32)");
+  }
   if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
     return bad("weight_decay", h.weight_decay, "finite and >= 0");
   }

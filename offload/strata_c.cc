@@ -260,8 +260,11 @@ int strata_optimizer_grad_ready(strata_optimizer* opt, uint32_t index) {
 
 int strata_optimizer_reduce_gradients(strata_optimizer* opt) {
   if (opt == nullptr) return ReportNull("strata_optimizer_reduce_gradients", "opt");
+  // On the host device the trainer's next micro-step writes the grads from
+  // its CPU code, which no stream orders after the engine's reads: return
+  // once they are read (a grad_ready's read is waited for here, or by step).
   return Exclusive(opt, "strata_optimizer_reduce_gradients",
-                   [&] { return opt->opt->ReduceGradients(); });
+                   [&] { return HostSync(*opt, opt->opt->ReduceGradients()); });
 }
 
 int strata_optimizer_step(strata_optimizer* opt) {

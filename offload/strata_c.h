@@ -30,7 +30,8 @@
  *     name) appear in it as \xNN, so the message is always UTF-8.
  *   - An index past the end (a param, a group) is STRATA_OUT_OF_RANGE.
  *   - Handles are opaque; each *_free accepts NULL. Free the optimizer before
- *     its communicator and device; a device outlives everything made on it.
+ *     its communicator and device (a device freed first is undefined: it must
+ *     outlive everything made on it).
  *   - Tensors (data, grad): device memory of the device, elements of the
  *     config's param dtype ("fp16"/"bf16" sections; fp32 otherwise) and grad
  *     dtype ("strata.grad_dtype"), alive and not moved while the optimizer

@@ -352,7 +352,7 @@ class Engine {
     Run("zero_grad", [&] { return HostSync(opt_->ZeroGrad()); });
   }
   void ReduceGradients() {
-    Run("reduce_gradients", [&] { return opt_->ReduceGradients(); });
+    Run("reduce_gradients", [&] { return HostSync(opt_->ReduceGradients()); });
   }
   void GradReady(uint32_t i) {
     Run("grad_ready", [&] { return opt_->GradReady(i); });

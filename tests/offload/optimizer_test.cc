@@ -1442,6 +1442,14 @@ TEST(EngineValidation, AccessorsAndSetters) {
   EXPECT_EQ(opt->group_hyper(1).lr, kHypers[1].lr);
   EXPECT_EQ(opt->SetGroupHyper(2, kHypers[0]).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(opt->SetGroupHyper(0, {.eps = 0}).code(), StatusCode::kInvalidArgument);
+  // Finite in double, not in the fp32 update (NaN params under an OK status).
+  for (const GroupHyper& h : {GroupHyper{.lr = 1e39}, GroupHyper{.eps = 1e-50},
+                              GroupHyper{.beta2 = 1 - 1e-10}, GroupHyper{.beta1 = 1 - 1e-9},
+                              GroupHyper{.weight_decay = 1e39}}) {
+    const Status s = opt->SetGroupHyper(0, h);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("fp32"), std::string_view::npos) << s;
+  }
   ASSERT_TRUE(opt->SetGroupHyper(0, {.lr = 0.5}).ok());
   EXPECT_EQ(opt->group_hyper(0).lr, 0.5);
   EXPECT_EQ(opt->world_size(), 1);

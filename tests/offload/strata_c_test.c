@@ -621,6 +621,31 @@ static void MonitorThread(strata_device* dev) {
   FreeOneTensor(&t);
 }
 
+/* Gradient accumulation from the trainer's CPU code on the host device: each
+ * micro-step writes the grad again, so reduce_gradients returns once it has
+ * read it (the later micro-steps' values were summed: 7 or 9, not 6). */
+static void AccumulationReadsEachMicroStep(strata_device* dev) {
+  enum { kN = 1 << 20 };
+  float* w = calloc(kN, sizeof(float));
+  float* g = calloc(kN, sizeof(float));
+  strata_param p = {"w", w, g, kN, 0};
+  strata_optimizer* opt = NULL;
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{\"gradient_clipping\": 0}", &p, 1, NULL, 1,
+                                   &opt));
+  for (int k = 0; k < 3; ++k) {
+    for (int i = 0; i < kN; ++i) g[i] = (float)(k + 1);
+    CHECK_OK(strata_optimizer_reduce_gradients(opt));
+  }
+  CHECK_OK(strata_optimizer_step(opt));
+  strata_step_stats st;
+  CHECK_OK(strata_optimizer_last_step(opt, &st));
+  EXPECT(st.micro_steps == 3);
+  EXPECT(fabs(st.grad_norm / sqrt((double)kN) - 6.0) < 1e-6);
+  strata_optimizer_free(opt);
+  free(w);
+  free(g);
+}
+
 int main(void) {
   strata_device* dev = NULL;
   CHECK_OK(strata_device_open("host", &dev));
@@ -650,6 +675,7 @@ int main(void) {
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
 
   Errors(dev);
+  AccumulationReadsEachMicroStep(dev);
   TwoThreads(dev);
   MonitorThread(dev);
   strata_device_free(dev);
