@@ -82,7 +82,8 @@ Result<LossScaleDecision> LossScaler::Update(uint64_t nonfinite_elems) {
         return FailedPreconditionError(fmt::format(
             "loss scaler at iteration {}: {} non-finite gradient elements while the loss "
             "scale already is min_scale {}; training diverged (lower the learning rate, or "
-            "lower fp16.min_loss_scale)",
+            "lower fp16.min_loss_scale; the step keeps these gradients: zero them, zero_grad, "
+            "and run the backward again)",
             next.iteration, nonfinite_elems, options_.min_scale));
       }
       next.scale = std::max(next.scale * options_.backoff_factor, options_.min_scale);

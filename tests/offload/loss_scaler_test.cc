@@ -68,6 +68,9 @@ TEST(LossScalerTest, HandComputedSequenceWithHysteresis) {
   const LossScalerState before = s.state();
   Result<LossScaleDecision> at_min = s.Update(3);
   EXPECT_EQ(at_min.status().code(), StatusCode::kFailedPrecondition);
+  // The step keeps the gradients it refused: the message says to zero them.
+  EXPECT_NE(at_min.status().message().find("zero_grad"), std::string_view::npos)
+      << at_min.status();
   EXPECT_NE(at_min.status().message().find("min_scale 2"), std::string_view::npos);
   EXPECT_EQ(s.state(), before);
 }
