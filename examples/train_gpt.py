@@ -26,9 +26,10 @@ import torch.nn.functional as F
 
 try:
     from strata.torch import OffloadAdam, StrataError
-except ImportError as e:
-    sys.exit(f"train_gpt: cannot import strata.torch ({e}); build first (scripts/setup) and run "
-             "with PYTHONPATH=build/python /usr/bin/python3")
+except ImportError as e:  # said after the arguments are parsed: --help works without it
+    strata_import_error = e
+else:
+    strata_import_error = None
 
 
 class Block(torch.nn.Module):
@@ -171,6 +172,9 @@ def main():
     if args.dtype == "fp16" and not args.device.startswith("cuda"):
         ap.error("--dtype fp16 needs --device cuda (this PyTorch has no fp16 matmul on the CPU); "
                  "use bf16 on the CPU")
+    if strata_import_error is not None:
+        sys.exit(f"train_gpt: cannot import strata.torch ({strata_import_error}); build first "
+                 "(scripts/setup) and run with PYTHONPATH=build/python /usr/bin/python3")
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -35,6 +35,26 @@ def test_bad_flags_are_refused_naming_them(args, message):
     assert "Traceback" not in r.stderr
 
 
+def test_the_help_and_bad_flags_need_no_built_module(tmp_path):
+    """scripts/demo --help runs before the build: the help and a bad flag's refusal come
+    before strata is imported, a module that is not built is said after them."""
+    (tmp_path / "strata").mkdir()
+    (tmp_path / "strata" / "__init__.py").write_text("raise ImportError('not built')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+
+    def run_without_module(*args):
+        return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                              timeout=240, env=env)
+
+    r = run_without_module("--help")
+    assert r.returncode == 0 and "usage: train_gpt.py" in r.stdout, r.stderr
+    r = run_without_module("--layers", "0")
+    assert r.returncode == 2 and "argument --layers: 0: give at least 1" in r.stderr
+    r = run_without_module("--steps", "1")
+    assert r.returncode == 1
+    assert "train_gpt: cannot import strata.torch (not built); build first" in r.stderr
+
+
 def made_dir(output):
     m = re.search(r"offload: nvme at (\S+),", output)
     assert m, output
