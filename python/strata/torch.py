@@ -948,6 +948,9 @@ class OffloadAdam(torch.optim.Optimizer):
         # Whether the params hold values the engine gave them (a step or a load) rather
         # than the trainer's own (load_state_dict keeps the trainer's: see there).
         self._published = False
+        # (differing, total) elements at a first load_state_dict: see _note_load_mismatch.
+        self._load_mismatch = None
+        self._wrote_since_built = False
         # The step trace: steps kept by trace= (recording since construction), and
         # whether a trace() block records now.
         self._trace_steps = trace_steps
@@ -1142,10 +1145,10 @@ class OffloadAdam(torch.optim.Optimizer):
         """_adopt for one sub-group [begin, end) whose state `arr` (master | moments, CPU
         float32) is in memory: the elements of params `indices` that differ from their
         master in the param's dtype are written into the master in `arr`. Returns
-        whether any did."""
+        how many did (0: none)."""
         bits = {torch.float32: torch.int32, torch.float16: torch.int16,
                 torch.bfloat16: torch.int16}[self._dtype]
-        changed = False
+        changed = 0
         for k in indices:
             offset, elems = layout[k]
             lo, hi = max(begin, offset), min(end, offset + elems)
@@ -1154,10 +1157,21 @@ class OffloadAdam(torch.optim.Optimizer):
             value = self._reg[k].param.detach().reshape(-1)[lo - offset:hi - offset].to("cpu")
             master = arr[lo - begin:hi - begin]
             differ = value.view(bits) != master.to(self._dtype).view(bits)
-            if bool(differ.any()):
+            count = int(differ.sum())
+            if count:
                 master[differ] = value[differ].to(torch.float32)
-                changed = True
+                changed += count
         return changed
+
+    def _note_load_mismatch(self, differing):
+        """At the first load (the optimizer has not written the params yet), params
+        that differ from the loaded master weights in most elements are a model not
+        loaded yet, or not at all. step() warns if none was written by then: training
+        goes on from the model's own weights (as with torch.optim), not the saved ones."""
+        total = sum(r.param.numel() for r in self._reg)
+        if (not self._published and not self._wrote_since_built and total > 0
+                and differing * 2 > total):
+            self._load_mismatch = (differing, total)
 
     def _rebind(self, moved):
         """Re-registers the params in `moved` at their new storage (and grad buffer), in
@@ -1393,6 +1407,17 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_handed_grads()
         moved = self._check_params("step")
         written = self._written(moved)
+        if self._load_mismatch is not None:
+            if not written:
+                differing, total = self._load_mismatch
+                warnings.warn(
+                    f"OffloadAdam.step: the model's params differed from the loaded "
+                    f"state_dict's master weights in {differing} of {total} elements, and "
+                    "were not written since: training goes on from the model's own weights, "
+                    "as with torch.optim. To resume the saved weights, load the model's "
+                    "state_dict too (before or after the optimizer's), or load_checkpoint()",
+                    stacklevel=_outside_stacklevel())
+            self._load_mismatch = None
         if written:
             self._state_version += 1
             self._adopt(written)
@@ -1589,8 +1614,12 @@ class OffloadAdam(torch.optim.Optimizer):
             # first step or load (the values the optimizer was built over are the
             # trainer's, such as a model.load_state_dict before building it).
             moved = self._check_params("load_state_dict")
-            written = (self._written(moved) if self._published
-                       else list(range(len(self._reg))))
+            written = self._written(moved)
+            # Params written since construction: a model loaded after building the
+            # optimizer (not a model left as it was built: _note_load_mismatch).
+            self._wrote_since_built = bool(written)
+            if not self._published:
+                written = list(range(len(self._reg)))
             self._load_strata_state(state["strata"], saved_groups, written)
         else:
             self._check_groups_match(saved_groups)
@@ -1648,6 +1677,7 @@ class OffloadAdam(torch.optim.Optimizer):
             # The load writes every param from the checkpoint: the written ones whose
             # values differ from it are kept aside, put back, and adopted.
             kept = self._values_differing_from(s["checkpoint"], written)
+            self._note_load_mismatch(sum(v.numel() for v in kept.values()))
             self.load_checkpoint(s["checkpoint"])
             if kept:
                 with torch.no_grad():
@@ -1689,6 +1719,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._engine.check_counters(step, scaler)
         # Everything holds: write. Only an IO error can stop it now.
         layout = self._engine.layout()
+        differing = 0
         try:
             for i, (t, (begin, end)) in enumerate(zip(arrays, sub_groups)):
                 t = t.detach().to(device="cpu").contiguous()
@@ -1696,12 +1727,13 @@ class OffloadAdam(torch.optim.Optimizer):
                     # The params the trainer wrote win where they differ (a copy: the
                     # caller's state_dict stays as it was).
                     t = t.clone()
-                    self._adopt_into(t, begin, end, written, layout)
+                    differing += self._adopt_into(t, begin, end, written, layout)
                 self._engine.write_state(i, t.data_ptr(), t.numel())
             self._engine.restore_counters(step, scaler)
         except StrataError as e:
             raise StrataError(f"{e}\nOffloadAdam.load_state_dict: the state is partly "
                               "written; load it again (or load a checkpoint)") from e
+        self._note_load_mismatch(differing)
         # Every param follows the master weights now (the written ones keep their
         # values exactly; a step that failed part way had written some already). A
         # collective with several ranks, as the checkpoint kind's load.

@@ -10,6 +10,7 @@ touches anything. CI also runs this file under AddressSanitizer
 (scripts/asan_python), where a stale access is a hard error.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -393,10 +394,50 @@ def test_weights_given_to_the_model_win_over_the_loaded_master_in_either_order(
             write(model)
     for p, q in zip(m_ours.parameters(), m_ref.parameters()):
         assert torch.equal(p, q), "the load replaced the weights the model was given"
-    train(m_ours, ours, 2)
+    if order == "model_before_building":
+        # Indistinguishable from a model never loaded: the first step says which
+        # weights it goes on from.
+        with pytest.warns(UserWarning, match="were not written since"):
+            train(m_ours, ours, 2)
+    else:
+        train(m_ours, ours, 2)
     train(m_ref, ref, 2)
     assert_same(m_ours, m_ref)
     assert ours.step_count == 5
+
+
+@pytest.mark.parametrize("kind", ["arrays", "state_dict_dir"])
+def test_a_state_dict_loaded_into_a_model_never_loaded_is_warned_about_at_the_step(
+        kind, tmp_path):
+    """torch's rule (the model's weights win) turns a resume that forgot the model's
+    state_dict into training from the model's fresh weights: the first step says so,
+    unless the model was written after the load, or before it (after building)."""
+    kw = state_dict_kind(kind, tmp_path)
+    model = linear()
+    opt = OffloadAdam(model.parameters(), lr=1e-2, **kw)
+    train(model, opt, 3)
+    sd, weights = opt.state_dict(), copy.deepcopy(model.state_dict())
+    opt.close()
+
+    def resume(load_model):
+        torch.manual_seed(11)
+        fresh = torch.nn.Linear(16, 4)  # other initial weights than the saved ones
+        o = OffloadAdam(fresh.parameters(), lr=1e-2, **kw)
+        if load_model == "before":
+            fresh.load_state_dict(weights)
+        o.load_state_dict(sd)
+        if load_model == "after":
+            fresh.load_state_dict(weights)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(fresh, o, 1)
+        o.close()
+        return [str(w.message) for w in caught if "were not written since" in str(w.message)]
+
+    said = resume(None)
+    assert len(said) == 1 and "load the model's state_dict too" in said[0], said
+    assert resume("before") == []
+    assert resume("after") == []
 
 
 @pytest.mark.parametrize("kind", ["arrays", "state_dict_dir"])
