@@ -511,8 +511,12 @@ def test_gpu_fraction_is_bitwise_the_all_offloaded_run(fraction, tmp_path):
     for f in (0.0, fraction):
         model = Net()
         budget = "64KiB" if f == "auto" else None
+        # "auto": the CPU's rate measured at construction; the device's given
+        # (strata.rates), far faster, so that the budget decides how many sub-groups the
+        # device takes (two rates measured on one loaded CPU balance anywhere).
+        extra = {"config": {"strata": {"rates": {"device_adam": 1e12}}}} if f == "auto" else {}
         opt = OffloadAdam(groups_of(model, 1e-3), lr=1e-3, max_grad_norm=0.5,
-                          sub_group_size=1024, gpu_fraction=f, device_budget=budget)
+                          sub_group_size=1024, gpu_fraction=f, device_budget=budget, **extra)
         for _ in range(5):
             loss_fn(model, x, y).backward()
             opt.step()
@@ -526,7 +530,8 @@ def test_gpu_fraction_is_bitwise_the_all_offloaded_run(fraction, tmp_path):
     if fraction == 1.0:
         assert plan["host_sub_groups"] == 0, plan["text"]
     if fraction == "auto":
-        # Both Adam rates measured at construction; the plan balances them.
+        # The CPU's Adam rate measured at construction, the device's given; the plan
+        # balances them within the budget.
         assert plan["rates"]["cpu_adam"] > 0 and plan["rates"]["device_adam"] > 0, plan
         assert plan["estimate"]["device_adam"] > 0 and plan["estimate"]["cpu_adam"] >= 0, plan
     assert opt1.last_step()["times"]["device_adam"] > 0
