@@ -96,30 +96,6 @@ uint64_t ManifestHash(json j) {
   return XXH3_64bits(text.data(), text.size());
 }
 
-// One rule per hyperparameter, as the engine applies them (SetGroupHyper).
-Status CheckHyper(const GroupHyper& h, uint32_t group) {
-  struct Rule {
-    const char* field;
-    double value;
-    bool ok;
-    const char* allowed;
-  };
-  const Rule rules[] = {
-      {"lr", h.lr, h.lr >= 0, "finite and >= 0"},
-      {"beta1", h.beta1, h.beta1 >= 0 && h.beta1 < 1, "in [0, 1)"},
-      {"beta2", h.beta2, h.beta2 >= 0 && h.beta2 < 1, "in [0, 1)"},
-      {"eps", h.eps, h.eps > 0, "finite and > 0"},
-      {"weight_decay", h.weight_decay, h.weight_decay >= 0, "finite and >= 0"},
-  };
-  for (const Rule& r : rules) {
-    if (!r.ok || !std::isfinite(r.value)) {
-      return InvalidArgumentError(
-          fmt::format("groups[{}].{} is {}; it must be {}", group, r.field, r.value, r.allowed));
-    }
-  }
-  return OkStatus();
-}
-
 }  // namespace
 
 std::string Hex(uint64_t v) { return fmt::format("{:016x}", v); }
@@ -267,7 +243,7 @@ Status ValidateCommon(const CheckpointInfo& info) {
   }
   // Counters and hyperparameters: values the engine accepts.
   for (uint32_t g = 0; g < info.groups.size(); ++g) {
-    STRATA_RETURN_IF_ERROR(CheckHyper(info.groups[g], g));
+    STRATA_RETURN_IF_ERROR(ValidateGroupHyper(info.groups[g], fmt::format("groups[{}].", g)));
   }
   // Any scaler state a dynamic scaler can reach (a static one is a special
   // case the loading optimizer checks against its own config).

@@ -219,39 +219,6 @@ using internal::StateTiers;
 using internal::StepDecision;
 using internal::TensorMap;
 
-Status ValidateHyper(const GroupHyper& h, std::string_view what) {
-  auto bad = [&](std::string_view field, double v, std::string_view allowed) {
-    return InvalidArgumentError(
-        fmt::format("{}: {} is {}; it must be {}", what, field, v, allowed));
-  };
-  // The update runs in fp32: a value that is finite in double but not in
-  // fp32, an eps that is 0 there, a beta that rounds to 1, made NaN params
-  // under an OK status.
-  constexpr double kMaxF32 = std::numeric_limits<float>::max();
-  constexpr double kMinNormalF32 = std::numeric_limits<float>::min();
-  if (!std::isfinite(h.lr) || h.lr < 0 || h.lr > kMaxF32) {
-    return bad("lr", h.lr, "finite, >= 0 and at most 3.4e38 (the update runs in fp32)");
-  }
-  if (!std::isfinite(h.beta1) || h.beta1 < 0 || h.beta1 >= 1 ||
-      static_cast<float>(h.beta1) >= 1.0f) {
-    return bad("beta1", h.beta1, "in [0, 1), and below 1 in fp32");
-  }
-  if (!std::isfinite(h.beta2) || h.beta2 < 0 || h.beta2 >= 1 ||
-      static_cast<float>(h.beta2) >= 1.0f) {
-    return bad("beta2", h.beta2, "in [0, 1), and below 1 in fp32");
-  }
-  if (!std::isfinite(h.eps) || h.eps < kMinNormalF32 || h.eps > kMaxF32) {
-    return bad("eps", h.eps, "finite and in [1.2e-38, 3.4e38] (the update runs in fp32)");
-  }
-  if (h.weight_decay > kMaxF32) {
-    return bad("weight_decay", h.weight_decay, "at most 3.4e38 (the update runs in fp32)");
-  }
-  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
-    return bad("weight_decay", h.weight_decay, "finite and >= 0");
-  }
-  return OkStatus();
-}
-
 uint32_t ArrayCount(OptimizerType type) { return StateBytesPerElem(type) / 4; }
 
 // fp32 -> param dtype, bit for bit what cpu_adam writes to its output.
@@ -291,6 +258,37 @@ struct Run {
 };
 
 }  // namespace
+
+Status ValidateGroupHyper(const GroupHyper& h, std::string_view where) {
+  // The update runs in fp32: a value finite in double but not in fp32, an eps
+  // that is 0 there, a beta that rounds to 1, would make NaN params.
+  constexpr double kMax = std::numeric_limits<float>::max();
+  constexpr double kMinNormal = std::numeric_limits<float>::min();
+  auto beta_ok = [](double b) { return b >= 0 && b < 1 && static_cast<float>(b) < 1.0f; };
+  struct Rule {
+    const char* field;
+    double value;
+    bool ok;
+    const char* allowed;
+  };
+  const Rule rules[] = {
+      {"lr", h.lr, h.lr >= 0 && h.lr <= kMax,
+       "finite, >= 0 and at most 3.4e38 (the update runs in fp32)"},
+      {"beta1", h.beta1, beta_ok(h.beta1), "in [0, 1), and below 1 in fp32"},
+      {"beta2", h.beta2, beta_ok(h.beta2), "in [0, 1), and below 1 in fp32"},
+      {"eps", h.eps, h.eps >= kMinNormal && h.eps <= kMax,
+       "finite and in [1.2e-38, 3.4e38] (the update runs in fp32)"},
+      {"weight_decay", h.weight_decay, h.weight_decay >= 0 && h.weight_decay <= kMax,
+       "finite, >= 0 and at most 3.4e38 (the update runs in fp32)"},
+  };
+  for (const Rule& r : rules) {
+    if (!r.ok || !std::isfinite(r.value)) {
+      return InvalidArgumentError(
+          fmt::format("{}{} is {}; it must be {}", where, r.field, r.value, r.allowed));
+    }
+  }
+  return OkStatus();
+}
 
 GroupHyper DefaultGroupHyper(const OffloadConfig& config) {
   switch (config.optimizer) {
@@ -613,7 +611,7 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
           fmt::format("{}: param group {} has no tensors; drop it or add its params", kOp, g));
     }
     STRATA_RETURN_IF_ERROR(
-        ValidateHyper(groups[g].hyper, fmt::format("{}: param group {}", kOp, g)));
+        ValidateGroupHyper(groups[g].hyper, fmt::format("{}: param group {}: ", kOp, g)));
     hypers.push_back(groups[g].hyper);
     for (uint32_t j = 0; j < groups[g].params.size(); ++j) {
       const Param& p = groups[g].params[j];
@@ -1642,7 +1640,7 @@ Status OffloadOptimizer::SetGroupHyper(uint32_t group, const GroupHyper& hyper) 
     return OutOfRangeError(
         fmt::format("set group hyper: group {} of {}", group, impl_->hypers.size()));
   }
-  STRATA_RETURN_IF_ERROR(ValidateHyper(hyper, fmt::format("set group hyper: group {}", group)));
+  STRATA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, fmt::format("set group hyper: group {}: ", group)));
   impl_->hypers[group] = hyper;
   return OkStatus();
 }

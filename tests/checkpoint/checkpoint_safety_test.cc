@@ -138,6 +138,9 @@ TEST(ValidatorTest, ReadersRefuseWhatLoadRefusesNamingTheField) {
       {"groups[1].lr is -0.5", [](nlohmann::json& j) { j["groups"][1]["lr"] = -0.5; }},
       {"groups[0].beta2 is 1", [](nlohmann::json& j) { j["groups"][0]["beta2"] = 1.0; }},
       {"groups[0].eps is 0", [](nlohmann::json& j) { j["groups"][0]["eps"] = 0.0; }},
+      // Finite in double, but not in the fp32 update (the engine's rule).
+      {"groups[0].eps is 1e-50", [](nlohmann::json& j) { j["groups"][0]["eps"] = 1e-50; }},
+      {"groups[1].lr is 1e+39", [](nlohmann::json& j) { j["groups"][1]["lr"] = 1e39; }},
       {"hysteresis_left 0", [](nlohmann::json& j) { j["loss_scaler"]["hysteresis_left"] = 0; }},
       {"scale -1", [](nlohmann::json& j) { j["loss_scaler"]["scale"] = -1.0; }},
       {"step -3 is negative", [](nlohmann::json& j) { j["step"] = -3; }},
