@@ -28,6 +28,7 @@
 #include "tools/baselines.h"
 #include "tools/cleanup.h"
 #include "tools/cli.h"
+#include "tools/model_tensors.h"
 
 namespace strata::cli {
 namespace {
@@ -106,7 +107,10 @@ nlohmann::json EstimateJson(const StepEstimate& e) {
 
 struct PlanArgs {
   std::string config_path;
+  // The model: one tensor of `params` elements, or the tensors read from
+  // `model_path` (ReadModelTensors).
   std::string params;
+  std::string model_path;
   uint32_t world_size = 1;
   uint32_t rank = 0;
   uint32_t ranks_per_node = 0;  // 0: RanksPerNode() (LOCAL_WORLD_SIZE, else 1)
@@ -116,6 +120,11 @@ struct PlanArgs {
 };
 
 Status RunPlan(const PlanArgs& args) {
+  if (args.params.empty() && args.model_path.empty()) {
+    return InvalidArgumentError(
+        "give the model: --params N (e.g. 7B, planned as one tensor) or --model FILE (its "
+        "own tensors, from a .safetensors file, its index, or a list of sizes)");
+  }
   if (args.rank >= args.world_size) {
     return InvalidArgumentError(
         fmt::format("--rank {} must be below --world-size {}", args.rank, args.world_size));
@@ -136,8 +145,18 @@ Status RunPlan(const PlanArgs& args) {
   }
   STRATA_RETURN_IF_ERROR(ValidateConfig(config).WithContext(
       args.config_path.empty() ? std::string("default config") : args.config_path));
-  STRATA_ASSIGN_OR_RETURN(uint64_t params, ParseCount(args.params));
-  const TensorSpec model[] = {{.elems = params, .dtype = config.param_dtype}};
+  std::vector<TensorSpec> model;
+  if (!args.model_path.empty()) {
+    Result<ModelTensors> read = ReadModelTensors(args.model_path);
+    if (!read.ok()) return read.status().WithContext("--model");
+    const ModelTensors& m = *read;
+    for (uint64_t elems : m.elems) model.push_back({.elems = elems, .dtype = config.param_dtype});
+  } else {
+    STRATA_ASSIGN_OR_RETURN(uint64_t params, ParseCount(args.params));
+    model.push_back({.elems = params, .dtype = config.param_dtype});
+  }
+  uint64_t model_elems = 0;
+  for (const TensorSpec& t : model) model_elems += t.elems;
   STRATA_ASSIGN_OR_RETURN(
       FlatLayout layout,
       PlanFlatLayout(model, {.align_elems = config.align_elems, .world_size = args.world_size}));
@@ -159,7 +178,13 @@ Status RunPlan(const PlanArgs& args) {
     return nlohmann::json{{"config", nlohmann::json::parse(ConfigToJson(config))},
                           {"rank", args.rank},
                           {"world_size", args.world_size},
-                          {"shard_elems", shard.elems()}};
+                          {"shard_elems", shard.elems()},
+                          {"model",
+                           {{"tensors", model.size()},
+                            {"elems", model_elems},
+                            {"padded_elems", layout.total_elems},
+                            {"from", args.model_path.empty() ? nlohmann::json(nullptr)
+                                                          : nlohmann::json(args.model_path)}}}};
   };
   auto preflight_json = [&](const std::vector<std::string>& warnings) {
     return nlohmann::json{{"checked", !args.no_preflight},
@@ -240,6 +265,18 @@ Status RunPlan(const PlanArgs& args) {
     return OkStatus();
   }
   std::printf("effective config:\n%s\n", ConfigToJson(config).c_str());
+  if (args.model_path.empty()) {
+    std::printf("model: %s elements as one tensor (--model lays out the model's own: each "
+                "starts at a multiple of %llu elements, which can add a sub-group)\n",
+                FormatCount(model_elems).c_str(),
+                static_cast<unsigned long long>(config.align_elems));
+  } else {
+    std::printf("model: %zu tensors, %s elements (%s); each starts at a multiple of %llu "
+                "elements: padding adds %llu\n",
+                model.size(), FormatCount(model_elems).c_str(), args.model_path.c_str(),
+                static_cast<unsigned long long>(config.align_elems),
+                static_cast<unsigned long long>(layout.total_elems - model_elems));
+  }
   std::printf("rank %u of %u: %s elements in %zu sub-groups\n", args.rank, args.world_size,
               FormatCount(shard.elems()).c_str(), groups.size());
   std::fputs(FormatPlan(plan).c_str(), stdout);
@@ -281,7 +318,16 @@ void AddPlanCommand(Cli& cli) {
       "plan", "Check a config and print where one rank's optimizer state would live");
   cmd->add_option("--config", args->config_path, "DeepSpeed-style JSON config (default: defaults)")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--params", args->params, "model parameters, e.g. 7B or 350M")->required();
+  CLI::Option* params = cmd->add_option("--params", args->params,
+                                         "model parameters, e.g. 7B or 350M (as one tensor)");
+  CLI::Option* model = cmd->add_option(
+      "--model", args->model_path,
+      "the model's own tensors, laid out as the engine will: a .safetensors file, its "
+      "*.safetensors.index.json, a directory with them, or a text file with one size per line "
+      "(16777216 or 4096x4096)")
+      ->check(CLI::ExistingPath);
+  params->excludes(model);
+  model->excludes(params);
   cmd->add_option("--world-size", args->world_size, "data-parallel ranks")
       ->check(CLI::Range(1u, 1u << 16));  // the planner's limit
   cmd->add_option("--rank", args->rank, "the rank to plan for");
