@@ -241,7 +241,10 @@ int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, cons
  * steps > 0 starts recording into an empty ring that keeps (at least) the
  * newest `steps` steps; 0 stops recording (what was recorded stays until the
  * next start). Off, the engine pays one relaxed load per event.
- * STRATA_INVALID_ARGUMENT for steps < 0. Call between steps. */
+ * STRATA_INVALID_ARGUMENT for steps < 0 or above 1000 (a longer timeline is
+ * more than a viewer shows, and the ring is allocated up front);
+ * STRATA_RESOURCE_EXHAUSTED when the ring does not fit in memory. Either way
+ * recording stops and the ring keeps what it holds. Call between steps. */
 int strata_optimizer_trace_enable(strata_optimizer* opt, int steps);
 /* Writes what the ring holds to `path` (through a temporary file and a
  * rename); recording goes on if it was on. otherData holds "rank",

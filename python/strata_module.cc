@@ -726,6 +726,7 @@ PYBIND11_MODULE(_strata, m) {
   m.attr("StrataError") = error;
   m.attr("InvalidArgumentError") = invalid;
   m.attr("ResourceExhaustedError") = resource;
+  m.attr("TRACE_MAX_STEPS") = strata::TraceOptions::kMaxSteps;
 
   m.def("cuda_available", &strata::CudaAvailable, "True when a CUDA device can be opened.");
   m.def("nccl_unique_id", &strata::NewNcclId, "A fresh ncclUniqueId (128 bytes).");

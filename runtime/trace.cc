@@ -38,10 +38,20 @@ std::string_view TraceTrackName(TraceTrack track) {
   return "?";
 }
 
+namespace {
+
+Status CheckSteps(const char* op, uint32_t steps) {
+  if (steps >= 1 && steps <= TraceOptions::kMaxSteps) return OkStatus();
+  return InvalidArgumentError(
+      fmt::format("{}: steps is {}; keep at least 1 and at most {} steps (a timeline of more "
+                  "steps is more than a viewer shows: trace a few steps where it matters)",
+                  op, steps, TraceOptions::kMaxSteps));
+}
+
+}  // namespace
+
 Result<std::unique_ptr<TraceRecorder>> TraceRecorder::Create(const TraceOptions& options) {
-  if (options.steps == 0) {
-    return InvalidArgumentError("create trace recorder: steps is 0; keep at least one step");
-  }
+  STRATA_RETURN_IF_ERROR(CheckSteps("create trace recorder", options.steps));
   return std::unique_ptr<TraceRecorder>(new TraceRecorder(options));
 }
 
@@ -61,9 +71,7 @@ void TraceRecorder::ReserveSteps(uint64_t events) {
 }
 
 Status TraceRecorder::SetSteps(uint32_t steps) {
-  if (steps == 0) {
-    return InvalidArgumentError("resize trace recorder: steps is 0; keep at least one step");
-  }
+  STRATA_RETURN_IF_ERROR(CheckSteps("resize trace recorder", steps));
   const uint64_t capacity = per_step_events_ * steps;
   std::unique_ptr<TraceEvent[]> ring;
   try {

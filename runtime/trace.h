@@ -80,12 +80,15 @@ struct TraceEvent {
 };
 
 struct TraceOptions {
-  uint32_t steps = 8;  // the ring keeps about this many of the newest steps; >= 1
+  // The most steps a ring keeps: a timeline of more is more than a viewer
+  // shows, and steps x the engines' events per step is allocated up front.
+  static constexpr uint32_t kMaxSteps = 1000;
+  uint32_t steps = 8;  // the ring keeps about this many of the newest steps; 1..kMaxSteps
 };
 
 class TraceRecorder {
  public:
-  // InvalidArgument for steps == 0.
+  // InvalidArgument for steps outside 1..TraceOptions::kMaxSteps.
   static Result<std::unique_ptr<TraceRecorder>> Create(const TraceOptions& options = {});
   TraceRecorder(const TraceRecorder&) = delete;
   TraceRecorder& operator=(const TraceRecorder&) = delete;
@@ -104,7 +107,9 @@ class TraceRecorder {
   // Resizes the ring to keep `steps` steps of the engines attached (the
   // events they announced) and drops what was recorded: a front end that
   // keeps a 1-step ring while off grows it when recording starts.
-  // InvalidArgument for 0. Not while recording.
+  // InvalidArgument for steps outside 1..TraceOptions::kMaxSteps, and
+  // ResourceExhausted when the ring cannot be allocated; either way the
+  // recorder keeps its ring, steps and events. Not while recording.
   Status SetSteps(uint32_t steps);
   uint32_t steps() const { return options_.steps; }
 

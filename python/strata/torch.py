@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 import strata
 from strata import _strata
-from strata._strata import InvalidArgumentError, ResourceExhaustedError, StrataError
+from strata._strata import (TRACE_MAX_STEPS, InvalidArgumentError, ResourceExhaustedError,
+                            StrataError)
 
 __all__ = ["OffloadAdam", "StrataError", "InvalidArgumentError", "ResourceExhaustedError",
            "export_checkpoint", "state_dict_from_checkpoint"]
@@ -63,16 +64,16 @@ _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 def _trace_steps(where, value, none_ok=False):
-    """The number of steps a trace keeps: an int >= 1 (True: 8; None/False: 0 where
-    allowed); ValueError otherwise."""
+    """The number of steps a trace keeps: an int from 1 to TRACE_MAX_STEPS (True: 8;
+    None/False: 0 where allowed); ValueError otherwise."""
     if none_ok and (value is None or value is False):
         return 0
     if value is True:
         return 8
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**31:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= TRACE_MAX_STEPS:
         return value
     raise ValueError(f"{where}={value!r}; give the number of steps to keep (an int from 1 "
-                     "to 2**31 - 1)" + (", True (8) or None" if none_ok else ""))
+                     f"to {TRACE_MAX_STEPS})" + (", True (8) or None" if none_ok else ""))
 
 
 def _merge(base, override):

@@ -3,6 +3,7 @@
  * and set_lr, stats and plan text, checkpoint save/load, the failed-step state,
  * rebinding a param's memory, shapes and the export, the step trace, and the error paths
  * (status codes and strata_last_error). Exit status 0 on success; each failure prints a line. */
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -369,6 +370,8 @@ static void Trace(strata_device* dev, const char* dir) {
 
   EXPECT(strata_optimizer_trace_enable(opt, -1) == STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "steps is -1") != NULL);
+  EXPECT(strata_optimizer_trace_enable(opt, INT_MAX) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "at most 1000 steps") != NULL);
   EXPECT(strata_optimizer_trace_enable(NULL, 1) == STRATA_INVALID_ARGUMENT);
   EXPECT(strata_optimizer_trace_write(opt, NULL, NULL) == STRATA_INVALID_ARGUMENT);
   EXPECT(strata_optimizer_trace_write(opt, path, "[1]") == STRATA_INVALID_ARGUMENT);

@@ -152,10 +152,11 @@ def test_bad_paths_are_refused_before_any_step(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="give a file path"):
         with opt.trace(3):
             pytest.fail("the block must not run")
-    for steps in (0, -1, 2.5, "8"):
-        with pytest.raises(ValueError, match="steps"):
+    for steps in (0, -1, 2.5, "8", 1001, 2**31):
+        with pytest.raises(ValueError, match="steps") as e:
             with opt.trace(tmp_path / "s.json", steps=steps):
                 pytest.fail("the block must not run")
+        assert "from 1 to 1000" in str(e.value)
     assert opt._engine.trace_info()["enabled"] is False
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
@@ -208,6 +209,9 @@ def test_trace_options_are_checked(tmp_path):
         make_opt(model, trace="step.json")
     with pytest.raises(ValueError, match="trace=0"):
         make_opt(model, trace=0)
+    with pytest.raises(ValueError, match=r"trace=1000000.*from 1 to 1000"):
+        make_opt(model, trace=10**6)
+    assert make_opt(make_model(), trace=1000)._engine.trace_info()["steps"] == 1000
     opt = make_opt(model, trace=None)
     with pytest.raises(RuntimeError, match="records no trace"):
         opt.write_trace(tmp_path / "x.json")
