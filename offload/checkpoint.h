@@ -105,6 +105,11 @@ struct LoadOptions {
   DirectIo direct = DirectIo::kAuto;
   Reshard reshard = Reshard::kAllow;
   TensorShapes shapes;  // when given, a saved shape must equal it (not just the elems)
+  // When set, receives the shapes the loaded save recorded (empty when it
+  // recorded none) once the load succeeds: a front end that was given no
+  // shapes (the C API's trainer before strata_optimizer_set_param_shape)
+  // keeps them for its next save, so a resumed run still exports shaped.
+  TensorShapes* saved_shapes = nullptr;
 };
 
 // Save/Load with options; OffloadOptimizer::Save/Load use the defaults.

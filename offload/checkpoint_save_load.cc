@@ -1127,6 +1127,16 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   std::error_code ec;
   const fs::path canonical = fs::canonical(info.save_dir, ec);
   opt.set_loaded_save({.dir = ec ? fs::absolute(info.save_dir, ec).string() : canonical.string()});
+  if (o.saved_shapes != nullptr) {
+    o.saved_shapes->clear();
+    for (const CheckpointTensor& t : info.tensors) {
+      if (!t.shape) {
+        o.saved_shapes->clear();
+        break;
+      }
+      o.saved_shapes->push_back(*t.shape);
+    }
+  }
   // Phase 3 (a collective): the trainer's tensors from the loaded masters.
   return (opt.UploadParams()).WithContext(op);
 }

@@ -512,7 +512,15 @@ int strata_optimizer_load(strata_optimizer* opt, const char* dir) {
   if (opt == nullptr) return ReportNull("strata_optimizer_load", "opt");
   if (dir == nullptr) return ReportNull("strata_optimizer_load", "dir");
   return Exclusive(opt, "strata_optimizer_load", [&] {
-    return HostSync(*opt, strata::LoadCheckpoint(*opt->opt, dir, {.shapes = opt->shapes}));
+    // A trainer that set no shapes takes the save's, so that its next save
+    // (and that save's export) is shaped as the one it resumed from.
+    strata::TensorShapes saved;
+    STRATA_RETURN_IF_ERROR(HostSync(
+        *opt, strata::LoadCheckpoint(*opt->opt, dir,
+                                     {.shapes = opt->shapes,
+                                      .saved_shapes = opt->shapes.empty() ? &saved : nullptr})));
+    if (!saved.empty()) opt->shapes = std::move(saved);
+    return strata::OkStatus();
   });
 }
 

@@ -232,7 +232,9 @@ int strata_optimizer_rebind_params(strata_optimizer* opt, const strata_binding* 
 /* The shape of param `index` (`ndim` dims whose product is its elems; 0 dims:
  * a scalar), recorded by later saves and checked by later loads, so exports
  * (`strata export`) hold shaped tensors. STRATA_INVALID_ARGUMENT when the
- * product differs from the param's elems. Params without one are [elems]. */
+ * product differs from the param's elems. Params without one are [elems].
+ * An optimizer given no shapes takes those of the save it loads, so a resumed
+ * run need not set them again. */
 int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, const uint64_t* dims,
                                      uint32_t ndim);
 

@@ -304,6 +304,23 @@ static void Safety(strata_device* dev, const char* dir) {
   EXPECT(f != NULL && fread(header, 1, sizeof header - 1, f) > 8);
   if (f != NULL) fclose(f);
   EXPECT(strstr(header + 8, "\"shape\":[35,20]") != NULL);
+  /* A resumed run that sets no shapes keeps the loaded save's: its next save
+     exports shaped (it exported [700]). */
+  strata_optimizer_free(opt_b);
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, config_b, &pb, 1, NULL, 1, &opt_b));
+  CHECK_OK(strata_optimizer_load(opt_b, ckpt));
+  char resumed[700];
+  snprintf(resumed, sizeof resumed, "%s/resumed", dir);
+  CHECK_OK(strata_optimizer_save(opt_b, resumed));
+  CHECK_OK(strata_checkpoint_export(resumed, out, "fp32", 0, 1));
+  memset(header, 0, sizeof header);
+  f = fopen(out, "rb");
+  EXPECT(f != NULL && fread(header, 1, sizeof header - 1, f) > 8);
+  if (f != NULL) fclose(f);
+  EXPECT(strstr(header + 8, "\"shape\":[35,20]") != NULL);
+  /* and still checks them against a later load */
+  EXPECT(strata_optimizer_set_param_shape(opt_b, 0, transposed, 2) == STRATA_OK);
+  EXPECT(strata_optimizer_load(opt_b, ckpt) == STRATA_FAILED_PRECONDITION);
   strata_optimizer_free(opt_a);
   strata_optimizer_free(opt_b);
   free(a);
