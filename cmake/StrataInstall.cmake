@@ -43,7 +43,6 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/strataConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/strataConfig.cmake
               ${PROJECT_BINARY_DIR}/strataConfigVersion.cmake
-              ${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake
   DESTINATION ${STRATA_INSTALL_CMAKEDIR})
 
 # Relocatable: the prefix is found from the .pc file's own place, so

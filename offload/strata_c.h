@@ -93,7 +93,10 @@ const char* strata_device_name(const strata_device* device);
 
 /* NCCL communicators: rank 0 makes an id, the trainer sends its 128 bytes to
  * every rank, and every rank calls strata_comm_nccl_create (a collective).
- * STRATA_UNIMPLEMENTED in a build without NCCL. */
+ * STRATA_UNIMPLEMENTED in a build without NCCL. libnccl.so.2 is opened at the
+ * first of these calls, not linked (the environment variable
+ * STRATA_NCCL_LIBRARY names the file); STRATA_UNAVAILABLE, naming where it
+ * looked, when it cannot be loaded. */
 enum { STRATA_NCCL_UNIQUE_ID_BYTES = 128 };
 int strata_nccl_unique_id(uint8_t id[STRATA_NCCL_UNIQUE_ID_BYTES]);
 int strata_comm_nccl_create(strata_device* device, const uint8_t id[STRATA_NCCL_UNIQUE_ID_BYTES],

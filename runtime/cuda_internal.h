@@ -1,5 +1,5 @@
 // Internal to the CUDA and NCCL backends and the CUDA kernels (compiled only
-// when STRATA_HAVE_CUDA): turning cudaError_t / ncclResult_t into a Status,
+// when STRATA_HAVE_CUDA): turning cudaError_t into a Status,
 // reaching the cudaStream_t behind a StreamRef of a CUDA device, and making a
 // device current for one call without leaving it current afterwards.
 //
@@ -10,9 +10,6 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#if STRATA_HAVE_NCCL
-#include <nccl.h>
-#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -72,13 +69,6 @@ struct CudaMemoryFigures {
 // 2.00 GiB, 1.50 GiB of it in use". Figures not given are left out.
 Status OutOfDeviceMemoryError(const Status& oom, std::string_view device,
                               const CudaMemoryFigures& figures);
-
-#if STRATA_HAVE_NCCL
-// OK for ncclSuccess. Otherwise "<op>: ncclXxx (ncclGetErrorString)";
-// ncclInvalidArgument/ncclInvalidUsage -> InvalidArgument,
-// ncclSystemError/ncclRemoteError -> Unavailable, the rest -> Internal.
-Status NcclError(ncclResult_t result, std::string_view op);
-#endif
 
 // The CUDA stream behind `stream`, or InvalidArgument when it is null or not
 // a stream of a CUDA device.

@@ -30,7 +30,7 @@
 #include <cuda_runtime_api.h>
 #endif
 #if STRATA_HAVE_NCCL
-#include <nccl.h>
+#include "runtime/nccl_internal.h"
 #endif
 
 namespace strata {
@@ -459,8 +459,12 @@ BackendVersions ProbeBackendVersions() {
   if (cudaDriverGetVersion(&x) == cudaSuccess) v.cuda_driver = x;
 #endif
 #if STRATA_HAVE_NCCL
-  int n = 0;
-  if (ncclGetVersion(&n) == ncclSuccess) v.nccl = n;
+  if (Result<const internal::NcclApi*> nccl = internal::LoadNccl(); nccl.ok()) {
+    v.nccl = (*nccl)->version;
+    v.nccl_library = (*nccl)->path;
+  } else {
+    v.nccl_error = std::string(nccl.status().message());
+  }
 #endif
   return v;
 }

@@ -131,11 +131,14 @@ uint64_t FileAllocatedBytes(const std::string& path);
 
 // Versions as the libraries report them (CUDA: 1000 x major + 10 x minor,
 // e.g. 13000; NCCL: its NCCL_VERSION_CODE, e.g. 22809); 0 when not built or,
-// for the driver, when none is loaded.
+// for the driver, when none is loaded. NCCL is loaded at its first use (this
+// probe loads it): nccl_library is the file, nccl_error why it could not be.
 struct BackendVersions {
   int cuda_runtime = 0;
   int cuda_driver = 0;
   int nccl = 0;
+  std::string nccl_library;
+  std::string nccl_error;
 };
 BackendVersions ProbeBackendVersions();
 

@@ -1,9 +1,9 @@
 // The NCCL communicator. Compiled only when STRATA_HAVE_NCCL (which implies
-// CUDA); collectives are enqueued on the CUDA stream behind the StreamRef,
-// with the communicator's device current for the call only (CudaDeviceGuard).
+// CUDA); NCCL itself is loaded at the first use (nccl_internal.h).
+// Collectives are enqueued on the CUDA stream behind the StreamRef, with the
+// communicator's device current for the call only (CudaDeviceGuard).
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
-#include <nccl.h>
 
 #include <cstring>
 #include <functional>
@@ -13,56 +13,15 @@
 #include "runtime/comm.h"
 #include "runtime/comm_watchdog.h"
 #include "runtime/cuda_internal.h"
+#include "runtime/nccl_internal.h"
 
 namespace strata {
-namespace internal {
-
-Status NcclError(ncclResult_t result, std::string_view op) {
-  if (result == ncclSuccess) return OkStatus();
-  std::string_view name = "ncclError";
-  switch (result) {
-    case ncclUnhandledCudaError:
-      name = "ncclUnhandledCudaError";
-      break;
-    case ncclSystemError:
-      name = "ncclSystemError";
-      break;
-    case ncclInternalError:
-      name = "ncclInternalError";
-      break;
-    case ncclInvalidArgument:
-      name = "ncclInvalidArgument";
-      break;
-    case ncclInvalidUsage:
-      name = "ncclInvalidUsage";
-      break;
-    case ncclRemoteError:
-      name = "ncclRemoteError";
-      break;
-    case ncclInProgress:
-      name = "ncclInProgress";
-      break;
-    default:
-      break;
-  }
-  std::string m = fmt::format("{}: {} ({})", op, name, ncclGetErrorString(result));
-  switch (result) {
-    case ncclInvalidArgument:
-    case ncclInvalidUsage:
-      return InvalidArgumentError(std::move(m));
-    case ncclSystemError:
-    case ncclRemoteError:
-      return UnavailableError(std::move(m));
-    default:
-      return InternalError(std::move(m));
-  }
-}
-
-}  // namespace internal
 
 namespace {
 
 using internal::CudaDeviceGuard;
+using internal::LoadNccl;
+using internal::NcclApi;
 using internal::NcclError;
 
 Result<ncclDataType_t> ToNccl(DType t) {
@@ -89,8 +48,14 @@ ncclRedOp_t ToNccl(ReduceOp op) { return op == ReduceOp::kMax ? ncclMax : ncclSu
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, int rank, int world_size, int ordinal, Device& device)
-      : comm_(comm), rank_(rank), world_size_(world_size), ordinal_(ordinal), device_(device) {}
+  NcclCommunicator(const NcclApi& nccl, ncclComm_t comm, int rank, int world_size, int ordinal,
+                   Device& device)
+      : nccl_(nccl),
+        comm_(comm),
+        rank_(rank),
+        world_size_(world_size),
+        ordinal_(ordinal),
+        device_(device) {}
 
   // The watchdog and the barrier's buffer, after ncclCommInitRank (an
   // allocation that failed before it would leave the other ranks waiting in
@@ -115,7 +80,7 @@ class NcclCommunicator final : public Communicator {
     }
     CudaDeviceGuard device_guard;
     device_guard.Select(ordinal_);
-    ncclCommDestroy(comm_);
+    nccl_.CommDestroy(comm_);
   }
 
   int rank() const override { return rank_; }
@@ -130,7 +95,7 @@ class NcclCommunicator final : public Communicator {
                             Prepare(device_guard, stream, "all-reduce", count, send, recv));
     STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
     return Run(stream, "all-reduce", count, dtype,
-               [&] { return ncclAllReduce(send, recv, count, t, ToNccl(op), comm_, s); });
+               [&] { return nccl_.AllReduce(send, recv, count, t, ToNccl(op), comm_, s); });
   }
 
   Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
@@ -139,8 +104,9 @@ class NcclCommunicator final : public Communicator {
     STRATA_ASSIGN_OR_RETURN(
         cudaStream_t s, Prepare(device_guard, stream, "reduce-scatter", recv_count, send, recv));
     STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
-    return Run(stream, "reduce-scatter", recv_count, dtype,
-               [&] { return ncclReduceScatter(send, recv, recv_count, t, ToNccl(op), comm_, s); });
+    return Run(stream, "reduce-scatter", recv_count, dtype, [&] {
+      return nccl_.ReduceScatter(send, recv, recv_count, t, ToNccl(op), comm_, s);
+    });
   }
 
   Status AllGather(const void* send, void* recv, size_t send_count, DType dtype,
@@ -150,7 +116,7 @@ class NcclCommunicator final : public Communicator {
                             Prepare(device_guard, stream, "all-gather", send_count, send, recv));
     STRATA_ASSIGN_OR_RETURN(ncclDataType_t t, ToNccl(dtype));
     return Run(stream, "all-gather", send_count, dtype,
-               [&] { return ncclAllGather(send, recv, send_count, t, comm_, s); });
+               [&] { return nccl_.AllGather(send, recv, send_count, t, comm_, s); });
   }
 
   Status health() const override { return watchdog_ ? watchdog_->status() : OkStatus(); }
@@ -160,7 +126,7 @@ class NcclCommunicator final : public Communicator {
     CudaDeviceGuard device_guard;
     STRATA_ASSIGN_OR_RETURN(cudaStream_t s, Prepare(device_guard, stream, "barrier", 1, p, p));
     return Run(stream, "barrier", 1, DType::kI32,
-               [&] { return ncclAllReduce(p, p, 1, ncclInt32, ncclSum, comm_, s); });
+               [&] { return nccl_.AllReduce(p, p, 1, ncclInt32, ncclSum, comm_, s); });
   }
 
  private:
@@ -194,11 +160,11 @@ class NcclCommunicator final : public Communicator {
   // while collectives ran (ncclInProgress is not one).
   Status AsyncError() {
     ncclResult_t async = ncclSuccess;
-    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &async); r != ncclSuccess) {
+    if (ncclResult_t r = nccl_.CommGetAsyncError(comm_, &async); r != ncclSuccess) {
       return NcclError(r, "ncclCommGetAsyncError");
     }
     if (async == ncclSuccess || async == ncclInProgress) return OkStatus();
-    const char* detail = ncclGetLastError(comm_);
+    const char* detail = nccl_.GetLastError(comm_);
     return NcclError(async, fmt::format("asynchronous error{}{}",
                                         detail != nullptr && *detail != '\0' ? ": " : "",
                                         detail != nullptr ? detail : ""));
@@ -209,9 +175,10 @@ class NcclCommunicator final : public Communicator {
   void Abort() {
     CudaDeviceGuard device_guard;
     device_guard.Select(ordinal_);
-    ncclCommAbort(comm_);
+    nccl_.CommAbort(comm_);
   }
 
+  const NcclApi& nccl_;
   ncclComm_t comm_;
   const int rank_;
   const int world_size_;
@@ -225,8 +192,9 @@ class NcclCommunicator final : public Communicator {
 
 Result<NcclUniqueId> NewNcclUniqueId() {
   static_assert(sizeof(ncclUniqueId) == sizeof(NcclUniqueId::bytes), "ncclUniqueId size changed");
+  STRATA_ASSIGN_OR_RETURN(const NcclApi* nccl, LoadNccl());
   ncclUniqueId raw;
-  STRATA_RETURN_IF_ERROR(NcclError(ncclGetUniqueId(&raw), "new nccl unique id"));
+  STRATA_RETURN_IF_ERROR(NcclError(nccl->GetUniqueId(&raw), "new nccl unique id"));
   NcclUniqueId id;
   std::memcpy(id.bytes.data(), &raw, sizeof(raw));
   return id;
@@ -244,6 +212,8 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId&
     return InvalidArgumentError(fmt::format(
         "{}: the collective timeout must be positive, not {} ms", what, options.timeout.count()));
   }
+  Result<const NcclApi*> nccl = LoadNccl();
+  if (!nccl.ok()) return std::move(nccl).status().WithContext(what);
   auto ordinal = internal::CudaOrdinalOf(device);
   if (!ordinal.ok()) return std::move(ordinal).status().WithContext(what);
   // ncclCommInitRank binds the communicator to the current device.
@@ -252,8 +222,9 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId&
   ncclUniqueId raw;
   std::memcpy(&raw, id.bytes.data(), sizeof(raw));
   ncclComm_t comm = nullptr;
-  STRATA_RETURN_IF_ERROR(NcclError(ncclCommInitRank(&comm, world_size, raw, rank), what));
-  auto communicator = std::make_unique<NcclCommunicator>(comm, rank, world_size, *ordinal, device);
+  STRATA_RETURN_IF_ERROR(NcclError((*nccl)->CommInitRank(&comm, world_size, raw, rank), what));
+  auto communicator =
+      std::make_unique<NcclCommunicator>(**nccl, comm, rank, world_size, *ordinal, device);
   STRATA_RETURN_IF_ERROR(communicator->Start(options).WithContext(what));
   return std::unique_ptr<Communicator>(std::move(communicator));
 }

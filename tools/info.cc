@@ -251,7 +251,9 @@ Status RunInfo(const InfoArgs& args) {
   const BackendVersions v = ProbeBackendVersions();
   j["versions"] = {{"cuda_runtime", FormatCudaVersion(v.cuda_runtime)},
                    {"cuda_driver", FormatCudaVersion(v.cuda_driver)},
-                   {"nccl", FormatNcclVersion(v.nccl)}};
+                   {"nccl", FormatNcclVersion(v.nccl)},
+                   {"nccl_library", v.nccl_library},
+                   {"nccl_error", v.nccl_error}};
   const bool nvidia = NvidiaDevicePresent();
   if (nvidia && !b.cuda) {
     problems.push_back({"error",
@@ -265,6 +267,14 @@ Status RunInfo(const InfoArgs& args) {
                                           "update the driver",
                                           FormatCudaVersion(v.cuda_driver),
                                           FormatCudaVersion(v.cuda_runtime))});
+  }
+  if (b.nccl && cuda_device && !v.nccl_error.empty()) {
+    problems.push_back({"warning",
+                        "NCCL cannot be loaded, so several GPUs cannot form a process group: " +
+                            v.nccl_error,
+                        "install NCCL 2 (the toolkit's, or pip's nvidia-nccl-cu13 in the torch "
+                        "environment) where the loader finds it (LD_LIBRARY_PATH), or name the "
+                        "file in STRATA_NCCL_LIBRARY"});
   }
   if (b.cuda && cuda_device && !b.nccl) {
     problems.push_back({"warning", "this build has no NCCL: only one GPU per process group",
@@ -435,10 +445,15 @@ Status RunInfo(const InfoArgs& args) {
                 pin_bytes == 0 ? "skipped" : pin.ok() ? "ok" : pin.ToString().c_str());
   }
   std::printf("  io_uring:     %s\n", uring ? "available" : "not available");
+  std::string nccl_text = "-";
+  if (v.nccl) {
+    nccl_text = fmt::format("{} ({})", FormatNcclVersion(v.nccl), v.nccl_library);
+  } else if (!v.nccl_error.empty()) {
+    nccl_text = "cannot be loaded (--json: versions.nccl_error)";
+  }
   std::printf("  versions:     CUDA runtime %s, driver %s, NCCL %s\n",
               v.cuda_runtime ? FormatCudaVersion(v.cuda_runtime).c_str() : "-",
-              v.cuda_driver ? FormatCudaVersion(v.cuda_driver).c_str() : "none",
-              v.nccl ? FormatNcclVersion(v.nccl).c_str() : "-");
+              v.cuda_driver ? FormatCudaVersion(v.cuda_driver).c_str() : "none", nccl_text.c_str());
   std::printf("  devices:\n");
   for (const DeviceCaps& d : ListDevices()) {
     std::printf("    %-8s %s, %s memory%s\n", d.name.c_str(), d.description.c_str(),
