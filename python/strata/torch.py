@@ -57,6 +57,8 @@ _STATE_DICT_VERSION = 1
 # Each registered param -> a weak reference to the OffloadAdam that trains it:
 # a second optimizer over the same tensor would overwrite the first one's update.
 _OWNERS = {}  # id(param) -> (weakref to the param, weakref to its OffloadAdam)
+# The OffloadAdams of this process whose engines hold nvme_path locks.
+_NVME_HOLDERS = weakref.WeakSet()
 # torch.optim.Adam/AdamW options that change what the step computes or promises (a
 # CUDA-graph-capturable step, autograd through it): refused when True, as arguments
 # and in groups. Its other options (foreach, fused) choose an implementation: ignored.
@@ -925,15 +927,30 @@ class OffloadAdam(torch.optim.Optimizer):
             stream = self._stream.cuda_stream
         self._state_dict_dir = (None if state_dict_dir is None
                                 else os.path.abspath(os.fspath(state_dict_dir)))
+        offload_cfg = self._config.get("zero_optimization", {}).get("offload_optimizer", {})
+        paths = offload_cfg.get("nvme_path") or []
+        self._nvme_paths = {os.path.realpath(p)
+                            for p in ([paths] if isinstance(paths, str) else paths)}
+        collected = False
+        if any(o._nvme_paths & self._nvme_paths for o in list(_NVME_HOLDERS)):
+            # As for the params above: a dropped optimizer on this directory may be
+            # garbage in a reference cycle (OneCycleLR's) that still holds its lock.
+            gc.collect()
+            collected = True
         try:
             self._engine = _strata.Engine(device, json.dumps(self._config, allow_nan=False),
                                           groups, comm, stream)
         except StrataError as e:
             if "held by this process" not in str(e):
                 raise
+            survived = (" (it survived a garbage collection, so a scheduler or another "
+                        "object still refers to it: `del optimizer` alone does not free it)"
+                        if collected else "")
             raise type(e)(f"{e}\nOffloadAdam: an optimizer of this process still holds it (a "
                           "notebook cell run again?): call its close(), or drop every reference "
-                          "to it, before building this one") from e
+                          f"to it, before building this one{survived}") from e
+        if self._nvme_paths:
+            _NVME_HOLDERS.add(self)
         self._hypers = [self._hyper_of(g) for g in self.param_groups]
         # The update rule the engine resolved (config keys may override adamw=).
         self._adamw = bool(self.engine_config["optimizer"]["params"]["adam_w_mode"])
@@ -1303,6 +1320,7 @@ class OffloadAdam(torch.optim.Optimizer):
             param, owner = _OWNERS.get(id(r.param), (None, None))
             if owner is not None and owner() is self:
                 del _OWNERS[id(r.param)]
+        _NVME_HOLDERS.discard(self)
         self._engine = _Closed()
 
     def __enter__(self):

@@ -804,6 +804,31 @@ def test_an_optimizer_dropped_with_its_onecycle_scheduler_makes_room_for_a_new_o
         gc.enable()
 
 
+def test_an_optimizer_dropped_with_its_scheduler_frees_its_nvme_path_for_other_params(tmp_path):
+    """The same reference cycle, another model on the dropped optimizer's nvme_path:
+    its lock was held until the cycle collector ran, and the new optimizer was
+    refused as if the old one were in use."""
+    import gc
+    kw = nvme(tmp_path)
+    first, second = Net(), Net()
+    opt = OffloadAdam(first.parameters(), lr=1e-2, **kw)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    train(first, opt, 1)
+    gc.disable()  # as between two automatic collections
+    try:
+        del opt, sched
+        opt = OffloadAdam(second.parameters(), lr=1e-2, **kw)  # other params, same nvme_path
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+        train(second, opt, 1)
+        # Still referred to (by its scheduler here): refused, saying so.
+        del opt
+        with pytest.raises(strata.StrataError, match=r"(?s)held by this process.*survived a "
+                                                     r"garbage collection"):
+            OffloadAdam(first.parameters(), lr=1e-2, **kw)
+    finally:
+        gc.enable()
+
+
 def test_a_monitor_thread_reads_the_properties_while_the_training_thread_steps():
     """Getters are not calls into the engine: a monitor thread reads the values as
     of the end of the last call (they used to read the engine's fields while a step
