@@ -61,6 +61,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -236,6 +237,9 @@ struct ExportOptions {
   ExistingFile existing = ExistingFile::kRefuse;
   Storage* storage = nullptr;        // for the output files; nullptr: posix
   uint64_t buffer_bytes = 4 << 20;   // host memory for the copy
+  // Polled before each buffer is read; true stops the export (Cancelled).
+  // A front end's Ctrl-C (the Python module checks its signals here).
+  std::function<bool()> interrupted;
 };
 
 struct ExportResult {
@@ -265,7 +269,9 @@ struct ExportResult {
 // directory `out` holding an earlier export's files in another layout,
 // which loaders would read instead of this export (model.safetensors before
 // an index). Each file is written atomically; stale files are removed after
-// the data files and before the index are written.
+// the data files and before the index are written. A failure or an
+// interruption leaves nothing of this export: the file being written is
+// removed, and so are the shards written before it.
 Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string& out,
                                        const ExportOptions& options = {});
 

@@ -88,8 +88,7 @@ Status RemoveStale(Storage& storage, const std::vector<std::string>& stale, std:
 
 // FailedPrecondition when `out` is the checkpoint directory or inside it:
 // an export must never replace what it reads (latest.json, a manifest).
-Status CheckOutsideCheckpoint(const std::string& dir, const std::string& out,
-                              std::string_view op) {
+Status CheckOutsideCheckpoint(const std::string& dir, const std::string& out, std::string_view op) {
   std::error_code ec;
   const fs::path root = fs::weakly_canonical(dir, ec);
   if (ec) return OkStatus();  // the reader reports a missing checkpoint
@@ -150,7 +149,8 @@ std::vector<Shard> PlanShards(const CheckpointInfo& info, uint64_t elem_bytes, u
   std::vector<Shard> shards(1);
   for (uint32_t i = 0; i < info.tensors.size(); ++i) {
     const uint64_t bytes = info.tensors[i].elems * elem_bytes;
-    if (max_bytes > 0 && !shards.back().tensors.empty() && shards.back().bytes + bytes > max_bytes) {
+    if (max_bytes > 0 && !shards.back().tensors.empty() &&
+        shards.back().bytes + bytes > max_bytes) {
       shards.emplace_back();
     }
     shards.back().tensors.push_back(i);
@@ -172,8 +172,8 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   }
   const std::string_view st_dtype = SafetensorsDType(options.dtype);
   if (st_dtype.empty()) {
-    return InvalidArgumentError(fmt::format("{}: dtype {}; export writes f32, bf16 or f16", op,
-                                            DTypeName(options.dtype)));
+    return InvalidArgumentError(
+        fmt::format("{}: dtype {}; export writes f32, bf16 or f16", op, DTypeName(options.dtype)));
   }
   const bool one_file = EndsWith(out, ".safetensors");
   if (one_file && options.max_shard_bytes > 0) {
@@ -257,64 +257,86 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   uint64_t total_bytes = 0;
   for (const CheckpointTensor& t : info.tensors) total_bytes += t.elems * elem_bytes;
-  ProgressReporter progress(fmt::format("export {}", fs::path(shards.front().file).parent_path().string()),
-                            total_bytes, ProgressUnit::kBytes);
-  for (const Shard& shard : shards) {
-    nlohmann::ordered_json header;
-    header["__metadata__"] = {{"format", "pt"},
-                              {"source", "strata checkpoint " + info.save_id},
-                              {"step", std::to_string(info.step)},
-                              {"world_size", std::to_string(info.world_size)},
-                              {"optimizer", info.optimizer}};
-    uint64_t offset = 0;
-    for (uint32_t i : shard.tensors) {
-      const CheckpointTensor& t = info.tensors[i];
-      const std::vector<uint64_t> shape = t.shape.value_or(std::vector<uint64_t>{t.elems});
-      header[names[i]] = {{"dtype", st_dtype},
-                          {"shape", shape},
-                          {"data_offsets", {offset, offset + t.elems * elem_bytes}}};
-      offset += t.elems * elem_bytes;
-      weight_map[names[i]] = fs::path(shard.file).filename().string();
-    }
-    std::string text = header.dump();
-    text.append(RoundUp(text.size(), 8) - text.size(), ' ');
-    std::string len(8, '\0');
-    for (int k = 0; k < 8; ++k) len[k] = static_cast<char>(uint64_t{text.size()} >> (8 * k));
+  ProgressReporter progress(
+      fmt::format("export {}", fs::path(shards.front().file).parent_path().string()), total_bytes,
+      ProgressUnit::kBytes);
+  // A failure (or an interruption) leaves nothing of this export: the file
+  // being written goes with its writer, and the shards committed before it,
+  // which no index names, are removed here.
+  Status written = [&]() -> Status {
+    for (const Shard& shard : shards) {
+      nlohmann::ordered_json header;
+      header["__metadata__"] = {{"format", "pt"},
+                                {"source", "strata checkpoint " + info.save_id},
+                                {"step", std::to_string(info.step)},
+                                {"world_size", std::to_string(info.world_size)},
+                                {"optimizer", info.optimizer}};
+      uint64_t offset = 0;
+      for (uint32_t i : shard.tensors) {
+        const CheckpointTensor& t = info.tensors[i];
+        const std::vector<uint64_t> shape = t.shape.value_or(std::vector<uint64_t>{t.elems});
+        header[names[i]] = {{"dtype", st_dtype},
+                            {"shape", shape},
+                            {"data_offsets", {offset, offset + t.elems * elem_bytes}}};
+        offset += t.elems * elem_bytes;
+        weight_map[names[i]] = fs::path(shard.file).filename().string();
+      }
+      std::string text = header.dump();
+      text.append(RoundUp(text.size(), 8) - text.size(), ' ');
+      std::string len(8, '\0');
+      for (int k = 0; k < 8; ++k) len[k] = static_cast<char>(uint64_t{text.size()} >> (8 * k));
 
-    STRATA_ASSIGN_OR_RETURN(auto writer,
-                            AtomicFileWriter::Create(*storage.storage, shard.file,
-                                                     {.existing = options.existing}));
-    STRATA_RETURN_IF_ERROR((writer->Append(len)).WithContext(op));
-    STRATA_RETURN_IF_ERROR((writer->Append(text)).WithContext(op));
-    for (uint32_t i : shard.tensors) {
-      uint64_t overflowed = 0;
-      for (uint64_t at = 0; at < info.tensors[i].elems; at += buf.size()) {
-        const uint64_t k = std::min<uint64_t>(buf.size(), info.tensors[i].elems - at);
-        std::span<float> part(buf.data(), k);
-        STRATA_RETURN_IF_ERROR((reader->ReadTensor(0, i, at, part)).WithContext(op));
-        overflowed += Convert(part, options.dtype, converted);
-        STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
-        progress.Add(converted.size());
+      STRATA_ASSIGN_OR_RETURN(
+          auto writer,
+          AtomicFileWriter::Create(*storage.storage, shard.file, {.existing = options.existing}));
+      STRATA_RETURN_IF_ERROR((writer->Append(len)).WithContext(op));
+      STRATA_RETURN_IF_ERROR((writer->Append(text)).WithContext(op));
+      for (uint32_t i : shard.tensors) {
+        uint64_t overflowed = 0;
+        for (uint64_t at = 0; at < info.tensors[i].elems; at += buf.size()) {
+          if (options.interrupted && options.interrupted()) {
+            return CancelledError(fmt::format("{}: interrupted while writing {}", op, shard.file));
+          }
+          const uint64_t k = std::min<uint64_t>(buf.size(), info.tensors[i].elems - at);
+          std::span<float> part(buf.data(), k);
+          STRATA_RETURN_IF_ERROR((reader->ReadTensor(0, i, at, part)).WithContext(op));
+          overflowed += Convert(part, options.dtype, converted);
+          STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
+          progress.Add(converted.size());
+        }
+        if (overflowed > 0) {
+          LogWarning(fmt::format(
+              "{}: {} of the {} values of tensor '{}' are beyond {}'s range and are inf in the "
+              "file; export it as bf16 or fp32 to keep them",
+              op, overflowed, info.tensors[i].elems, names[i], DTypeName(options.dtype)));
+        }
       }
-      if (overflowed > 0) {
-        LogWarning(fmt::format(
-            "{}: {} of the {} values of tensor '{}' are beyond {}'s range and are inf in the "
-            "file; export it as bf16 or fp32 to keep them",
-            op, overflowed, info.tensors[i].elems, names[i], DTypeName(options.dtype)));
-      }
+      STRATA_RETURN_IF_ERROR((writer->Commit()).WithContext(op));
+      result.files.push_back(shard.file);
+      result.tensor_bytes += shard.bytes;
+      result.tensors += shard.tensors.size();
     }
-    STRATA_RETURN_IF_ERROR((writer->Commit()).WithContext(op));
-    result.files.push_back(shard.file);
-    result.tensor_bytes += shard.bytes;
-    result.tensors += shard.tensors.size();
+    return OkStatus();
+  }();
+  if (!written.ok()) {
+    std::vector<std::string> kept;
+    for (const std::string& file : result.files) {
+      if (!storage.storage->Remove(file).ok()) kept.push_back(file);
+    }
+    if (result.files.empty()) return written;
+    return Status(written.code(),
+                  kept.empty()
+                      ? fmt::format("{}; the {} shard(s) written before it were removed",
+                                    written.message(), result.files.size())
+                      : fmt::format("{}; {} shard(s) written before it could not be removed: {}",
+                                    written.message(), kept.size(), fmt::join(kept, ", ")));
   }
   STRATA_RETURN_IF_ERROR(RemoveStale(*storage.storage, stale, op));
   result.removed = std::move(stale);
   if (shards.size() > 1) {
     const nlohmann::ordered_json index = {{"metadata", {{"total_size", result.tensor_bytes}}},
                                           {"weight_map", weight_map}};
-    STRATA_RETURN_IF_ERROR((WriteFileAtomically(*storage.storage, index_path,
-                                                index.dump(2) + "\n",
+    STRATA_RETURN_IF_ERROR((WriteFileAtomically(*storage.storage, index_path, index.dump(2) + "\n",
                                                 {.existing = options.existing}))
                                .WithContext(op));
     result.files.push_back(index_path);

@@ -684,12 +684,24 @@ std::vector<std::string> Export(const std::string& dir, const std::string& out,
   }
   o.max_shard_bytes = max_shard_bytes;
   o.existing = force ? ExistingFile::kReplace : ExistingFile::kRefuse;
+  // Ctrl-C stops a long export between buffers, and it leaves nothing behind;
+  // the KeyboardInterrupt (or what the signal's handler raised) propagates.
+  bool signalled = false;
+  o.interrupted = [&] {
+    py::gil_scoped_acquire gil;
+    signalled = PyErr_CheckSignals() != 0;
+    return signalled;
+  };
   std::vector<std::string> files;
-  Call([&]() -> Status {
-    STRATA_ASSIGN_OR_RETURN(ExportResult r, ExportSafetensors(dir, out, o));
-    files = std::move(r.files);
-    return OkStatus();
-  });
+  Status s;
+  {
+    py::gil_scoped_release release;
+    Result<ExportResult> r = ExportSafetensors(dir, out, o);
+    if (r.ok()) files = std::move(r->files);
+    s = r.status();
+  }
+  if (signalled) throw py::error_already_set();
+  Check(s);
   return files;
 }
 

@@ -406,9 +406,35 @@ TEST_F(ExportShapedTest, WriteFaultsFailTheExportAndLeaveNothing) {
     ASSERT_FALSE(r.ok());
     ExpectMentions(r.status(), out.File("hf/model-0000"));
     EXPECT_GT(fault->stats().injected_errors.load(), 0u);
-    for (const std::string& name : Names(out.File("hf"))) {
-      EXPECT_EQ(name.find(".tmp-"), std::string::npos) << name;
-    }
+    EXPECT_EQ(Names(out.File("hf")), std::vector<std::string>{}) << r.status();
+  }
+}
+
+// An interruption (the Python module's Ctrl-C) stops the export between
+// buffers with Cancelled, and nothing of it is left: neither the file being
+// written nor the shards committed before it, which no index names.
+TEST_F(ExportShapedTest, AnInterruptedExportLeavesNothing) {
+  int polls = 0;
+  const ExportOptions sharded = {.max_shard_bytes = 8192,
+                                 .buffer_bytes = 4096,
+                                 .interrupted = [&] { return ++polls < 0; }};
+  {
+    TempDir out;
+    ASSERT_TRUE(ExportSafetensors(ckpt_.path(), out.File("hf"), sharded).ok());
+  }
+  const int total = polls;
+  ASSERT_GT(total, 4);
+  for (int at : {1, total / 2, total}) {
+    SCOPED_TRACE(at);
+    TempDir out;
+    polls = 0;
+    ExportOptions o = sharded;
+    o.interrupted = [&] { return ++polls == at; };
+    auto r = ExportSafetensors(ckpt_.path(), out.File("hf"), o);
+    EXPECT_EQ(r.status().code(), StatusCode::kCancelled) << r.status();
+    ExpectMentions(r.status(), "interrupted while writing " + out.File("hf/model-0000"));
+    if (at > 1) ExpectMentions(r.status(), "written before it were removed");
+    EXPECT_EQ(Names(out.File("hf")), std::vector<std::string>{}) << r.status();
   }
 }
 

@@ -246,3 +246,57 @@ def test_an_fp16_export_says_which_values_overflow(tmp_path, caplog):
     caplog.clear()
     export_checkpoint(tmp_path / "ckpt", tmp_path / "m.safetensors", dtype="bf16")
     assert not [r for r in caplog.records if "beyond" in r.getMessage()]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_signal_stops_an_export_and_leaves_nothing(tmp_path):
+    """Ctrl-C (any signal whose handler raises) stops a long export between buffers:
+    the exception propagates, and the file being written and the shards written
+    before it are removed (the export ran to the end, then raised)."""
+    import signal
+    import threading
+    import time
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+    opt = OffloadAdam(model.named_parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    opt.save_checkpoint(ckpt)
+    opt.close()
+    out.mkdir()
+    (out / "README.md").write_text("the user's")
+    seen = {}
+
+    def handler(signum, frame):
+        # Raise only inside the export: while a shard is being written after at
+        # least one was committed (what is on disk then is what must go).
+        names = os.listdir(out)
+        if any(".tmp-" in n for n in names) and any(n.endswith(".safetensors") for n in names):
+            seen["at"] = sorted(names)
+            raise Interrupted()
+
+    done = threading.Event()
+
+    def sender():
+        while not done.is_set():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.002)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    thread = threading.Thread(target=sender)
+    try:
+        thread.start()
+        with pytest.raises(Interrupted):
+            export_checkpoint(ckpt, out, max_shard_size=8 << 20)  # 8 shards of 8 MiB
+    finally:
+        done.set()
+        thread.join()
+        signal.signal(signal.SIGUSR1, old)
+    assert "at" in seen, "the signal was never handled inside the export"
+    assert sorted(os.listdir(out)) == ["README.md"], f"left {os.listdir(out)} (at {seen['at']})"
+    files = export_checkpoint(ckpt, out, max_shard_size=8 << 20)  # the re-run needs no force
+    assert len(files) == 9
