@@ -14,6 +14,10 @@ for f in lib/cmake/strata/strataConfig.cmake lib/cmake/strata/strataTargets.cmak
   [ -e "$prefix/$f" ] || fail "$f not installed"
 done
 ls "$prefix"/lib/libstrata_c.so >/dev/null || fail "libstrata_c.so not installed"
+# A versioned soname (major.minor while the major is 0), which trainers record.
+soname=$(readelf -d "$prefix"/lib/libstrata_c.so | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
+[[ "$soname" =~ ^libstrata_c\.so\.[0-9]+\.[0-9]+$ ]] || fail "libstrata_c.so's soname is '$soname'"
+[ -e "$prefix/lib/$soname" ] || fail "$soname, the soname's file, is not installed"
 ls "$prefix"/include/strata/runtime/*_internal.h 2>/dev/null && fail "internal headers installed"
 
 # C++: find_package(strata); strata::capi from C. The consumer's build tree
@@ -40,6 +44,8 @@ echo "pkg-config strata_c: $flags"
 cc -std=c11 -o "$work/consumer_c" "$src/tests/cmake/consumer/consumer_c.c" $flags ||
   fail "the C consumer did not build"
 env -u LD_LIBRARY_PATH "$work/consumer_c" || fail "the C consumer failed"
+readelf -d "$work/consumer_c" | grep -q "NEEDED.*\[$soname\]" ||
+  fail "the C consumer does not record $soname: $(readelf -d "$work/consumer_c" | grep NEEDED)"
 
 # C against the build tree: its own strata_c.pc, an rpath, no LD_LIBRARY_PATH.
 flags=$(PKG_CONFIG_PATH=$build pkg-config --cflags --libs strata_c) ||
