@@ -535,6 +535,19 @@ Status RunStep(const StepArgs& a) {
   if (Use(a, "--offload")) {
     config.device = a.offload == "nvme" ? OffloadDevice::kNvme : OffloadDevice::kCpu;
   }
+  if (config.device == OffloadDevice::kCpu) {
+    // Options of the NVMe tier mean nothing here: refused, not ignored.
+    for (const char* option : {"--nvme-dir", "--drive-probe", "--block", "--queue-depth"}) {
+      if (a.given.count(option) > 0) {
+        return InvalidArgumentError(fmt::format(
+            "{} is for state on NVMe, and {} keeps it all in DRAM: drop {}, or give --offload "
+            "nvme",
+            option,
+            a.given.count("--offload") > 0 ? "--offload cpu" : "the config's offload_optimizer",
+            option));
+      }
+    }
+  }
 
   // The state store's files (offload/state_store.h: strata-rank<r>.state and
   // .lock), and the temporary directory when the bench made one: removed on
@@ -756,6 +769,11 @@ Status RunStep(const StepArgs& a) {
   // before the optimizer writes its state).
   uint64_t probe_bytes = drive_probe_bytes.value_or(
       std::clamp<uint64_t>(plan0.nvme_state_bytes, 256 * kMiB, 4 * kGiB));
+  if (plan0.nvme_sub_groups == 0 && drive_probe_bytes.value_or(0) > 0) {
+    std::fprintf(stderr,
+                 "bench step: --drive-probe skipped: the plan puts no state on NVMe (the host "
+                 "budget holds it all), so the drive bounds nothing\n");
+  }
   if (plan0.nvme_sub_groups > 0 && probe_bytes > 0) {
     const size_t dirs = config.nvme_paths.size();
     if (!drive_probe_bytes) {
@@ -769,6 +787,11 @@ Status RunStep(const StepArgs& a) {
         probe_bytes = room * dirs;
       }
     }
+    std::fprintf(stderr,
+                 "bench step: drive baseline: writing, then reading %s on %s (--drive-probe 0 "
+                 "skips it) ...\n",
+                 FormatBytes(probe_bytes / dirs * dirs).c_str(),
+                 fmt::format("{}", fmt::join(config.nvme_paths, ", ")).c_str());
     STRATA_ASSIGN_OR_RETURN(rates.drive,
                             MeasureDriveRates(config.nvme_paths, probe_bytes / dirs,
                                               config.aio.block_bytes, config.aio.queue_depth,
