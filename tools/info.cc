@@ -3,7 +3,9 @@
 // pinning works, devices, CUDA/NCCL versions), per --nvme-dir whether io_uring
 // and O_DIRECT work there and how much is free, the Pythons that have torch,
 // and each problem found with what to do about it. --json prints the same as
-// one object. Exit code 0 whatever it finds: problems are reported, not fatal.
+// one object. Exit code 0 whatever it finds (problems are reported, not
+// fatal), unless --fail-on names a severity that a problem found has: then 1,
+// after the report, so a job's prologue can stop before training.
 #include <fmt/format.h>
 #include <pwd.h>
 #include <sys/stat.h>
@@ -41,6 +43,7 @@ struct InfoArgs {
   std::string pin_test = "64MiB";
   bool json = false;
   bool no_python = false;
+  std::string fail_on;  // "", "error" or "warning" (errors too)
 };
 
 // One finding: what is wrong (or worth knowing) and what to do.
@@ -413,10 +416,21 @@ Status RunInfo(const InfoArgs& args) {
     pj.push_back({{"severity", p.severity}, {"what", p.what}, {"fix", p.fix}});
   }
   j["problems"] = pj;
+  size_t failing = 0;
+  for (const Problem& p : problems) {
+    failing += !args.fail_on.empty() &&
+               (p.severity == "error" || (p.severity == "warning" && args.fail_on == "warning"));
+  }
+  const Status verdict =
+      failing == 0 ? OkStatus()
+                   : FailedPreconditionError(fmt::format(
+                         "{} problem(s) of severity {}{} found (--fail-on {}): see the fixes {}",
+                         failing, args.fail_on, args.fail_on == "warning" ? " or error" : "",
+                         args.fail_on, args.json ? "in \"problems\"" : "above"));
 
   if (args.json) {
     PrintJson(j, 2);
-    return OkStatus();
+    return verdict;
   }
 
   // Text.
@@ -499,7 +513,7 @@ Status RunInfo(const InfoArgs& args) {
                   p.fix.c_str());
     }
   }
-  return OkStatus();
+  return verdict;
 }
 
 }  // namespace
@@ -516,6 +530,10 @@ void AddInfoCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_flag("--no-python", args->no_python, "do not run the Pythons on this machine");
   cmd->add_flag("--json", args->json, "print one JSON object");
+  cmd->add_option("--fail-on", args->fail_on,
+                  "exit 1 (after the report) when a problem of this severity is found: error, "
+                  "or warning (warnings and errors); by default the exit code is 0")
+      ->check(CLI::IsMember({"error", "warning"}));
   cmd->callback([&cli, args] {
     RunAction(cli, "info", OutputOf(args->json), [args] { return RunInfo(*args); });
   });
