@@ -21,6 +21,7 @@
 #include "offload/optimizer.h"
 #include "runtime/comm.h"
 #include "runtime/device.h"
+#include "runtime/log.h"
 #include "runtime/status.h"
 #include "runtime/trace.h"
 #include "runtime/utf8.h"
@@ -144,6 +145,39 @@ const char* strata_status_name(int status) {
 }
 
 const char* strata_version(void) { return STRATA_C_VERSION; }
+
+static_assert(static_cast<int>(strata::LogLevel::kDebug) == STRATA_LOG_DEBUG &&
+                  static_cast<int>(strata::LogLevel::kInfo) == STRATA_LOG_INFO &&
+                  static_cast<int>(strata::LogLevel::kWarning) == STRATA_LOG_WARNING &&
+                  static_cast<int>(strata::LogLevel::kError) == STRATA_LOG_ERROR &&
+                  static_cast<int>(strata::LogLevel::kOff) == STRATA_LOG_OFF,
+              "strata_c.h's log levels are strata::LogLevel's");
+
+int strata_set_log_level(int level) {
+  if (level < STRATA_LOG_DEBUG || level > STRATA_LOG_OFF) {
+    return Report(strata::InvalidArgumentError(fmt::format(
+        "strata_set_log_level: level {}; give STRATA_LOG_DEBUG ({}) to STRATA_LOG_OFF ({})", level,
+        static_cast<int>(STRATA_LOG_DEBUG), static_cast<int>(STRATA_LOG_OFF))));
+  }
+  strata::SetLogLevel(static_cast<strata::LogLevel>(level));
+  return Report(strata::OkStatus());
+}
+
+int strata_log_level(void) { return static_cast<int>(strata::GetLogLevel()); }
+
+int strata_set_log_callback(strata_log_fn fn, void* user) {
+  return Guard("strata_set_log_callback", [&]() -> Status {
+    if (fn == nullptr) {
+      strata::SetLogSink(nullptr);
+    } else {
+      strata::SetLogSink([fn, user](strata::LogLevel level, std::string_view message) {
+        const std::string text = strata::EscapeNonUtf8(message);
+        fn(user, static_cast<int>(level), text.c_str());
+      });
+    }
+    return strata::OkStatus();
+  });
+}
 
 int strata_device_open(const char* name, strata_device** out) {
   if (out == nullptr) return ReportNull("strata_device_open", "out");

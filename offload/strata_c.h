@@ -84,6 +84,29 @@ const char* strata_status_name(int status);
 /* "0.1.0". */
 const char* strata_version(void);
 
+/* Logging: lines of the levels below go to stderr ("strata: <level>:
+ * <message>") unless a callback takes them. The level starts as the
+ * environment's STRATA_LOG (debug|info|warning|error|off; default info).
+ * strata_set_log_level sets it for the process: STRATA_INVALID_ARGUMENT for
+ * a value outside STRATA_LOG_DEBUG..STRATA_LOG_OFF. strata_set_log_callback
+ * sends every enabled line to `fn` instead (NULL: back to stderr), with
+ * `user` as given, the level and the message (UTF-8, no prefix, no trailing
+ * newline; valid during the call only). `fn` is called on whichever thread
+ * logs (the library's worker threads too), possibly on several at once, so
+ * it must be thread-safe; it may log or change the callback. A callback
+ * replaced while it runs finishes that call. */
+enum {
+  STRATA_LOG_DEBUG = 0,
+  STRATA_LOG_INFO = 1,
+  STRATA_LOG_WARNING = 2,
+  STRATA_LOG_ERROR = 3,
+  STRATA_LOG_OFF = 4
+};
+typedef void (*strata_log_fn)(void* user, int level, const char* message);
+int strata_set_log_level(int level);
+int strata_log_level(void);
+int strata_set_log_callback(strata_log_fn fn, void* user);
+
 /* Devices: "host" (emulated; accepts the caller's host memory as tensors),
  * "cuda:N", or "auto" (cuda:0 where present, else host). */
 int strata_device_open(const char* name, strata_device** out);

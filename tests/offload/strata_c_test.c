@@ -617,6 +617,60 @@ static void* Watch(void* arg) {
   return NULL;
 }
 
+/* What a log callback received: lines, and the first info line. */
+typedef struct {
+  pthread_mutex_t mu;
+  int lines;
+  int info_lines;
+  char first_info[256];
+} LogSeen;
+
+static void CollectLog(void* user, int level, const char* message) {
+  LogSeen* seen = (LogSeen*)user;
+  pthread_mutex_lock(&seen->mu);
+  ++seen->lines;
+  if (level == STRATA_LOG_INFO && seen->info_lines++ == 0) {
+    snprintf(seen->first_info, sizeof seen->first_info, "%s", message);
+  }
+  pthread_mutex_unlock(&seen->mu);
+}
+
+/* The log level and a callback, from C: lines reach the callback with the
+ * user pointer, none below the level does, and NULL puts stderr back. */
+static void Logging(strata_device* dev) {
+  LogSeen seen;
+  memset(&seen, 0, sizeof seen);
+  pthread_mutex_init(&seen.mu, NULL);
+  const int before = strata_log_level();
+  float w[8] = {0}, g[8] = {0};
+  strata_param p = {"w", w, g, 8, 0};
+  strata_optimizer* opt = NULL;
+  CHECK_OK(strata_set_log_level(STRATA_LOG_INFO));
+  EXPECT(strata_log_level() == STRATA_LOG_INFO);
+  CHECK_OK(strata_set_log_callback(CollectLog, &seen));
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, 1, &opt));
+  strata_optimizer_free(opt);
+  pthread_mutex_lock(&seen.mu);
+  EXPECT(seen.info_lines > 0);
+  EXPECT(strstr(seen.first_info, "rank 0/1") != NULL);
+  EXPECT(strncmp(seen.first_info, "strata:", 7) != 0); /* the message alone */
+  seen.lines = 0;
+  pthread_mutex_unlock(&seen.mu);
+  CHECK_OK(strata_set_log_level(STRATA_LOG_ERROR));
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{}", &p, 1, NULL, 1, &opt));
+  strata_optimizer_free(opt);
+  pthread_mutex_lock(&seen.mu);
+  EXPECT(seen.lines == 0);
+  pthread_mutex_unlock(&seen.mu);
+  EXPECT(strata_set_log_level(STRATA_LOG_OFF + 1) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "level 5") != NULL);
+  EXPECT(strata_set_log_level(-1) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strata_log_level() == STRATA_LOG_ERROR);
+  CHECK_OK(strata_set_log_callback(NULL, NULL));
+  CHECK_OK(strata_set_log_level(before));
+  pthread_mutex_destroy(&seen.mu);
+}
+
 static void MonitorThread(strata_device* dev) {
   OneTensor t = MakeOneTensor(dev, 1 << 16);
   Monitor m = {.opt = t.opt, .backwards = 0, .reads = 0};
@@ -698,6 +752,7 @@ int main(void) {
   AccumulationReadsEachMicroStep(dev);
   TwoThreads(dev);
   MonitorThread(dev);
+  Logging(dev);
   strata_device_free(dev);
   if (failures) {
     fprintf(stderr, "%d failure(s)\n", failures);
