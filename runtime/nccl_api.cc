@@ -10,7 +10,7 @@
 namespace strata::internal {
 namespace {
 
-// The NCCL this build was linked against, the last place looked in.
+// The NCCL the build found (CMake: NCCL_LIBRARY), the last place looked in.
 #ifndef STRATA_NCCL_LIBRARY
 #define STRATA_NCCL_LIBRARY ""
 #endif
