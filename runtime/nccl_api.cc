@@ -69,7 +69,8 @@ Result<NcclApi> Open(const std::string& name) {
 Loaded Load() {
   std::vector<std::string> places;
   const char* chosen = std::getenv("STRATA_NCCL_LIBRARY");
-  if (chosen != nullptr && *chosen) {
+  const bool user_chose = chosen != nullptr && *chosen != '\0';
+  if (user_chose) {
     places.push_back(chosen);  // the user's choice, alone
   } else {
     places.push_back("libnccl.so.2");
@@ -81,7 +82,7 @@ Loaded Load() {
     if (api.ok()) return {.api = *std::move(api), .status = OkStatus()};
     tried.push_back(std::string(api.status().message()));
   }
-  if (chosen != nullptr && *chosen) {
+  if (user_chose) {
     return {.status = UnavailableError(
                 fmt::format("load NCCL from STRATA_NCCL_LIBRARY: {}; name the file libnccl.so.2, "
                             "or unset the variable to let the loader find it",
