@@ -134,6 +134,9 @@ class Collective {
 
 constexpr double kDigestRange = 4503599627370496.0;  // 2^52
 
+// Load's unit of device state (partial offload): a host buffer of 4 MiB.
+constexpr uint64_t kStatePieceElems = uint64_t{1} << 20;
+
 struct AgreedPart {
   std::string_view what;  // "directory", "step", ...
   std::string value;      // this rank's, as the error shows it
@@ -628,21 +631,21 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
     STRATA_ASSIGN_OR_RETURN(auto f, ArrayFile::Open(storage, save_dir + "/" + names[a], o));
     files.push_back(std::move(f));
   }
-  // One sub-group's state at a time: host memory stays at the largest
-  // sub-group plus the writers' chunks.
-  uint64_t max_elems = 0;
-  for (const ElemRange& r : opt.sub_groups()) max_elems = std::max(max_elems, r.elems());
-  std::vector<float> state(max_elems * arrays);
+  // One chunk of state at a time: host memory stays at that chunk plus the
+  // writers' chunks, whatever the sub-group size.
+  std::vector<float> piece(o.chunk_bytes / sizeof(float));
   ProgressReporter progress(fmt::format("rank {}: save {}", rank, save_dir),
                             opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
   for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
     const uint64_t elems = opt.sub_groups()[i].elems();
-    std::span<float> s(state.data(), elems * arrays);
-    STRATA_RETURN_IF_ERROR(opt.ReadState(i, s));
     for (uint32_t a = 0; a < arrays; ++a) {
-      STRATA_RETURN_IF_ERROR(files[a]->Append(s.subspan(a * elems, elems)));
+      for (uint64_t begin = 0; begin < elems; begin += piece.size()) {
+        const auto p = std::span(piece).first(std::min<uint64_t>(piece.size(), elems - begin));
+        STRATA_RETURN_IF_ERROR(opt.ReadState(i, a, begin, p));
+        STRATA_RETURN_IF_ERROR(files[a]->Append(p));
+        progress.Add(p.size_bytes());
+      }
     }
-    progress.Add(s.size_bytes());
   }
   progress.Finish();
   RankManifest manifest{.rank = rank, .shard = opt.shard(), .files = {}};
@@ -1088,24 +1091,27 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   const CheckpointInfo& info = reader->info();
   const uint32_t arrays = opt.StateArrayCount();
   Status applied = [&]() -> Status {
-    uint64_t max_elems = 0;
-    for (const ElemRange& r : opt.sub_groups()) max_elems = std::max(max_elems, r.elems());
-    std::vector<float> state(max_elems * arrays);
     ProgressReporter progress(fmt::format("rank {}: load {}", opt.rank(), dir),
                               opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
     for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
       const ElemRange sg = opt.sub_groups()[i];
-      std::span<float> s(state.data(), sg.elems() * arrays);
-      std::fill(s.begin(), s.end(), 0.0f);  // padding
       STRATA_ASSIGN_OR_RETURN(std::vector<MappedPiece> pieces, MapRange(info, opt.layout(), sg));
-      for (uint32_t a = 0; a < arrays; ++a) {
+      // Straight into the state (a device sub-group's through pieces of
+      // kStatePieceElems): no buffer of the sub-group's state.
+      auto fill = [&](uint32_t a, uint64_t begin, std::span<float> out) -> Status {
+        std::fill(out.begin(), out.end(), 0.0f);  // padding
+        const uint64_t end = begin + out.size();
         for (const MappedPiece& p : pieces) {
-          STRATA_RETURN_IF_ERROR(reader->ReadFlat(a, {p.saved_begin, p.saved_begin + p.elems},
-                                                  s.subspan(a * sg.elems() + p.at, p.elems)));
+          const uint64_t lo = std::max(begin, p.at), hi = std::min(end, p.at + p.elems);
+          if (lo >= hi) continue;
+          const uint64_t from = p.saved_begin + (lo - p.at);
+          STRATA_RETURN_IF_ERROR(
+              reader->ReadFlat(a, {from, from + (hi - lo)}, out.subspan(lo - begin, hi - lo)));
         }
-      }
-      STRATA_RETURN_IF_ERROR(opt.WriteState(i, s));
-      progress.Add(s.size_bytes());
+        progress.Add(out.size_bytes());
+        return OkStatus();
+      };
+      STRATA_RETURN_IF_ERROR(opt.WriteState(i, fill, kStatePieceElems));
     }
     progress.Finish();
     STRATA_RETURN_IF_ERROR(opt.RestoreCounters(info.step, scaler_state));

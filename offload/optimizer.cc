@@ -449,6 +449,11 @@ struct OffloadOptimizer::Impl {
   void FillStats(const StepDecision& d, double t0);
   void WarnSilentSkip(const StepDecision& d);
   Status FailedStepError(std::string_view op) const;
+  // OutOfRange for a sub-group index past the last.
+  Status CheckStateAccess(uint32_t index, std::string_view op) const {
+    if (index < sub_groups.size()) return OkStatus();
+    return OutOfRangeError(fmt::format("{}: sub-group {} of {}", op, index, sub_groups.size()));
+  }
   // OK, or why no collective can run again (Communicator::health), with the
   // way out: RetryStep() would fail the same way. OK after a lost device,
   // which its own error answers: nothing in this process recovers from it,
@@ -847,6 +852,7 @@ Status OffloadOptimizer::Impl::InitState() {
             ConvertIn(staging + b * param_bytes, config.param_dtype, s.subspan(b, convert));
             std::fill_n(s.data() + b + convert, count - convert, 0.0f);
           });
+          return OkStatus();
         })).WithContext(fmt::format("write the initial state of {}", tiers->Name(i))));
     if (slots == 1 && i + 1 < n) STRATA_RETURN_IF_ERROR(read(i + 1));
     progress.Add(elems * arrays * 4);
@@ -1658,10 +1664,7 @@ uint32_t OffloadOptimizer::StateArrayCount() const { return impl_->arrays; }
 
 Status OffloadOptimizer::ReadState(uint32_t index, std::span<float> out) {
   Impl& m = *impl_;
-  if (index >= m.sub_groups.size()) {
-    return OutOfRangeError(
-        fmt::format("read state: sub-group {} of {}", index, m.sub_groups.size()));
-  }
+  STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "read state"));
   if (m.pending) return m.FailedStepError("read state");
   const uint64_t want = m.sub_groups[index].elems() * m.arrays;
   if (out.size() != want) {
@@ -1672,24 +1675,47 @@ Status OffloadOptimizer::ReadState(uint32_t index, std::span<float> out) {
   return m.tiers->Read(index, out).WithContext("read state");
 }
 
+Status OffloadOptimizer::ReadState(uint32_t index, uint32_t array, uint64_t begin,
+                                   std::span<float> out) {
+  Impl& m = *impl_;
+  STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "read state"));
+  if (m.pending) return m.FailedStepError("read state");
+  const uint64_t elems = m.sub_groups[index].elems();
+  if (array >= m.arrays || begin > elems || out.size() > elems - begin) {
+    return OutOfRangeError(fmt::format(
+        "read state of {}: array {} elems [{}, {}) is outside its {} arrays of {} elems",
+        m.tiers->Name(index), array, begin, begin + out.size(), m.arrays, elems));
+  }
+  return m.tiers->Read(index, array, begin, out).WithContext("read state");
+}
+
 Status OffloadOptimizer::WriteState(uint32_t index, std::span<const float> state) {
   Impl& m = *impl_;
-  if (index >= m.sub_groups.size()) {
-    return OutOfRangeError(
-        fmt::format("write state: sub-group {} of {}", index, m.sub_groups.size()));
-  }
-  const uint64_t want = m.sub_groups[index].elems() * m.arrays;
-  if (state.size() != want) {
+  STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "write state"));
+  const uint64_t elems = m.sub_groups[index].elems();
+  if (state.size() != elems * m.arrays) {
     return InvalidArgumentError(fmt::format(
         "write state of {}: the input has {} floats; it needs {} ({} arrays of {} elems)",
-        m.tiers->Name(index), state.size(), want, m.arrays, m.sub_groups[index].elems()));
+        m.tiers->Name(index), state.size(), elems * m.arrays, m.arrays, elems));
   }
+  return WriteState(
+      index,
+      [&](uint32_t array, uint64_t begin, std::span<float> piece) {
+        std::copy_n(state.begin() + array * elems + begin, piece.size(), piece.begin());
+        return OkStatus();
+      },
+      elems);
+}
+
+Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint64_t piece_elems) {
+  Impl& m = *impl_;
+  STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "write state"));
   // New state: a failed step awaiting retry no longer applies.
   if (m.pending) {
     m.EndFailedStep();
     m.grads->Consume();
   }
-  return m.tiers->Write(index, state).WithContext("write state");
+  return m.tiers->Write(index, fill, piece_elems).WithContext("write state");
 }
 
 LossScalerState OffloadOptimizer::loss_scaler_state() const { return impl_->scaler->state(); }

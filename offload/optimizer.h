@@ -81,6 +81,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -303,6 +304,18 @@ class OffloadOptimizer {
   uint32_t StateArrayCount() const;
   Status ReadState(uint32_t index, std::span<float> out);
   Status WriteState(uint32_t index, std::span<const float> state);
+  // The same piece by piece, with no buffer of a whole sub-group's state
+  // (checkpoints of large sub-groups). Read: out.size() elems of array
+  // `array` (0 = master) from elem `begin`; OutOfRange past the array's end.
+  // Write: `fill(array, begin, piece)` writes elems [begin, begin +
+  // piece.size()) of `array`; its calls cover every array once, in order
+  // (DRAM and NVMe state: one call per array, in place; device state:
+  // pieces of at most `piece_elems`). A fill's error is returned as is; an
+  // NVMe sub-group then keeps its committed state, a DRAM one is left
+  // partly written.
+  Status ReadState(uint32_t index, uint32_t array, uint64_t begin, std::span<float> out);
+  using StateFill = std::function<Status(uint32_t array, uint64_t begin, std::span<float> piece)>;
+  Status WriteState(uint32_t index, const StateFill& fill, uint64_t piece_elems = 1 << 20);
 
   // Everything a checkpoint holds besides the arrays.
   LossScalerState loss_scaler_state() const;

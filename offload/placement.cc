@@ -91,15 +91,14 @@ Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
         FormatBytes(plan.host_staging_bytes), have, knob));
   }
   // Fits, but with little left: the trainer, CUDA and the engine's pageable
-  // memory (a checkpoint's buffer of one sub-group's state, accumulation's
-  // sums) live in the rest.
+  // memory (a checkpoint's chunks, accumulation's sums) live in the rest.
   if (m.host_available_bytes != 0 && pinned * ranks <= m.host_available_bytes &&
       pinned * ranks * 10 > m.host_available_bytes * 9) {
     plan.warnings.push_back(fmt::format(
         "the plan pins {}{} of the {} of memory available: little is left for the trainer, "
-        "CUDA and the engine's pageable memory (a checkpoint's buffer of one sub-group's "
-        "state, gradient accumulation's sums); lower strata.host_budget (more state on NVMe) "
-        "or zero_optimization.sub_group_size",
+        "CUDA and the engine's pageable memory (a checkpoint's IO chunks, gradient "
+        "accumulation's sums); lower strata.host_budget (more state on NVMe) or "
+        "zero_optimization.sub_group_size",
         FormatBytes(pinned * ranks), ranks > 1 ? fmt::format(" ({} ranks)", ranks) : "",
         FormatBytes(m.host_available_bytes)));
   } else if (const uint64_t accum = plan.accumulation_host_bytes();

@@ -207,19 +207,16 @@ Status StateTiers::WaitWrite(uint32_t i) {
   return s;
 }
 
-Status StateTiers::Fill(uint32_t i, const std::function<void(std::span<float>)>& fill) {
+Status StateTiers::Fill(uint32_t i, const std::function<Status(std::span<float>)>& fill) {
   if (on_device(i)) {
     return InternalError(fmt::format("state tiers: {} is set by Write, not filled", Name(i)));
   }
-  if (!on_nvme(i)) {
-    fill(HostState(i));
-    return OkStatus();
-  }
+  if (!on_nvme(i)) return fill(HostState(i));
   // The extent that used this buffer last: its write must be done.
   const uint32_t e = static_cast<uint32_t>(extent_[i]);
   if (e >= buffers_.size()) STRATA_RETURN_IF_ERROR(WaitWrite(nvme_order_[e - buffers_.size()]));
   Release(i);
-  fill(NvmeState(i));
+  STRATA_RETURN_IF_ERROR(fill(NvmeState(i)));  // the extent keeps its committed generation
   StartWrite(i);
   return OkStatus();
 }
@@ -245,23 +242,50 @@ void StateTiers::DrainReads() {
 Status StateTiers::Read(uint32_t i, std::span<float> out) {
   if (on_device(i)) return CopyDeviceState(out.data(), DeviceState(i), out.size_bytes(),
                                             CopyKind::kDeviceToHost);
-  if (Resident(i)) {
-    const std::span<const float> s = NvmeState(i);
-    std::copy(s.begin(), s.end(), out.begin());
-    return OkStatus();
+  const uint64_t elems = o_.sub_groups[i].elems();
+  for (uint32_t a = 0; a < o_.arrays; ++a) {
+    STRATA_RETURN_IF_ERROR(Read(i, a, 0, out.subspan(a * elems, elems)));
   }
-  STRATA_ASSIGN_OR_RETURN(std::span<float> s, Acquire(i));
-  std::copy(s.begin(), s.end(), out.begin());
-  // Read and verified, and not changed: the buffer holds i's committed copy.
-  if (on_nvme(i)) holds_[BufferIndex(i)] = extent_[i];
   return OkStatus();
 }
 
-Status StateTiers::Write(uint32_t i, std::span<const float> state) {
-  if (on_device(i)) return CopyDeviceState(DeviceState(i), state.data(), state.size_bytes(),
-                                            CopyKind::kHostToDevice);
-  STRATA_RETURN_IF_ERROR(
-      Fill(i, [&](std::span<float> s) { std::copy(state.begin(), state.end(), s.begin()); }));
+Status StateTiers::Read(uint32_t i, uint32_t array, uint64_t begin, std::span<float> out) {
+  const uint64_t at = array * o_.sub_groups[i].elems() + begin;
+  if (on_device(i)) {
+    return CopyDeviceState(out.data(), DeviceState(i) + at, out.size_bytes(),
+                           CopyKind::kDeviceToHost);
+  }
+  if (on_nvme(i) && !Resident(i)) {
+    STRATA_RETURN_IF_ERROR(Acquire(i).status());
+    // Read and verified, and not changed: the buffer holds i's committed copy.
+    holds_[BufferIndex(i)] = extent_[i];
+  }
+  const std::span<const float> s = on_nvme(i) ? NvmeState(i) : HostState(i);
+  std::copy_n(s.begin() + at, out.size(), out.begin());
+  return OkStatus();
+}
+
+Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems) {
+  const uint64_t elems = o_.sub_groups[i].elems();
+  if (on_device(i)) {
+    std::vector<float> piece(std::min(elems, std::max<uint64_t>(piece_elems, 1)));
+    for (uint32_t a = 0; a < o_.arrays; ++a) {
+      for (uint64_t begin = 0; begin < elems; begin += piece.size()) {
+        const std::span<float> p = std::span(piece).first(std::min(piece.size(), elems - begin));
+        STRATA_RETURN_IF_ERROR(fill(a, begin, p));
+        STRATA_RETURN_IF_ERROR(CopyDeviceState(DeviceState(i) + a * elems + begin, p.data(),
+                                               p.size_bytes(), CopyKind::kHostToDevice));
+      }
+    }
+    return OkStatus();
+  }
+  auto fill_all = [&](std::span<float> s) -> Status {
+    for (uint32_t a = 0; a < o_.arrays; ++a) {
+      STRATA_RETURN_IF_ERROR(fill(a, 0, s.subspan(a * elems, elems)));
+    }
+    return OkStatus();
+  };
+  STRATA_RETURN_IF_ERROR(Fill(i, fill_all));
   return WaitWrite(i);
 }
 

@@ -112,14 +112,24 @@ class StateTiers {
 
   // Sets i's whole state (not a device one: Write): `fill` writes every one
   // of its elems x arrays floats in place; an NVMe one is then queued for
-  // writing (its buffer's previous write is waited for first). FinishWrites
-  // or WaitWrite(i) waits.
-  Status Fill(uint32_t i, const std::function<void(std::span<float>)>& fill);
+  // writing (its buffer's previous write is waited for first), unless `fill`
+  // failed. FinishWrites or WaitWrite(i) waits.
+  Status Fill(uint32_t i, const std::function<Status(std::span<float>)>& fill);
 
-  // Whole-state access between steps (checkpoints, tests); a device
-  // sub-group's is a copy in order on device_stream, waited for.
+  // State access between steps (checkpoints, tests); a device sub-group's
+  // is a copy in order on device_stream, waited for. Read: the whole state,
+  // or out.size() elems of one array from elem `begin` (an NVMe extent is
+  // read and verified whole into its buffer once, then stays resident).
+  // Write: the whole state from `fill(array, begin, piece)` calls that cover
+  // every array in order: in place for host and NVMe state (one call per
+  // array); a device one through a host buffer of at most `piece_elems`.
+  // NVMe: written as a new generation once every fill succeeded; a failed
+  // fill leaves the committed one. Host: a failed fill leaves it partly set.
+  // The caller checks the ranges.
   Status Read(uint32_t i, std::span<float> out);
-  Status Write(uint32_t i, std::span<const float> state);
+  Status Read(uint32_t i, uint32_t array, uint64_t begin, std::span<float> out);
+  using StateFill = std::function<Status(uint32_t array, uint64_t begin, std::span<float> piece)>;
+  Status Write(uint32_t i, const StateFill& fill, uint64_t piece_elems);
 
   TierFigures TakeFigures();
 
