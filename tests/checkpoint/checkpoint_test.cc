@@ -1762,7 +1762,8 @@ TEST_P(StatePiecesTest, RangedReadsAndPiecewiseWritesMatchTheWholeState) {
     // Every array once, in order; in place (one call each) unless on the device.
     std::vector<std::pair<uint32_t, uint64_t>> want_calls;
     for (uint32_t a = 0; a < arrays; ++a) {
-      for (uint64_t b = 0; b < elems; b += on_device ? kPiece : elems) want_calls.emplace_back(a, b);
+      for (uint64_t b = 0; b < elems; b += on_device ? kPiece : elems)
+        want_calls.emplace_back(a, b);
     }
     EXPECT_EQ(calls, want_calls);
     std::vector<float> got(whole.size());
