@@ -1718,6 +1718,18 @@ Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint6
   return m.tiers->Write(index, fill, piece_elems).WithContext("write state");
 }
 
+Status OffloadOptimizer::UpdateState(uint32_t index, uint32_t array, const StateUpdate& update,
+                                     uint64_t piece_elems) {
+  Impl& m = *impl_;
+  STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "update state"));
+  if (m.pending) return m.FailedStepError("update state");
+  if (array >= m.arrays) {
+    return OutOfRangeError(fmt::format("update state of {}: array {} of {}",
+                                       m.tiers->Name(index), array, m.arrays));
+  }
+  return m.tiers->Update(index, array, update, piece_elems).WithContext("update state");
+}
+
 LossScalerState OffloadOptimizer::loss_scaler_state() const { return impl_->scaler->state(); }
 
 const OffloadOptimizer::LoadedSave& OffloadOptimizer::loaded_save() const {

@@ -316,6 +316,17 @@ class OffloadOptimizer {
   Status ReadState(uint32_t index, uint32_t array, uint64_t begin, std::span<float> out);
   using StateFill = std::function<Status(uint32_t array, uint64_t begin, std::span<float> piece)>;
   Status WriteState(uint32_t index, const StateFill& fill, uint64_t piece_elems = 1 << 20);
+  // Changes array `array` of sub-group `index` in place (adopting values the
+  // trainer wrote into some params): `update(begin, piece)` sees the
+  // committed elems [begin, begin + piece.size()), may change them, and
+  // returns whether it did. One call for DRAM and NVMe state, in place;
+  // device state in pieces of at most `piece_elems`. Only what changed is
+  // written back (NVMe: one new generation when anything did). An update's
+  // error is returned as is (NVMe state then stays as committed). Refused
+  // like ReadState while a failed step awaits its retry.
+  using StateUpdate = std::function<Result<bool>(uint64_t begin, std::span<float> piece)>;
+  Status UpdateState(uint32_t index, uint32_t array, const StateUpdate& update,
+                     uint64_t piece_elems = 1 << 20);
 
   // Everything a checkpoint holds besides the arrays.
   LossScalerState loss_scaler_state() const;

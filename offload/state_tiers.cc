@@ -249,43 +249,83 @@ Status StateTiers::Read(uint32_t i, std::span<float> out) {
   return OkStatus();
 }
 
+Result<std::span<float>> StateTiers::Committed(uint32_t i) {
+  if (!Resident(i)) {
+    STRATA_RETURN_IF_ERROR(Acquire(i).status());
+    // Read and verified, and not changed: the buffer holds i's committed copy.
+    holds_[BufferIndex(i)] = extent_[i];
+  }
+  return NvmeState(i);
+}
+
+Status StateTiers::DevicePieces(
+    uint32_t i, uint32_t array, uint64_t piece_elems,
+    const std::function<Status(uint64_t, float*, std::span<float>)>& each) {
+  const uint64_t elems = o_.sub_groups[i].elems();
+  std::vector<float> piece(std::min(elems, std::max<uint64_t>(piece_elems, 1)));
+  for (uint64_t begin = 0; begin < elems; begin += piece.size()) {
+    const std::span<float> p = std::span(piece).first(std::min(piece.size(), elems - begin));
+    STRATA_RETURN_IF_ERROR(each(begin, DeviceState(i) + array * elems + begin, p));
+  }
+  return OkStatus();
+}
+
 Status StateTiers::Read(uint32_t i, uint32_t array, uint64_t begin, std::span<float> out) {
   const uint64_t at = array * o_.sub_groups[i].elems() + begin;
   if (on_device(i)) {
     return CopyDeviceState(out.data(), DeviceState(i) + at, out.size_bytes(),
                            CopyKind::kDeviceToHost);
   }
-  if (on_nvme(i) && !Resident(i)) {
-    STRATA_RETURN_IF_ERROR(Acquire(i).status());
-    // Read and verified, and not changed: the buffer holds i's committed copy.
-    holds_[BufferIndex(i)] = extent_[i];
+  std::span<const float> s = HostState(i);
+  if (on_nvme(i)) {
+    STRATA_ASSIGN_OR_RETURN(s, Committed(i));
   }
-  const std::span<const float> s = on_nvme(i) ? NvmeState(i) : HostState(i);
   std::copy_n(s.begin() + at, out.size(), out.begin());
   return OkStatus();
 }
 
 Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems) {
-  const uint64_t elems = o_.sub_groups[i].elems();
   if (on_device(i)) {
-    std::vector<float> piece(std::min(elems, std::max<uint64_t>(piece_elems, 1)));
     for (uint32_t a = 0; a < o_.arrays; ++a) {
-      for (uint64_t begin = 0; begin < elems; begin += piece.size()) {
-        const std::span<float> p = std::span(piece).first(std::min(piece.size(), elems - begin));
-        STRATA_RETURN_IF_ERROR(fill(a, begin, p));
-        STRATA_RETURN_IF_ERROR(CopyDeviceState(DeviceState(i) + a * elems + begin, p.data(),
-                                               p.size_bytes(), CopyKind::kHostToDevice));
-      }
+      STRATA_RETURN_IF_ERROR(
+          DevicePieces(i, a, piece_elems, [&](uint64_t begin, float* dev, std::span<float> p) {
+            STRATA_RETURN_IF_ERROR(fill(a, begin, p));
+            return CopyDeviceState(dev, p.data(), p.size_bytes(), CopyKind::kHostToDevice);
+          }));
     }
     return OkStatus();
   }
-  auto fill_all = [&](std::span<float> s) -> Status {
+  const uint64_t elems = o_.sub_groups[i].elems();
+  STRATA_RETURN_IF_ERROR(Fill(i, [&](std::span<float> s) -> Status {
     for (uint32_t a = 0; a < o_.arrays; ++a) {
       STRATA_RETURN_IF_ERROR(fill(a, 0, s.subspan(a * elems, elems)));
     }
     return OkStatus();
-  };
-  STRATA_RETURN_IF_ERROR(Fill(i, fill_all));
+  }));
+  return WaitWrite(i);
+}
+
+Status StateTiers::Update(uint32_t i, uint32_t array, const StateUpdate& update,
+                          uint64_t piece_elems) {
+  const uint64_t elems = o_.sub_groups[i].elems();
+  if (on_device(i)) {
+    return DevicePieces(i, array, piece_elems,
+                        [&](uint64_t begin, float* dev, std::span<float> p) -> Status {
+                          STRATA_RETURN_IF_ERROR(CopyDeviceState(p.data(), dev, p.size_bytes(),
+                                                                 CopyKind::kDeviceToHost));
+                          STRATA_ASSIGN_OR_RETURN(const bool changed, update(begin, p));
+                          if (!changed) return OkStatus();
+                          return CopyDeviceState(dev, p.data(), p.size_bytes(),
+                                                 CopyKind::kHostToDevice);
+                        });
+  }
+  if (!on_nvme(i)) return update(0, HostState(i).subspan(array * elems, elems)).status();
+  STRATA_ASSIGN_OR_RETURN(std::span<float> s, Committed(i));
+  Result<bool> changed = update(0, s.subspan(array * elems, elems));
+  if (!changed.ok() || *changed) Release(i);  // the buffer is no longer the committed copy
+  if (!changed.ok()) return changed.status();
+  if (!*changed) return OkStatus();
+  StartWrite(i);
   return WaitWrite(i);
 }
 

@@ -130,6 +130,13 @@ class StateTiers {
   Status Read(uint32_t i, uint32_t array, uint64_t begin, std::span<float> out);
   using StateFill = std::function<Status(uint32_t array, uint64_t begin, std::span<float> piece)>;
   Status Write(uint32_t i, const StateFill& fill, uint64_t piece_elems);
+  // Changes one array in place: `update(begin, piece)` sees the committed
+  // values and returns whether it changed any. One piece for host and NVMe
+  // state; a device one's through a host buffer of at most `piece_elems`.
+  // Only what changed is written back (NVMe: a new generation when any
+  // piece did); a failed update leaves NVMe state as committed.
+  using StateUpdate = std::function<Result<bool>(uint64_t begin, std::span<float> piece)>;
+  Status Update(uint32_t i, uint32_t array, const StateUpdate& update, uint64_t piece_elems);
 
   TierFigures TakeFigures();
 
@@ -154,6 +161,13 @@ class StateTiers {
   // The write of i finished with `s`: its buffer holds i if nothing changed it.
   void WriteDone(uint32_t i, const Status& s);
   std::span<float> NvmeState(uint32_t i) const;
+  // An NVMe sub-group's committed state in its buffer, read and verified
+  // unless resident; it stays resident.
+  Result<std::span<float>> Committed(uint32_t i);
+  // Through a host buffer of at most `piece_elems`: `each(begin, device
+  // state of the piece, host piece)` for the pieces of `array`, in order.
+  Status DevicePieces(uint32_t i, uint32_t array, uint64_t piece_elems,
+                      const std::function<Status(uint64_t, float*, std::span<float>)>& each);
   // A device sub-group's copy, in order on device_stream, waited for.
   Status CopyDeviceState(void* dst, const void* src, size_t bytes, CopyKind kind);
   // Writes carry the payload's hash (computed by the caller); reads are

@@ -1141,16 +1141,21 @@ class OffloadAdam(torch.optim.Optimizer):
         """For params `indices`: every element whose value differs from what the engine
         last wrote there (the fp32 master weight in the param's dtype) becomes the master
         weight; the moments stay. Elements the trainer left alone keep their fp32 master
-        (a version bump without a change costs one read of the state, no precision)."""
+        (a version bump without a change costs a read of the master weights, no
+        precision)."""
         layout = self._engine.layout()
-        n = self._engine.state_array_count
         for sg, (begin, end) in enumerate(self._engine.sub_groups()):
             if not self._overlaps(begin, end, indices, layout):
                 continue
-            arr = torch.empty((end - begin) * n, dtype=torch.float32)
-            self._engine.read_state(sg, arr.data_ptr(), arr.numel())
-            if self._adopt_into(arr, begin, end, indices, layout):
-                self._engine.write_state(sg, arr.data_ptr(), arr.numel())
+
+            # The master weights in place (pinned DRAM, the NVMe extent's buffer, or
+            # device state in pieces): no copy of the sub-group's state.
+            def adopt(at, piece, begin=begin):
+                master = torch.frombuffer(piece, dtype=torch.float32)
+                lo = begin + at
+                return self._adopt_into(master, lo, lo + master.numel(), indices, layout) > 0
+
+            self._engine.update_state(sg, 0, adopt)
 
     @staticmethod
     def _overlaps(begin, end, indices, layout):
@@ -1169,16 +1174,18 @@ class OffloadAdam(torch.optim.Optimizer):
         changed = 0
         for k in indices:
             offset, elems = layout[k]
-            lo, hi = max(begin, offset), min(end, offset + elems)
-            if lo >= hi:
-                continue
-            value = self._reg[k].param.detach().reshape(-1)[lo - offset:hi - offset].to("cpu")
-            master = arr[lo - begin:hi - begin]
-            differ = value.view(bits) != master.to(self._dtype).view(bits)
-            count = int(differ.sum())
-            if count:
-                master[differ] = value[differ].to(torch.float32)
-                changed += count
+            flat = self._reg[k].param.detach().reshape(-1)
+            # In pieces of 1 Mi elements: the temporaries stay small however large
+            # the sub-group.
+            for lo in range(max(begin, offset), min(end, offset + elems), 1 << 20):
+                hi = min(end, offset + elems, lo + (1 << 20))
+                value = flat[lo - offset:hi - offset].to("cpu")
+                master = arr[lo - begin:hi - begin]
+                differ = value.view(bits) != master.to(self._dtype).view(bits)
+                count = int(differ.sum())
+                if count:
+                    master[differ] = value[differ].to(torch.float32)
+                    changed += count
         return changed
 
     def _note_load_mismatch(self, differing):

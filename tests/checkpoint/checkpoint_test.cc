@@ -1769,6 +1769,28 @@ TEST_P(StatePiecesTest, RangedReadsAndPiecewiseWritesMatchTheWholeState) {
     std::vector<float> got(whole.size());
     ASSERT_TRUE(o.ReadState(i, got).ok());
     EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
+
+    // An update of array 1 sees its committed values and changes only it.
+    std::vector<uint64_t> begins;
+    Status updated = o.UpdateState(
+        i, 1,
+        [&](uint64_t begin, std::span<float> piece) -> Result<bool> {
+          begins.push_back(begin);
+          for (size_t k = 0; k < piece.size(); ++k) {
+            if (std::bit_cast<uint32_t>(piece[k]) !=
+                std::bit_cast<uint32_t>(want[elems + begin + k])) {
+              return InternalError(fmt::format("elem {} is not the committed value", begin + k));
+            }
+            piece[k] += 1.0f;
+          }
+          return true;
+        },
+        kPiece);
+    ASSERT_TRUE(updated.ok()) << updated;
+    EXPECT_EQ(begins.size(), on_device ? (elems + kPiece - 1) / kPiece : 1);
+    for (uint64_t k = 0; k < elems; ++k) want[elems + k] += 1.0f;
+    ASSERT_TRUE(o.ReadState(i, got).ok());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0);
   }
   EXPECT_EQ(saw_device, gpu_fraction > 0);
 
@@ -1789,9 +1811,9 @@ INSTANTIATE_TEST_SUITE_P(Tiers, StatePiecesTest,
                                            std::tuple{Where::kMixed, 0.0},
                                            std::tuple{Where::kHost, 0.5}));
 
-// A fill that fails part way: the error comes back as is, and an NVMe
-// sub-group keeps its committed state (nothing was written to the drive).
-TEST(StatePiecesTest, AFailedFillLeavesAnNvmeSubGroupAsItWas) {
+// A fill or an update that fails part way: the error comes back as is, and
+// an NVMe sub-group keeps its committed state (nothing was written to it).
+TEST(StatePiecesTest, AFailedFillOrUpdateLeavesAnNvmeSubGroupAsItWas) {
   const uint64_t seed = TestSeed();
   Cluster c(1, CkptConfig(Where::kNvme), seed);
   ASSERT_TRUE(c.status().ok()) << c.status();
@@ -1812,7 +1834,20 @@ TEST(StatePiecesTest, AFailedFillLeavesAnNvmeSubGroupAsItWas) {
     std::vector<float> after(before.size());
     ASSERT_TRUE(o.ReadState(i, after).ok());
     EXPECT_EQ(std::memcmp(after.data(), before.data(), before.size() * 4), 0) << "sub-group " << i;
+
+    s = o.UpdateState(i, 2, [](uint64_t, std::span<float> piece) -> Result<bool> {
+      std::fill(piece.begin(), piece.end(), 7.0f);
+      return DataLossError("the update went bad");
+    });
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+    ExpectMentions(s, "the update went bad");
+    ASSERT_TRUE(o.ReadState(i, after).ok());
+    EXPECT_EQ(std::memcmp(after.data(), before.data(), before.size() * 4), 0) << "sub-group " << i;
   }
+  EXPECT_EQ(o.UpdateState(0, arrays, [](uint64_t, std::span<float>) -> Result<bool> {
+               return false;
+             }).code(),
+            StatusCode::kOutOfRange);
   ASSERT_TRUE(c.Train(seed, 1).ok());  // and the optimizer still steps
 }
 

@@ -326,6 +326,60 @@ def test_a_version_bump_that_changes_nothing_keeps_the_fp32_master():
     assert torch.equal(run(False), run(True))
 
 
+def _rss_and_peak():
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_adopting_written_params_holds_no_copy_of_the_state(offload, tmp_path):
+    """A write into the params is adopted into the master weights in place: the step
+    after it used to read each touched sub-group's whole state into a new tensor (up
+    to 12 GB at the default sub_group_size) and write it back."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to VmRSS (Linux >= 4.0)
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS here ({e}): the bound is not measurable")
+    n = 1 << 24  # one sub-group: 192 MiB of fp32 state
+    p = torch.nn.Parameter(torch.zeros(n))
+    kw = {"offload": "cpu"} if offload == "cpu" else {"offload": "nvme",
+                                                      "nvme_path": str(tmp_path)}
+    opt = OffloadAdam([p], lr=1e-3, sub_group_size=n, **kw)
+    for _ in range(2):
+        p.grad = torch.full((n,), 0.5)
+        opt.step()
+    with torch.no_grad():
+        p.add_(1.0)  # every element differs from its master weight
+    want = p.detach().clone()
+    p.grad = torch.zeros(n)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss, _ = _rss_and_peak()
+    opt.step()
+    _, peak = _rss_and_peak()
+    state_bytes = n * 12
+    assert peak - rss < state_bytes // 2, f"the step's peak RSS grew by {peak - rss} bytes"
+    # The written values became the master weights (a zero grad: Adam moves them by
+    # its moments only, far less than the write).
+    torch.testing.assert_close(p.detach(), want, atol=1e-2, rtol=0)
+
+
+def test_an_exception_in_a_state_update_propagates_as_is():
+    """The engine's in-place state update calls back into Python (the adoption above):
+    an exception raised there reaches the caller unchanged, and nothing is left held."""
+    model = linear()
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    train(model, opt, 1)
+    with pytest.raises(ZeroDivisionError):
+        opt._engine.update_state(0, 0, lambda at, piece: 1 / 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert not opt._engine.update_state(0, 0, lambda at, piece: False)
+    train(model, opt, 1)  # the optimizer still steps
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 # ---- optimizer.load_state_dict after writes into the params ----------------------------
 #
 # torch.optim's state holds no params: after model.load_state_dict(W) and
