@@ -1724,8 +1724,8 @@ Status OffloadOptimizer::UpdateState(uint32_t index, uint32_t array, const State
   STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "update state"));
   if (m.pending) return m.FailedStepError("update state");
   if (array >= m.arrays) {
-    return OutOfRangeError(fmt::format("update state of {}: array {} of {}",
-                                       m.tiers->Name(index), array, m.arrays));
+    return OutOfRangeError(
+        fmt::format("update state of {}: array {} of {}", m.tiers->Name(index), array, m.arrays));
   }
   return m.tiers->Update(index, array, update, piece_elems).WithContext("update state");
 }

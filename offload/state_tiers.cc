@@ -309,15 +309,14 @@ Status StateTiers::Update(uint32_t i, uint32_t array, const StateUpdate& update,
                           uint64_t piece_elems) {
   const uint64_t elems = o_.sub_groups[i].elems();
   if (on_device(i)) {
-    return DevicePieces(i, array, piece_elems,
-                        [&](uint64_t begin, float* dev, std::span<float> p) -> Status {
-                          STRATA_RETURN_IF_ERROR(CopyDeviceState(p.data(), dev, p.size_bytes(),
-                                                                 CopyKind::kDeviceToHost));
-                          STRATA_ASSIGN_OR_RETURN(const bool changed, update(begin, p));
-                          if (!changed) return OkStatus();
-                          return CopyDeviceState(dev, p.data(), p.size_bytes(),
-                                                 CopyKind::kHostToDevice);
-                        });
+    return DevicePieces(
+        i, array, piece_elems, [&](uint64_t begin, float* dev, std::span<float> p) -> Status {
+          STRATA_RETURN_IF_ERROR(
+              CopyDeviceState(p.data(), dev, p.size_bytes(), CopyKind::kDeviceToHost));
+          STRATA_ASSIGN_OR_RETURN(const bool changed, update(begin, p));
+          if (!changed) return OkStatus();
+          return CopyDeviceState(dev, p.data(), p.size_bytes(), CopyKind::kHostToDevice);
+        });
   }
   if (!on_nvme(i)) return update(0, HostState(i).subspan(array * elems, elems)).status();
   STRATA_ASSIGN_OR_RETURN(std::span<float> s, Committed(i));

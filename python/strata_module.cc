@@ -569,16 +569,17 @@ class Engine {
   void UpdateState(uint32_t i, uint32_t array, py::object fn) {
     std::optional<py::error_already_set> raised;
     Run("update_state", [&] {
-      Status s = opt_->UpdateState(i, array, [&](uint64_t begin, std::span<float> p) -> Result<bool> {
-        py::gil_scoped_acquire gil;
-        try {
-          return py::bool_(fn(begin, py::memoryview::from_memory(p.data(), p.size_bytes())))
-              .cast<bool>();
-        } catch (py::error_already_set& e) {
-          raised.emplace(std::move(e));
-          return CancelledError("update state: the Python callback raised");
-        }
-      });
+      Status s =
+          opt_->UpdateState(i, array, [&](uint64_t begin, std::span<float> p) -> Result<bool> {
+            py::gil_scoped_acquire gil;
+            try {
+              return py::bool_(fn(begin, py::memoryview::from_memory(p.data(), p.size_bytes())))
+                  .cast<bool>();
+            } catch (py::error_already_set& e) {
+              raised.emplace(std::move(e));
+              return CancelledError("update state: the Python callback raised");
+            }
+          });
       return raised ? OkStatus() : s;
     });
     if (raised) throw std::move(*raised);

@@ -1844,10 +1844,10 @@ TEST(StatePiecesTest, AFailedFillOrUpdateLeavesAnNvmeSubGroupAsItWas) {
     ASSERT_TRUE(o.ReadState(i, after).ok());
     EXPECT_EQ(std::memcmp(after.data(), before.data(), before.size() * 4), 0) << "sub-group " << i;
   }
-  EXPECT_EQ(o.UpdateState(0, arrays, [](uint64_t, std::span<float>) -> Result<bool> {
-               return false;
-             }).code(),
-            StatusCode::kOutOfRange);
+  EXPECT_EQ(
+      o.UpdateState(0, arrays, [](uint64_t, std::span<float>) -> Result<bool> { return false; })
+          .code(),
+      StatusCode::kOutOfRange);
   ASSERT_TRUE(c.Train(seed, 1).ok());  // and the optimizer still steps
 }
 
