@@ -10,6 +10,7 @@ touches anything. CI also runs this file under AddressSanitizer
 (scripts/asan_python), where a stale access is a hard error.
 """
 import copy
+import os
 import warnings
 
 import pytest
@@ -337,6 +338,9 @@ def test_adopting_written_params_holds_no_copy_of_the_state(offload, tmp_path):
     """A write into the params is adopted into the master weights in place: the step
     after it used to read each touched sub-group's whole state into a new tensor (up
     to 12 GB at the default sub_group_size) and write it back."""
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("AddressSanitizer's allocator holds freed memory in quarantine: RSS "
+                    "measures it, not the step (scripts/asan_python)")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to VmRSS (Linux >= 4.0)
