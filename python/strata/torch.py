@@ -1268,10 +1268,11 @@ class OffloadAdam(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"OffloadAdam(overlap_backward=True).step: the .grad of "
                     f"{self._reg[k].describe(k)} changed after backward handed it to the "
-                    "engine (clip_grad_norm_ or another write into .grad); the engine reads "
-                    "gradients during backward, so the change would be ignored. Clip with "
-                    "OffloadAdam(max_grad_norm=...), or use overlap_backward=False. Call "
-                    "zero_grad() and run the backward again")
+                    "engine (clip_grad_norm_, a GradScaler's unscale_, or another write into "
+                    ".grad); the engine reads gradients during backward, so the change would "
+                    "be ignored. Clip with OffloadAdam(max_grad_norm=...); with a GradScaler "
+                    "(or any other change to the gradients after backward) use "
+                    "overlap_backward=False. Call zero_grad() and run the backward again")
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -270,3 +270,125 @@ def test_lightning_automatic_optimization_matches_adamw_and_resumes(tmp_path):
     assert opt.step_count == 8
     for a, b in zip(resumed.model.parameters(), ours.model.parameters()):
         assert torch.equal(a, b)
+
+
+# ---- AMP: torch's GradScaler (fp32 params, fp16 autocast) -------------------------------
+#
+# A GradScaler drives the optimizer through param_groups: scale(loss).backward();
+# unscale_(optimizer) divides each param's .grad in place and notes whether one holds
+# an inf or NaN; step(optimizer) calls optimizer.step() unless one did; update() moves
+# the scale. torch 1.13's GradScaler takes CUDA tensors only (the CPU one came in torch
+# 2.3), so the CI test drives OffloadAdam with MiniGradScaler, which makes exactly those
+# calls; test_torch_grad_scaler_* runs torch's own wherever this torch and machine can.
+
+class MiniGradScaler:
+    """torch.amp.GradScaler's calls into the optimizer, in plain tensor ops."""
+
+    def __init__(self, init_scale=2.0 ** 10, growth_interval=3):
+        self.scale_, self.growth_interval, self.good, self.found_inf = init_scale, \
+            growth_interval, 0, None
+
+    def scale(self, loss):
+        return loss * self.scale_
+
+    @torch.no_grad()
+    def unscale_(self, optimizer):
+        found = False
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    found |= not bool(torch.isfinite(p.grad).all())
+                    p.grad.mul_(1.0 / self.scale_)
+        self.found_inf = found
+
+    def step(self, optimizer):
+        if self.found_inf is None:
+            self.unscale_(optimizer)
+        if not self.found_inf:
+            optimizer.step()
+
+    def update(self):
+        self.good = 0 if self.found_inf else self.good + 1
+        if self.found_inf:
+            self.scale_ /= 2
+        elif self.good == self.growth_interval:
+            self.scale_, self.good = self.scale_ * 2, 0
+        self.found_inf = None
+
+    def get_scale(self):
+        return self.scale_
+
+
+def amp_loop(model, opt, scaler, data, overflow_at=(), device="cpu"):
+    """The AMP recipe: scale, backward, unscale_, clip, scaler.step, update, zero_grad.
+    Batches in `overflow_at` give inf gradients (the scaler skips their step)."""
+    for i, (x, y) in enumerate(data):
+        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        if i in overflow_at:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_a_grad_scaler_drives_offload_adam_like_adamw(offload, tmp_path):
+    data = batches(10, seed=11)
+    kw = {"offload": "nvme", "nvme_path": str(tmp_path), "sub_group_size": 256} \
+        if offload == "nvme" else {}
+    m_ref, m_ours = make_model(), make_model()
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=5e-3, weight_decay=0.01)
+    ours = OffloadAdam(m_ours.parameters(), lr=5e-3, weight_decay=0.01, **kw)
+    s_ref, s_ours = MiniGradScaler(), MiniGradScaler()
+    amp_loop(m_ref, ref, s_ref, data, overflow_at=(4,))
+    amp_loop(m_ours, ours, s_ours, data, overflow_at=(4,))
+    assert_close_models(m_ours, m_ref)
+    assert ours.step_count == 9  # the overflowed batch was skipped by the scaler
+    assert s_ours.get_scale() == s_ref.get_scale()
+
+
+def test_a_grad_scaler_with_overlap_backward_is_refused_naming_it():
+    """overlap_backward hands each gradient to the engine during backward, scaled; the
+    scaler's unscale_ writes the .grad after that: step() must refuse, not apply a
+    gradient 1024 times too large, and say what to do."""
+    model = make_model()
+    opt = OffloadAdam(model.parameters(), lr=5e-3, overlap_backward=True)
+    scaler = MiniGradScaler()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batches(1)[0]
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"changed after backward handed it to the engine "
+                                           r".*GradScaler.*overlap_backward=False"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def torch_grad_scaler(device):
+    """torch's own GradScaler for `device`, or a visible skip where this torch or machine
+    has none."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device here: torch's CUDA GradScaler runs on the GPU machine")
+        return torch.cuda.amp.GradScaler(init_scale=2.0 ** 10, growth_interval=3)
+    try:
+        return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    except (AttributeError, TypeError, RuntimeError) as e:
+        pytest.skip(f"torch {torch.__version__} has no CPU GradScaler (torch >= 2.3): {e}")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torch_grad_scaler_drives_offload_adam_like_adamw(device):
+    scalers = [torch_grad_scaler(device), torch_grad_scaler(device)]
+    data = batches(10, seed=11)
+    m_ref, m_ours = make_model().to(device), make_model().to(device)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=5e-3, weight_decay=0.01)
+    ours = OffloadAdam(m_ours.parameters(), lr=5e-3, weight_decay=0.01)
+    amp_loop(m_ref, ref, scalers[0], data, overflow_at=(4,), device=device)
+    amp_loop(m_ours, ours, scalers[1], data, overflow_at=(4,), device=device)
+    assert_close_models(m_ours, m_ref)
+    assert ours.step_count == 9
+    assert scalers[0].get_scale() == scalers[1].get_scale()
