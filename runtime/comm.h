@@ -124,13 +124,16 @@ struct NcclOptions {
   // (its kernels return), the collective's stream gets an Unavailable sticky
   // error naming it, and every later collective fails at once with it. The
   // communicator cannot be used again: rebuild it (and the optimizer) on
-  // every rank. Also bounds the destructor's wait for work in flight.
+  // every rank. Also bounds the destructor's wait for work in flight, and
+  // the creation's wait for every rank to join (Unavailable past it).
   std::chrono::milliseconds timeout{600'000};
 };
 
 // Rank `rank` of `world_size` on a CUDA device. Collective: every rank calls
-// it with the same id (ncclCommInitRank, which has no timeout: a rank that
-// never calls it leaves the others waiting). Unimplemented without NCCL;
+// it with the same id. A rank that never does (it failed first, exited, got
+// another id) fails the others with Unavailable after options.timeout
+// (ncclCommInitRank itself has none: it is left waiting on a thread of its
+// own, and what it makes if it ever returns is aborted). Unimplemented without NCCL;
 // InvalidArgument for a non-CUDA device, a rank outside [0, world_size) or a
 // timeout that is not positive. An asynchronous NCCL error (a peer's or the
 // network's) fails the communicator as a timeout does.

@@ -8,10 +8,13 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "runtime/comm.h"
 #include "runtime/comm_watchdog.h"
+#include "runtime/deadline_call.h"
 #include "runtime/cuda_internal.h"
 #include "runtime/nccl_internal.h"
 
@@ -221,8 +224,32 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId&
   STRATA_RETURN_IF_CUDA_ERROR(device_guard.Select(*ordinal), what + ": select device");
   ncclUniqueId raw;
   std::memcpy(&raw, id.bytes.data(), sizeof(raw));
-  ncclComm_t comm = nullptr;
-  STRATA_RETURN_IF_ERROR(NcclError((*nccl)->CommInitRank(&comm, world_size, raw, rank), what));
+  // ncclCommInitRank waits for every rank and cannot be cancelled: it runs on
+  // a thread of its own, bounded by the timeout; one that completes after
+  // that has its communicator aborted (no collective ever ran on it).
+  const NcclApi* api = *nccl;
+  const int dev = *ordinal;
+  using Init = std::pair<ncclResult_t, ncclComm_t>;
+  std::optional<Init> init = CallWithDeadline<Init>(
+      [api, raw, rank, world_size, dev]() mutable -> Init {
+        ncclComm_t c = nullptr;
+        if (cudaSetDevice(dev) != cudaSuccess) return {ncclUnhandledCudaError, nullptr};
+        return {api->CommInitRank(&c, world_size, raw, rank), c};
+      },
+      options.timeout,
+      [api](Init late) {
+        if (late.first == ncclSuccess) api->CommAbort(late.second);
+      });
+  if (!init) {
+    return UnavailableError(fmt::format(
+        "{}: not every rank joined within {} ms (the timeout): a rank exited, failed before "
+        "it created its communicator, was never started, or was given another id. Nothing "
+        "was created; the wait goes on in the background and what it makes is dropped: "
+        "rebuild the communicator on every rank",
+        what, options.timeout.count()));
+  }
+  ncclComm_t comm = init->second;
+  STRATA_RETURN_IF_ERROR(NcclError(init->first, what));
   auto communicator =
       std::make_unique<NcclCommunicator>(**nccl, comm, rank, world_size, *ordinal, device);
   STRATA_RETURN_IF_ERROR(communicator->Start(options).WithContext(what));

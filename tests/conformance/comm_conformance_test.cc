@@ -487,6 +487,27 @@ INSTANTIATE_TEST_SUITE_P(Backend, CommConformance, ::testing::ValuesIn(Params())
                                   "ranks";
                          });
 
+#if STRATA_TEST_GPU
+// ncclCommInitRank waits for every rank and has no timeout of its own: rank
+// 0 of 2, whose peer never calls it, fails after the communicator's timeout
+// with what happened, instead of waiting forever.
+TEST(NcclCreate, ARankThatNeverJoinsFailsTheOthersAfterTheTimeout) {
+  auto dev = CreateCudaDevice(0);
+  if (!dev.ok()) GTEST_SKIP() << "no CUDA device: " << dev.status();
+  auto id = NewNcclUniqueId();
+  if (!id.ok()) GTEST_SKIP() << "no NCCL: " << id.status();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto comm = CreateNcclCommunicator(*id, 0, 2, **dev, {.timeout = 2s});
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), StatusCode::kUnavailable) << comm.status();
+  EXPECT_THAT(std::string(comm.status().message()),
+              HasSubstr("not every rank joined within 2000 ms"));
+  EXPECT_GE(waited, 2s);
+  EXPECT_LT(waited, 60s);
+}
+#endif  // STRATA_TEST_GPU
+
 #if !STRATA_TEST_GPU
 // Backend-independent helpers: only in the non-GPU binary.
 TEST(LocalGroup, RejectsBadGroups) {
