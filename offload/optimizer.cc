@@ -52,6 +52,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -1728,6 +1729,67 @@ Status OffloadOptimizer::UpdateState(uint32_t index, uint32_t array, const State
         fmt::format("update state of {}: array {} of {}", m.tiers->Name(index), array, m.arrays));
   }
   return m.tiers->Update(index, array, update, piece_elems).WithContext("update state");
+}
+
+Result<uint64_t> OffloadOptimizer::ReloadParams(std::span<const uint32_t> which) {
+  Impl& m = *impl_;
+  constexpr std::string_view kOp = "reload params";
+  if (m.pending) return m.FailedStepError(kOp);
+  std::vector<uint8_t> wanted(m.params.size(), which.empty() ? 1 : 0);
+  for (uint32_t k : which) {
+    if (k >= m.params.size()) {
+      return OutOfRangeError(fmt::format("{}: param {} of {} registered", kOp, k, m.params.size()));
+    }
+    wanted[k] = 1;
+  }
+  const DType dtype = m.config.param_dtype;
+  const size_t bytes = DTypeSize(dtype);
+  // The param's value as bits of its dtype, and as fp32.
+  auto bits = [dtype](float f) -> uint32_t {
+    if (dtype == DType::kBF16) return F32ToBF16(f);
+    if (dtype == DType::kF16) return F32ToF16(f);
+    return std::bit_cast<uint32_t>(f);
+  };
+  constexpr uint64_t kChunk = uint64_t{1} << 20;  // params read at a time
+  std::vector<std::byte> staged;
+  uint64_t adopted = 0;
+  for (uint32_t i = 0; i < m.sub_groups.size(); ++i) {
+    const std::span<const internal::TensorMap::Piece> own = m.map.own(i);
+    if (std::none_of(own.begin(), own.end(), [&](const auto& p) { return wanted[p.tensor]; })) {
+      continue;
+    }
+    Status s = UpdateState(i, 0, [&](uint64_t begin, std::span<float> master) -> Result<bool> {
+      const uint64_t before = adopted;
+      for (const internal::TensorMap::Piece& p : own) {
+        if (!wanted[p.tensor]) continue;
+        const uint64_t lo = std::max(begin, p.offset_elems);
+        const uint64_t hi = std::min(begin + master.size(), p.offset_elems + p.elems);
+        for (uint64_t at = lo; at < hi; at += kChunk) {
+          const uint64_t n = std::min(kChunk, hi - at);
+          const auto* src = static_cast<const std::byte*>(m.params[p.tensor].data) +
+                            (p.tensor_offset_elems + at - p.offset_elems) * bytes;
+          staged.resize(n * bytes);
+          // After the trainer's writes (and the engine's, which it waits for).
+          STRATA_RETURN_IF_ERROR(m.device->CopyAsync(staged.data(), src, n * bytes,
+                                                     CopyKind::kDeviceToHost, m.user_stream));
+          STRATA_RETURN_IF_ERROR(m.device->StreamSynchronize(m.user_stream));
+          float* out = master.data() + (at - begin);
+          for (uint64_t k = 0; k < n; ++k) {
+            uint32_t v = 0;
+            std::memcpy(&v, staged.data() + k * bytes, bytes);
+            if (v == bits(out[k])) continue;
+            out[k] = dtype == DType::kBF16  ? BF16ToF32(static_cast<uint16_t>(v))
+                     : dtype == DType::kF16 ? F16ToF32(static_cast<uint16_t>(v))
+                                            : std::bit_cast<float>(v);
+            ++adopted;
+          }
+        }
+      }
+      return adopted != before;
+    });
+    STRATA_RETURN_IF_ERROR(std::move(s).WithContext(kOp));
+  }
+  return adopted;
 }
 
 LossScalerState OffloadOptimizer::loss_scaler_state() const { return impl_->scaler->state(); }

@@ -356,6 +356,20 @@ class OffloadOptimizer {
   // Step(). Not to be called while a step is running.
   Status UploadParams();
 
+  // The reverse: values the trainer wrote into params since the engine last
+  // wrote them (weights loaded after Create, an edit) become the master
+  // weights, as DeepSpeed's refresh_fp32_params. Each element of this
+  // rank's shard whose param value differs from its master weight cast to
+  // param_dtype takes the param's value; the others keep their fp32 master
+  // (nothing is rounded), and the moments stay. `params`: registration
+  // indices (empty: all). Reads the params in order on `context.stream`.
+  // Not a collective: each rank adopts its own shard, so every rank must
+  // hold the same values. Returns how many elements changed on this rank.
+  // Without it the next step writes every param from the old masters.
+  // OutOfRange for a bad index; refused like ReadState while a failed step
+  // awaits its retry.
+  Result<uint64_t> ReloadParams(std::span<const uint32_t> params = {});
+
  private:
   struct Impl;
   explicit OffloadOptimizer(std::unique_ptr<Impl> impl);

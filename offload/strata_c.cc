@@ -444,6 +444,19 @@ int strata_optimizer_rebind_params(strata_optimizer* opt, const strata_binding* 
   });
 }
 
+int strata_optimizer_reload_params(strata_optimizer* opt, const uint32_t* indices, size_t count,
+                                   uint64_t* adopted) {
+  constexpr const char* kFn = "strata_optimizer_reload_params";
+  if (opt == nullptr) return ReportNull(kFn, "opt");
+  if (indices == nullptr && count > 0) return ReportNull(kFn, "indices");
+  return Exclusive(opt, kFn, [&]() -> Status {
+    const std::span<const uint32_t> which(indices, count);
+    STRATA_ASSIGN_OR_RETURN(const uint64_t n, opt->opt->ReloadParams(which));
+    if (adopted != nullptr) *adopted = n;
+    return strata::OkStatus();
+  });
+}
+
 int strata_optimizer_set_param_shape(strata_optimizer* opt, uint32_t index, const uint64_t* dims,
                                      uint32_t ndim) {
   constexpr const char* kFn = "strata_optimizer_set_param_shape";

@@ -255,6 +255,21 @@ typedef struct strata_binding {
 int strata_optimizer_rebind_params(strata_optimizer* opt, const strata_binding* bindings,
                                    size_t count);
 
+/* Values the trainer wrote into params after create (weights loaded late,
+ * an edit) become the master weights; without this call the next step
+ * writes every param from the old ones. Each element whose value differs
+ * from its master weight cast to the param dtype takes the param's value;
+ * the others keep their fp32 master, and the moments stay (DeepSpeed's
+ * refresh_fp32_params, without rounding what was not written). `indices`:
+ * `count` registration indices, or NULL and 0 for every param. Reads the
+ * params in order on the trainer's stream. Not a collective: each rank
+ * adopts its own shard, so every rank must hold the same values.
+ * `adopted` (may be NULL): elements changed on this rank.
+ * STRATA_OUT_OF_RANGE for a bad index; STRATA_FAILED_PRECONDITION while a
+ * failed step awaits its retry. */
+int strata_optimizer_reload_params(strata_optimizer* opt, const uint32_t* indices, size_t count,
+                                   uint64_t* adopted);
+
 /* The shape of param `index` (`ndim` dims whose product is its elems; 0 dims:
  * a scalar), recorded by later saves and checked by later loads, so exports
  * (`strata export`) hold shaped tensors. STRATA_INVALID_ARGUMENT when the

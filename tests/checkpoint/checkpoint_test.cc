@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -20,6 +21,8 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
 #include <span>
 #include <string>
 #include <thread>
@@ -1894,6 +1897,124 @@ TEST(CheckpointMemoryTest, SaveAndLoadHoldNoBufferOfASubGroupsState) {
     EXPECT_LT(load, state_bytes / 2) << "load: heap grew by " << load << " bytes";
   }
 #endif
+}
+
+// Values a trainer writes into params after Create (its own weights file,
+// loaded late) become the master weights with ReloadParams: exactly the
+// written values where they differ, the fp32 masters elsewhere (a write of
+// equal values rounds nothing), the moments untouched; on every tier and
+// with each rank adopting its own shard.
+class ReloadParamsTest : public ::testing::TestWithParam<std::tuple<Where, double, int>> {};
+
+TEST_P(ReloadParamsTest, WrittenParamsBecomeTheMasterWeights) {
+  const auto [where, gpu_fraction, world] = GetParam();
+  const uint64_t seed = TestSeed();
+  Cluster c(world, WithGpu(CkptConfig(where, OptimizerType::kAdamW, 1024, world), gpu_fraction),
+            seed);
+  ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_TRUE(c.Train(seed, 2).ok());
+  const Snapshot before = *TakeSnapshot(c);
+  const std::vector<size_t> order = c.model(0).FlatOrder();  // flat index -> model tensor
+  const DType dtype = c.opt(0).config().param_dtype;
+  // Flat tensors 0 and 2 get new values (the same on every rank); tensor 5
+  // gets back the bytes it holds (a write of equal values).
+  std::mt19937_64 rng(seed + 17);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::map<size_t, std::vector<float>> fresh;
+  for (size_t f : {size_t{0}, size_t{2}}) {
+    std::vector<float> v(c.model(0).elems(order[f]));
+    for (float& x : v) x = d(rng);
+    fresh[f] = v;
+  }
+  uint64_t differing = 0;
+  std::map<size_t, std::vector<uint8_t>> changed;  // per element of the fresh tensors
+  for (auto& [f, v] : fresh) {
+    const std::vector<uint8_t> old = c.model(0).ParamBytes(order[f]);
+    for (int r = 0; r < world; ++r) v = c.model(r).SetParam(order[f], v);
+    const std::vector<uint8_t> now = c.model(0).ParamBytes(order[f]);
+    for (size_t k = 0; k < v.size(); ++k) {
+      changed[f].push_back(std::memcmp(&old[k * DTypeSize(dtype)], &now[k * DTypeSize(dtype)],
+                                       DTypeSize(dtype)) != 0);
+      differing += changed[f].back();
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    const std::vector<uint8_t> same = c.model(r).ParamBytes(order[5]);
+    std::vector<float> as_float(c.model(r).elems(order[5]));
+    for (size_t k = 0; k < as_float.size(); ++k) {
+      uint32_t v = 0;
+      std::memcpy(&v, &same[k * DTypeSize(dtype)], DTypeSize(dtype));
+      as_float[k] =
+          dtype == DType::kBF16 ? BF16ToF32(static_cast<uint16_t>(v)) : std::bit_cast<float>(v);
+    }
+    c.model(r).SetParam(order[5], as_float);
+  }
+  ASSERT_GT(differing, 0u);
+
+  std::vector<uint64_t> adopted(world);
+  ASSERT_TRUE(c.Run([&](int r) -> Status {
+                 STRATA_ASSIGN_OR_RETURN(adopted[r], c.opt(r).ReloadParams());
+                 return OkStatus();
+               }).ok());
+  EXPECT_EQ(std::accumulate(adopted.begin(), adopted.end(), uint64_t{0}), differing);
+
+  const Snapshot after = *TakeSnapshot(c);
+  for (size_t t = 0; t < before.state[0].size(); ++t) {
+    SCOPED_TRACE("flat tensor " + std::to_string(t));
+    for (uint32_t a = 1; a < before.state.size(); ++a) {
+      EXPECT_EQ(after.state[a][t], before.state[a][t]) << "array " << a;  // the moments stay
+    }
+    if (!fresh.count(t)) {
+      EXPECT_EQ(after.state[0][t], before.state[0][t]);  // not rounded to the param dtype
+      continue;
+    }
+    // A new value equal to the old one (the master cast to bf16) keeps the
+    // fp32 master; the others are the new value.
+    for (size_t k = 0; k < fresh[t].size(); ++k) {
+      ASSERT_EQ(after.state[0][t][k],
+                changed[t][k] ? std::bit_cast<uint32_t>(fresh[t][k]) : before.state[0][t][k])
+          << "elem " << k;
+    }
+  }
+  // The next step starts from them: a second reload finds nothing to adopt.
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  ASSERT_TRUE(c.Run([&](int r) -> Status {
+                 STRATA_ASSIGN_OR_RETURN(adopted[r], c.opt(r).ReloadParams());
+                 return OkStatus();
+               }).ok());
+  EXPECT_EQ(std::accumulate(adopted.begin(), adopted.end(), uint64_t{0}), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, ReloadParamsTest,
+                         ::testing::Values(std::tuple{Where::kHost, 0.0, 1},
+                                           std::tuple{Where::kNvme, 0.0, 1},
+                                           std::tuple{Where::kMixed, 0.0, 2},
+                                           std::tuple{Where::kHost, 0.5, 1}));
+
+// Only the params named are read; a bad index is refused before anything.
+TEST(ReloadParamsTest, OnlyTheNamedParamsAreAdoptedAndABadIndexIsRefused) {
+  const uint64_t seed = TestSeed();
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  const Snapshot before = *TakeSnapshot(c);
+  const std::vector<size_t> order = c.model(0).FlatOrder();
+  for (size_t f : {size_t{0}, size_t{1}}) {
+    c.model(0).SetParam(order[f], std::vector<float>(c.model(0).elems(order[f]), 0.25f));
+  }
+  const std::vector<uint32_t> bad = {0, 99};
+  Result<uint64_t> refused = c.opt(0).ReloadParams(bad);
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange);
+  ExpectMentions(refused.status(), "param 99 of 8 registered");
+  EXPECT_EQ(TakeSnapshot(c)->state, before.state);
+  const std::vector<uint32_t> first = {0};
+  Result<uint64_t> n = c.opt(0).ReloadParams(first);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, c.model(0).elems(order[0]));
+  const Snapshot after = *TakeSnapshot(c);
+  EXPECT_EQ(after.state[0][1], before.state[0][1]);  // written, not named: not adopted
+  EXPECT_EQ(after.state[0][0],
+            std::vector<uint32_t>(after.state[0][0].size(), std::bit_cast<uint32_t>(0.25f)));
 }
 
 }  // namespace

@@ -76,6 +76,10 @@ class TestModel {
     }
     return out;
   }
+  // Writes tensor t's param (a trainer's own write); returns its fp32 values.
+  std::vector<float> SetParam(size_t t, const std::vector<float>& v) {
+    return StoreAs(v, data_[t].data(), param_dtype_);
+  }
   // Writes grads; returns float(grad) per tensor.
   std::vector<std::vector<float>> SetGrads(const std::vector<std::vector<float>>& g) {
     std::vector<std::vector<float>> out;

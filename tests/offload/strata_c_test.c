@@ -1,8 +1,9 @@
 /* The C API, compiled as C: AdamW steps on the host device (DRAM and NVMe)
  * against a scalar reference in double precision, per-group hyperparameters
  * and set_lr, stats and plan text, checkpoint save/load, the failed-step state,
- * rebinding a param's memory, shapes and the export, the step trace, and the error paths
- * (status codes and strata_last_error). Exit status 0 on success; each failure prints a line. */
+ * rebinding a param's memory, reloading written params, shapes and the export, the step trace, and
+ * the error paths (status codes and strata_last_error). Exit status 0 on success; each failure
+ * prints a line. */
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -86,6 +87,14 @@ static void TrainAndCompare(strata_device* dev, const char* config) {
       strata_hyper got;
       CHECK_OK(strata_optimizer_get_hyper(opt, 0, &got));
       EXPECT(got.lr == 5e-3 && got.weight_decay == 0.1);
+      /* Weights written after create (loaded late): the next steps start
+       * from them once reloaded, as the reference's do. */
+      for (int i = 0; i < 10; ++i) rw.p[i] = w[i] = 0.5f;
+      uint64_t adopted = 0;
+      CHECK_OK(strata_optimizer_reload_params(opt, NULL, 0, &adopted));
+      EXPECT(adopted == 10);
+      const uint32_t bias = 1;
+      CHECK_OK(strata_optimizer_reload_params(opt, &bias, 1, NULL));
     }
     for (int i = 0; i < kW; ++i) gw[i] = Rand(&seed);
     for (int i = 0; i < kB; ++i) gb[i] = Rand(&seed);
@@ -238,6 +247,10 @@ static void Safety(strata_device* dev, const char* dir) {
   memcpy(moved, a, kN * sizeof(float));
   EXPECT(strata_optimizer_rebind_param(opt_a, 0, NULL, moved_g) == STRATA_INVALID_ARGUMENT);
   EXPECT(strata_optimizer_rebind_param(opt_a, 3, moved, moved_g) == STRATA_OUT_OF_RANGE);
+  const uint32_t past = 3;
+  EXPECT(strata_optimizer_reload_params(opt_a, &past, 1, NULL) == STRATA_OUT_OF_RANGE);
+  EXPECT(strstr(strata_last_error(), "param 3 of") != NULL);
+  EXPECT(strata_optimizer_reload_params(opt_a, NULL, 1, NULL) == STRATA_INVALID_ARGUMENT);
   /* A grad that starts inside the data (not the same pointer) is refused. */
   EXPECT(strata_optimizer_rebind_param(opt_a, 0, moved, moved + 1) == STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "overlaps the data of param 0 (w)") != NULL);
@@ -559,6 +572,7 @@ static void Errors(strata_device* dev) {
          STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "device is NULL") != NULL);
   EXPECT(strata_optimizer_step(NULL) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strata_optimizer_reload_params(NULL, NULL, 0, NULL) == STRATA_INVALID_ARGUMENT);
 
   /* A success clears the last error; a bad hyperparameter is refused. */
   CHECK_OK(strata_optimizer_create(dev, NULL, NULL, "{\"gradient_clipping\": 0}", &p, 1, NULL, 1,
