@@ -29,6 +29,14 @@ assert [s['name'] for s in r['steps']] == ['build','info','ctest-gpu','import-or
 assert all(s['status'] == 'skipped' and s['summary'] == 'no GPU' for s in r['steps'])" ||
       fail "report.json does not list every step as skipped"
     [ -s "$work/out/report.txt" ] || fail "no report.txt"
+    # scripts/gpu-session packs gpu-check's report for the device tool.
+    set +e
+    out=$(PATH="${path%:}" B="$work/no-build" OUT="$work/session" TMPDIR="$work" \
+          "$src/scripts/gpu-session" check 2>&1); rc=$?
+    set -e
+    [ $rc = 77 ] || fail "gpu-session check: exit code $rc, wanted 77: $out"
+    grep -q "NO_GPU" "$work/session/check.txt" && tar -tzf "$work/session/check.tgz" | grep -q report.json ||
+      fail "gpu-session check did not leave check.txt and check.tgz in \$OUT"
     set +e; out=$("$src/scripts/gpu-check" --out "$work/out2" --skip demo,ctest-gpu 2>&1); rc=$?; set -e
     [ $rc = 2 ] && grep -q -- "--skip ctest-gpu: only pytest-all, bench-step, demo can be skipped" <<<"$out" ||
       fail "--skip of a step that cannot be skipped: exit $rc, $out"

@@ -3,6 +3,7 @@
 # python3 on PATH has no torch and with no PYTHONPATH: the runs use the
 # build's Python and its python/ module (they once used the python3 running
 # the script and no PYTHONPATH, so every run failed on `import torch`).
+# Then --run-timeout and --on-run-done.
 #   check_gpu_train_figures.sh <source dir> <build dir> <scratch dir>
 set -euo pipefail
 src=$1 build=$2 work=$3
@@ -25,4 +26,19 @@ assert r["steps"] == 4, r
 assert r["step_sec"] > 0 and r["opt_sec"] >= 0, r
 PY
 grep -q "step *4/4" "$work/out/2b.log" || fail "2b.log has no step 4/4"
+
+# A run past --run-timeout is killed, its log kept, exit 124 in the report;
+# --on-run-done runs after each run with the report holding it (what
+# scripts/gpu-session packs for the device tool).
+set +e
+out=$(env -u PYTHONPATH "$src/scripts/gpu-train-figures" --smoke --only 2b,2b-overlap \
+      --build-dir "$build" --out "$work/cut" --run-timeout 0.2 \
+      --on-run-done "wc -l < '$work/cut/train-figures.txt' >> '$work/done.txt'" 2>&1)
+rc=$?
+set -e
+[ $rc = 1 ] || fail "runs cut by --run-timeout: exit code $rc, wanted 1: $out"
+grep -q "killed after 0.2 s (--run-timeout)" "$work/cut/2b.log" || fail "2b.log does not say it was cut"
+grep -q "exit 124" "$work/cut/train-figures.txt" || fail "the report has no exit 124"
+[ "$(tr -d ' ' < "$work/done.txt" | paste -sd,)" = "1,2" ] ||
+  fail "--on-run-done did not run after each run with the report so far: $(cat "$work/done.txt")"
 echo "check_gpu_train_figures: ok"
