@@ -1099,15 +1099,18 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
       // Straight into the state (a device sub-group's through pieces of
       // kStatePieceElems): no buffer of the sub-group's state.
       auto fill = [&](uint32_t a, uint64_t begin, std::span<float> out) -> Status {
-        std::fill(out.begin(), out.end(), 0.0f);  // padding
         const uint64_t end = begin + out.size();
+        uint64_t done = begin;  // the pieces come in order: zero only the padding between
         for (const MappedPiece& p : pieces) {
           const uint64_t lo = std::max(begin, p.at), hi = std::min(end, p.at + p.elems);
           if (lo >= hi) continue;
+          std::fill(out.begin() + (done - begin), out.begin() + (lo - begin), 0.0f);
           const uint64_t from = p.saved_begin + (lo - p.at);
           STRATA_RETURN_IF_ERROR(
               reader->ReadFlat(a, {from, from + (hi - lo)}, out.subspan(lo - begin, hi - lo)));
+          done = hi;
         }
+        std::fill(out.begin() + (done - begin), out.end(), 0.0f);
         progress.Add(out.size_bytes());
         return OkStatus();
       };
