@@ -52,7 +52,6 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -1744,14 +1743,11 @@ Result<uint64_t> OffloadOptimizer::ReloadParams(std::span<const uint32_t> which)
   }
   const DType dtype = m.config.param_dtype;
   const size_t bytes = DTypeSize(dtype);
-  // The param's value as bits of its dtype, and as fp32.
-  auto bits = [dtype](float f) -> uint32_t {
-    if (dtype == DType::kBF16) return F32ToBF16(f);
-    if (dtype == DType::kF16) return F32ToF16(f);
-    return std::bit_cast<uint32_t>(f);
-  };
   constexpr uint64_t kChunk = uint64_t{1} << 20;  // params read at a time
-  std::vector<std::byte> staged;
+  // A chunk of params as read, as the engine last wrote it (the master cast
+  // to the param dtype), and as fp32.
+  std::vector<std::byte> read, written;
+  std::vector<float> values;
   uint64_t adopted = 0;
   for (uint32_t i = 0; i < m.sub_groups.size(); ++i) {
     const std::span<const internal::TensorMap::Piece> own = m.map.own(i);
@@ -1768,19 +1764,19 @@ Result<uint64_t> OffloadOptimizer::ReloadParams(std::span<const uint32_t> which)
           const uint64_t n = std::min(kChunk, hi - at);
           const auto* src = static_cast<const std::byte*>(m.params[p.tensor].data) +
                             (p.tensor_offset_elems + at - p.offset_elems) * bytes;
-          staged.resize(n * bytes);
+          read.resize(n * bytes);
+          written.resize(n * bytes);
+          values.resize(n);
           // After the trainer's writes (and the engine's, which it waits for).
-          STRATA_RETURN_IF_ERROR(m.device->CopyAsync(staged.data(), src, n * bytes,
+          STRATA_RETURN_IF_ERROR(m.device->CopyAsync(read.data(), src, n * bytes,
                                                      CopyKind::kDeviceToHost, m.user_stream));
           STRATA_RETURN_IF_ERROR(m.device->StreamSynchronize(m.user_stream));
-          float* out = master.data() + (at - begin);
+          const std::span<float> out = master.subspan(at - begin, n);
+          ConvertOut(out, written.data(), dtype);
+          ConvertIn(read.data(), dtype, values);
           for (uint64_t k = 0; k < n; ++k) {
-            uint32_t v = 0;
-            std::memcpy(&v, staged.data() + k * bytes, bytes);
-            if (v == bits(out[k])) continue;
-            out[k] = dtype == DType::kBF16  ? BF16ToF32(static_cast<uint16_t>(v))
-                     : dtype == DType::kF16 ? F16ToF32(static_cast<uint16_t>(v))
-                                            : std::bit_cast<float>(v);
+            if (std::memcmp(&read[k * bytes], &written[k * bytes], bytes) == 0) continue;
+            out[k] = values[k];
             ++adopted;
           }
         }

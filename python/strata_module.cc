@@ -563,26 +563,15 @@ class Engine {
     });
   }
 
-  // UpdateState with fn(begin: int, piece: memoryview of float32 bytes) ->
-  // changed (truthy), called on this thread with the GIL held; the memoryview
-  // is valid only during the call. An exception in fn propagates as is.
-  void UpdateState(uint32_t i, uint32_t array, py::object fn) {
-    std::optional<py::error_already_set> raised;
-    Run("update_state", [&] {
-      Status s =
-          opt_->UpdateState(i, array, [&](uint64_t begin, std::span<float> p) -> Result<bool> {
-            py::gil_scoped_acquire gil;
-            try {
-              return py::bool_(fn(begin, py::memoryview::from_memory(p.data(), p.size_bytes())))
-                  .cast<bool>();
-            } catch (py::error_already_set& e) {
-              raised.emplace(std::move(e));
-              return CancelledError("update state: the Python callback raised");
-            }
-          });
-      return raised ? OkStatus() : s;
+  // Values written into params since the engine wrote them become the
+  // master weights (OffloadOptimizer::ReloadParams); how many elements changed.
+  uint64_t ReloadParams(const std::vector<uint32_t>& params) {
+    uint64_t adopted = 0;
+    Run("reload_params", [&]() -> Status {
+      STRATA_ASSIGN_OR_RETURN(adopted, opt_->ReloadParams(params));
+      return OkStatus();
     });
-    if (raised) throw std::move(*raised);
+    return adopted;
   }
 
   py::dict ScalerState() const {
@@ -805,7 +794,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("config_json", &Engine::config_json)
       .def("sub_groups", &Engine::SubGroups)
       .def("read_state", &Engine::ReadState)
-      .def("update_state", &Engine::UpdateState)
+      .def("reload_params", &Engine::ReloadParams)
       .def("write_state", &Engine::WriteState)
       .def("scaler_state", &Engine::ScalerState)
       .def("restore_counters", &Engine::RestoreCounters)

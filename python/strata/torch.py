@@ -1143,19 +1143,11 @@ class OffloadAdam(torch.optim.Optimizer):
         weight; the moments stay. Elements the trainer left alone keep their fp32 master
         (a version bump without a change costs a read of the master weights, no
         precision)."""
-        layout = self._engine.layout()
-        for sg, (begin, end) in enumerate(self._engine.sub_groups()):
-            if not self._overlaps(begin, end, indices, layout):
-                continue
-
-            # The master weights in place (pinned DRAM, the NVMe extent's buffer, or
-            # device state in pieces): no copy of the sub-group's state.
-            def adopt(at, piece, begin=begin):
-                master = torch.frombuffer(piece, dtype=torch.float32)
-                lo = begin + at
-                return self._adopt_into(master, lo, lo + master.numel(), indices, layout) > 0
-
-            self._engine.update_state(sg, 0, adopt)
+        # The engine compares them in place (pinned DRAM, the NVMe extent buffer, device
+        # state in pieces), a million elements at a time: no copy of the state.
+        if indices:
+            with self._on_current_stream():
+                self._engine.reload_params(list(indices))
 
     @staticmethod
     def _overlaps(begin, end, indices, layout):
@@ -1165,10 +1157,10 @@ class OffloadAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _adopt_into(self, arr, begin, end, indices, layout):
-        """_adopt for one sub-group [begin, end) whose state `arr` (master | moments, CPU
-        float32) is in memory: the elements of params `indices` that differ from their
-        master in the param's dtype are written into the master in `arr`. Returns
-        how many did (0: none)."""
+        """What _adopt does, for one sub-group [begin, end) whose state `arr` (master |
+        moments, CPU float32: a state_dict's) is in memory: the elements of params
+        `indices` that differ from their master in the param's dtype are written into
+        the master in `arr`. Returns how many did (0: none)."""
         bits = {torch.float32: torch.int32, torch.float16: torch.int16,
                 torch.bfloat16: torch.int16}[self._dtype]
         changed = 0
