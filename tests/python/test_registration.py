@@ -290,6 +290,33 @@ def test_values_written_into_params_are_where_the_next_step_starts(write, offloa
     assert_same(m_ours, m_ref)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not _strata.cuda_available(),
+                    reason="no CUDA device here; written CUDA params are checked on the GPU "
+                           "machine")
+@pytest.mark.parametrize("write", [write_pretrained, clamp_under_no_grad])
+def test_values_written_into_cuda_params_are_where_the_next_step_starts(write):
+    """On CUDA the engine reads the written params itself (a copy to the host on its
+    stream, after the trainer's work on the current one)."""
+    m_ours, m_ref = linear().cuda(), linear().cuda()
+    ours = OffloadAdam(m_ours.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x, y = (t.cuda() for t in batch())
+
+    def run(model, opt):
+        for _ in range(2):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    run(m_ours, ours)
+    run(m_ref, ref)
+    write(m_ours)
+    write(m_ref)
+    run(m_ours, ours)
+    run(m_ref, ref)
+    assert_same(m_ours, m_ref)
+
+
 def test_a_write_through_data_is_taken_by_reload_params():
     """torch does not track writes through .data: reload_params() takes them."""
     m_ours, m_ref = linear(), linear()
