@@ -219,7 +219,9 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclUniqueId&
   if (!nccl.ok()) return std::move(nccl).status().WithContext(what);
   auto ordinal = internal::CudaOrdinalOf(device);
   if (!ordinal.ok()) return std::move(ordinal).status().WithContext(what);
-  // ncclCommInitRank binds the communicator to the current device.
+  // The device must be selectable here (Start allocates on it); the init
+  // thread below selects it for itself: ncclCommInitRank binds the
+  // communicator to its thread's current device.
   CudaDeviceGuard device_guard;
   STRATA_RETURN_IF_CUDA_ERROR(device_guard.Select(*ordinal), what + ": select device");
   ncclUniqueId raw;
