@@ -778,53 +778,37 @@ def test_copying_is_refused_and_close_releases_the_engine(tmp_path):
         again.state_dict()
 
 
-def test_an_optimizer_dropped_with_its_onecycle_scheduler_makes_room_for_a_new_one(tmp_path):
+@pytest.mark.parametrize("other_params", [False, True], ids=["same_params", "other_params"])
+def test_an_optimizer_dropped_with_its_onecycle_scheduler_makes_room_for_a_new_one(
+        other_params, tmp_path):
     """torch 1.13's OneCycleLR holds a bound method of itself: after `del opt, sched`
-    both live on in a reference cycle until the cycle collector runs, and a new
-    optimizer over the same params was refused as if the old one were in use."""
-    import gc
-    model = Net()
-    kw = nvme(tmp_path)
-    opt = OffloadAdam(model.parameters(), lr=1e-2, **kw)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
-    train(model, opt, 1)
-    gc.disable()  # as between two automatic collections
-    try:
-        del opt, sched
-        opt = OffloadAdam(model.parameters(), lr=1e-2, **kw)  # same params and nvme_path
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
-        train(model, opt, 1)
-        # Still referred to (by its scheduler here): refused, saying so.
-        del opt
-        with pytest.raises(ValueError, match=r"already trained by another OffloadAdam that is "
-                                             r"alive.*a scheduler or another object still "
-                                             r"refers to it"):
-            OffloadAdam(model.parameters(), lr=1e-2)
-    finally:
-        gc.enable()
-
-
-def test_an_optimizer_dropped_with_its_scheduler_frees_its_nvme_path_for_other_params(tmp_path):
-    """The same reference cycle, another model on the dropped optimizer's nvme_path:
-    its lock was held until the cycle collector ran, and the new optimizer was
-    refused as if the old one were in use."""
+    both live on in a reference cycle until the cycle collector runs. A new optimizer
+    over the same params, or over other params on the same nvme_path (whose lock the
+    old one held), was refused as if the old one were in use."""
     import gc
     kw = nvme(tmp_path)
-    first, second = Net(), Net()
+    first = Net()
+    second = Net() if other_params else first
     opt = OffloadAdam(first.parameters(), lr=1e-2, **kw)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
     train(first, opt, 1)
     gc.disable()  # as between two automatic collections
     try:
         del opt, sched
-        opt = OffloadAdam(second.parameters(), lr=1e-2, **kw)  # other params, same nvme_path
+        opt = OffloadAdam(second.parameters(), lr=1e-2, **kw)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
         train(second, opt, 1)
         # Still referred to (by its scheduler here): refused, saying so.
         del opt
-        with pytest.raises(strata.StrataError, match=r"(?s)held by this process.*survived a "
-                                                     r"garbage collection"):
-            OffloadAdam(first.parameters(), lr=1e-2, **kw)
+        if other_params:
+            with pytest.raises(strata.StrataError, match=r"(?s)held by this process.*survived "
+                                                         r"a garbage collection"):
+                OffloadAdam(first.parameters(), lr=1e-2, **kw)
+        else:
+            with pytest.raises(ValueError, match=r"already trained by another OffloadAdam that "
+                                                 r"is alive.*a scheduler or another object "
+                                                 r"still refers to it"):
+                OffloadAdam(first.parameters(), lr=1e-2)
     finally:
         gc.enable()
 
