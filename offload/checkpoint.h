@@ -44,7 +44,11 @@
 // shapes where both sides know them, and groups) and verifies every
 // checksum of every data file it reads; only when all of that holds on every
 // rank does it write the state, the counters and the hyperparameters, and
-// recompute the trainer's param tensors from the loaded master weights.
+// recompute the trainer's param tensors from the loaded master weights. Into
+// a new optimizer (state_from_params() on every rank: nothing to lose, since
+// ResetStateFromParams writes that state again) it reads each file once,
+// every chunk checked as it arrives, and a failure on any rank resets every
+// rank's state as Create wrote it.
 //
 // Save writes the committed state: it refuses (FailedPrecondition, nothing
 // written) while the optimizer is in StepState::kFailed, whose sub-groups

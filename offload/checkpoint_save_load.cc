@@ -989,9 +989,20 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   const std::string op =
       fmt::format("load checkpoint {} (rank {})", dir.empty() ? "''" : dir, opt.rank());
   STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
+  const std::string nothing_loaded = op + ": nothing was loaded";
+  // A state that Create wrote from the params, on every rank, loses nothing
+  // when a failed load overwrites it: ResetStateFromParams writes it again.
+  // Its load reads each file once, every chunk checked as it arrives. Any
+  // other state stays until every file it needs has passed its checksums.
+  double kept[1] = {opt.state_from_params() ? 0.0 : 1.0};
+  if (Status s = coll.AllReduce(kept, ReduceOp::kMax); !s.ok()) {
+    return std::move(s).WithContext(nothing_loaded);
+  }
+  const bool one_pass = kept[0] == 0;
   std::unique_ptr<CheckpointReader> reader;
   LossScalerState scaler_state;  // what the optimizer's loss scaler is restored to
-  // Phase 1, nothing changes: the checkpoint is complete, ours, and intact.
+  // Phase 1, nothing changes: the checkpoint is complete, ours, and (unless
+  // one_pass) intact.
   Status local = [&]() -> Status {
     // In the agreement, as SaveCheckpoint's checks: no rank is left waiting.
     if (dir.empty()) {
@@ -1034,7 +1045,7 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
       }
     }
     const std::vector<uint32_t> ranks(need.begin(), need.end());
-    STRATA_RETURN_IF_ERROR(reader->Verify(ranks));
+    STRATA_RETURN_IF_ERROR(one_pass ? reader->CheckFiles(ranks) : reader->Verify(ranks));
     // The reader's validator checked the counters and hyperparameters; what
     // is left depends on this optimizer's config (a static loss scale).
     STRATA_ASSIGN_OR_RETURN(LossScaler scaler, LossScaler::Create(opt.config().loss_scaler));
@@ -1063,7 +1074,6 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   const std::vector<AgreedPart> parts = {
       {.what = "directory", .value = ComparableDir(dir), .compared = ""},
       {.what = "save", .value = local.ok() ? reader->info().save_id : "", .compared = ""}};
-  const std::string nothing_loaded = op + ": nothing was loaded";
   Result<Agreed> agreed = Agree(coll, local, parts);
   if (!agreed.ok()) return agreed.status().WithContext(nothing_loaded);
   if (agreed->differs == 0 && !dir.empty()) {
@@ -1117,20 +1127,34 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
       STRATA_RETURN_IF_ERROR(opt.WriteState(i, fill, kStatePieceElems));
     }
     progress.Finish();
-    STRATA_RETURN_IF_ERROR(opt.RestoreCounters(info.step, scaler_state));
-    for (uint32_t g = 0; g < info.groups.size(); ++g) {
-      STRATA_RETURN_IF_ERROR(opt.SetGroupHyper(g, info.groups[g]));
-    }
     return OkStatus();
   }();
   Result<int> failed = coll.CountFailures(applied);
-  const std::string partial =
-      ": the optimizer state is partly loaded; load again, or recreate the optimizer";
-  if (!failed.ok()) return failed.status().WithContext(op + partial);
-  if (!applied.ok()) return std::move(applied).WithContext(op + partial);
-  if (*failed > 0) {
-    return FailedPreconditionError(
-        fmt::format("{}: {} other rank(s) failed while loading{}", op, *failed, partial));
+  if (!failed.ok() || !applied.ok() || *failed > 0) {
+    Status error = !applied.ok()  ? std::move(applied)
+                   : !failed.ok() ? failed.status()
+                                  : FailedPreconditionError(fmt::format(
+                                        "{} other rank(s) failed while loading", *failed));
+    Status reset = one_pass ? opt.ResetStateFromParams() : OkStatus();
+    if (one_pass && reset.ok()) {
+      return std::move(error).WithContext(
+          nothing_loaded + " (the state is again the one Create wrote from the params)");
+    }
+    std::string partial = op + ": the optimizer state is partly loaded";
+    if (!reset.ok()) partial += fmt::format(" ({})", reset.message());
+    return std::move(error).WithContext(partial + "; load again, or recreate the optimizer");
+  }
+  // Every rank holds the saved state: now the counters and hyperparameters
+  // (checked in phase 1), so that a failure above left them as they were.
+  Status counters = opt.RestoreCounters(info.step, scaler_state);
+  for (uint32_t g = 0; g < info.groups.size() && counters.ok(); ++g) {
+    counters = opt.SetGroupHyper(g, info.groups[g]);
+  }
+  if (!counters.ok()) {
+    return std::move(counters).WithContext(
+        op +
+        ": the state is loaded but not the step count, loss scale and hyperparameters; "
+        "load again");
   }
   // Retention keeps the save the state came from for a while (KeptLoadedSave).
   std::error_code ec;

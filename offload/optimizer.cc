@@ -394,6 +394,8 @@ struct OffloadOptimizer::Impl {
   size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
   bool host_stats = false;              // the statistics were a host pass (accumulation)
   LoadedSave loaded_save;               // the save the last checkpoint load read
+  // The state is what InitState writes from the params (state_from_params()).
+  bool state_from_params = false;
   // The statistics of a step the loss scaler refused (an overflow at
   // min_scale): no update, but last_step() shows them.
   std::optional<StepDecision> refused;
@@ -816,6 +818,7 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
   }
   STRATA_RETURN_IF_ERROR((InitState()).WithContext(kOp));
   tiers->TakeFigures();  // the initial writes are not a step's
+  state_from_params = true;
   return OkStatus();
 }
 
@@ -1275,6 +1278,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
 
 Status OffloadOptimizer::Impl::Step() {
   const double t0 = NowSec();
+  state_from_params = false;  // from here on the state may hold an update
   last = StepStats{};
   trace.step = pending ? pending->step : step + 1;
   HostSlice whole(trace, {TraceTrack::kStep, "step"});
@@ -1715,6 +1719,7 @@ Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint6
     m.EndFailedStep();
     m.grads->Consume();
   }
+  m.state_from_params = false;
   return m.tiers->Write(index, fill, piece_elems).WithContext("write state");
 }
 
@@ -1727,6 +1732,7 @@ Status OffloadOptimizer::UpdateState(uint32_t index, uint32_t array, const State
     return OutOfRangeError(
         fmt::format("update state of {}: array {} of {}", m.tiers->Name(index), array, m.arrays));
   }
+  m.state_from_params = false;
   return m.tiers->Update(index, array, update, piece_elems).WithContext("update state");
 }
 
@@ -1749,6 +1755,9 @@ Result<uint64_t> OffloadOptimizer::ReloadParams(std::span<const uint32_t> which)
   std::vector<std::byte> read, written;
   std::vector<float> values;
   uint64_t adopted = 0;
+  // Masters taken from the params are still the params' (a state from the
+  // params stays one, also when this fails part way).
+  const bool from_params = m.state_from_params;
   for (uint32_t i = 0; i < m.sub_groups.size(); ++i) {
     const std::span<const internal::TensorMap::Piece> own = m.map.own(i);
     if (std::none_of(own.begin(), own.end(), [&](const auto& p) { return wanted[p.tensor]; })) {
@@ -1783,9 +1792,22 @@ Result<uint64_t> OffloadOptimizer::ReloadParams(std::span<const uint32_t> which)
       }
       return adopted != before;
     });
+    m.state_from_params = from_params;
     STRATA_RETURN_IF_ERROR(std::move(s).WithContext(kOp));
   }
   return adopted;
+}
+
+bool OffloadOptimizer::state_from_params() const { return impl_->state_from_params; }
+
+Status OffloadOptimizer::ResetStateFromParams() {
+  Impl& m = *impl_;
+  constexpr std::string_view kOp = "reset the state from the params";
+  if (m.pending) return m.FailedStepError(kOp);
+  STRATA_RETURN_IF_ERROR(m.InitState().WithContext(kOp));
+  m.tiers->TakeFigures();  // not a step's
+  m.state_from_params = true;
+  return OkStatus();
 }
 
 LossScalerState OffloadOptimizer::loss_scaler_state() const { return impl_->scaler->state(); }

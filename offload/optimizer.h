@@ -370,6 +370,20 @@ class OffloadOptimizer {
   // awaits its retry.
   Result<uint64_t> ReloadParams(std::span<const uint32_t> params = {});
 
+  // Whether the state is the one Create writes from the params: no step (not
+  // even a failed or skipped one), load or state write since Create or
+  // ResetStateFromParams (ReloadParams keeps it: the masters it takes are
+  // the params'). Such a state loses nothing when it is overwritten, since
+  // ResetStateFromParams writes it again: a checkpoint load into it reads
+  // each file once (LoadCheckpoint).
+  bool state_from_params() const;
+  // Writes the state as Create does: the master weights from the params as
+  // they are now (read on `context.stream`, after what the trainer queued
+  // there), the moments zero. The step count, loss scaler and
+  // hyperparameters stay. Refused like ReadState while a failed step awaits
+  // its retry; the state's IO errors otherwise.
+  Status ResetStateFromParams();
+
  private:
   struct Impl;
   explicit OffloadOptimizer(std::unique_ptr<Impl> impl);

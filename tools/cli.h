@@ -82,6 +82,7 @@ void AddBenchAdamCommand(Cli& cli);
 void AddPlanCommand(Cli& cli);
 void AddBenchPcieCommand(Cli& cli);
 void AddBenchStepCommand(Cli& cli);
+void AddBenchCheckpointCommand(Cli& cli);
 void AddCheckpointCommands(Cli& cli);  // inspect, export
 
 }  // namespace strata::cli

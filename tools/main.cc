@@ -68,7 +68,8 @@ int main(int argc, char** argv) {
   Cli cli;
   cli.app.require_subcommand(1);
   cli.app.set_version_flag("--version", "strata 0.1.0");
-  cli.bench = cli.app.add_subcommand("bench", "Measure PCIe, NVMe, CPU Adam and whole-step throughput");
+  cli.bench = cli.app.add_subcommand(
+      "bench", "Measure PCIe, NVMe, CPU Adam, whole-step and checkpoint throughput");
   cli.bench->require_subcommand(1);
 
   strata::cli::AddInfoCommand(cli);
@@ -77,6 +78,7 @@ int main(int argc, char** argv) {
   strata::cli::AddPlanCommand(cli);
   strata::cli::AddBenchPcieCommand(cli);
   strata::cli::AddBenchStepCommand(cli);
+  strata::cli::AddBenchCheckpointCommand(cli);
   strata::cli::AddCheckpointCommands(cli);
 
   if (const std::string unknown = strata::cli::UnknownSubcommand(cli.app, argc, argv);

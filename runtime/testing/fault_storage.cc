@@ -165,6 +165,7 @@ class FaultFile final : public File {
     const uint64_t remaining = r->buffer.size() - r->transferred_bytes;
     Status inner_status = inner->status;
     const uint64_t moved = inner->transferred_bytes;
+    if (inner->op == IoOp::kRead) storage_->mutable_stats().read_bytes.fetch_add(moved);
     for (auto it = attempts_.begin(); it != attempts_.end(); ++it) {
       if (&*it == a) {
         attempts_.erase(it);

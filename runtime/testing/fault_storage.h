@@ -67,6 +67,7 @@ struct FaultStats {
   std::atomic<uint64_t> torn_writes{0};
   std::atomic<uint64_t> delays{0};
   std::atomic<uint64_t> queue_failures{0};
+  std::atomic<uint64_t> read_bytes{0};  // what reads moved, faulted or not
 };
 
 class FaultStorage final : public Storage {

@@ -2061,5 +2061,134 @@ TEST(ReloadParamsTest, OnlyTheNamedParamsAreAdoptedAndABadIndexIsRefused) {
             std::vector<uint32_t>(after.state[0][0].size(), std::bit_cast<uint32_t>(1000.0f)));
 }
 
+// ---- A load into a new optimizer reads each file once --------------------------------
+
+// Flips one bit of the byte at `at` in `path`.
+void FlipBit(const std::string& path, uint64_t at) {
+  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(at));
+  char b = 0;
+  io.read(&b, 1);
+  b = static_cast<char>(b ^ 0x10);
+  io.seekp(static_cast<std::streamoff>(at));
+  io.write(&b, 1);
+}
+
+// The state Create writes from the params may be overwritten by a load at no
+// risk (ResetStateFromParams writes it again): such a load reads each data
+// file once. A stepped optimizer's load verifies every file before it
+// changes anything, then reads it again. A step ends the first kind of state
+// (even one that fails); ReloadParams keeps it.
+TEST(OnePassLoadTest, ANewOptimizerReadsEachFileOnceAndASteppedOneVerifiesFirst) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster saved(1, CkptConfig(Where::kMixed), seed);
+  ASSERT_TRUE(saved.status().ok()) << saved.status();
+  ASSERT_TRUE(saved.Train(seed, 2).ok());
+  EXPECT_FALSE(saved.opt(0).state_from_params());
+  ASSERT_TRUE(saved.Save(dir.path(), {.chunk_bytes = 4096}).ok());
+  const CheckpointInfo info = (*CheckpointReader::Open(dir.path()))->info();
+  uint64_t payload = 0;
+  for (const CheckpointFile& f : info.ranks[0].files) payload += f.payload_bytes;
+
+  auto counting = testing::FaultStorage::Create(CreatePosixStorage(), {.seed = seed});
+  Cluster target(1, CkptConfig(Where::kMixed), seed + 1);
+  ASSERT_TRUE(target.status().ok()) << target.status();
+  EXPECT_TRUE(target.opt(0).state_from_params());
+  ASSERT_TRUE(target.opt(0).ReloadParams().ok());
+  EXPECT_TRUE(target.opt(0).state_from_params());
+  Status s = target.Load(dir.path(), {.storage = counting.get()});
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(target), *TakeSnapshot(saved));
+  EXPECT_FALSE(target.opt(0).state_from_params());
+  const uint64_t once = counting->stats().read_bytes.load();
+  EXPECT_GE(once, payload);
+  EXPECT_LE(once, info.data_bytes() + 64 * 1024) << "the data files and the manifests, once";
+
+  ASSERT_TRUE(target.Train(seed, 1).ok());
+  s = target.Load(dir.path(), {.storage = counting.get()});
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectSameSnapshot(*TakeSnapshot(target), *TakeSnapshot(saved));
+  EXPECT_GE(counting->stats().read_bytes.load() - once, info.data_bytes() + payload)
+      << "every file verified whole, then read again";
+}
+
+// A chunk that fails its checksum late in a new optimizer's load, after the
+// earlier sub-groups took their saved state on every rank: every rank
+// writes the state Create wrote again, the params and counters stay, and
+// the optimizer trains on exactly as one that never saw the checkpoint.
+class OnePassLoadFailureTest : public ::testing::TestWithParam<std::tuple<Where, double, int>> {};
+
+TEST_P(OnePassLoadFailureTest, ACorruptChunkLeavesTheStateAsCreatedOnEveryRank) {
+  const auto [where, gpu_fraction, world] = GetParam();
+  const uint64_t seed = TestSeed();
+  const OffloadConfig config =
+      WithGpu(CkptConfig(where, OptimizerType::kAdamW, 1024, world), gpu_fraction);
+  TempDir dir;
+  {
+    Cluster saved(world, config, seed);
+    ASSERT_TRUE(saved.status().ok()) << saved.status();
+    ASSERT_TRUE(saved.Train(seed, 2).ok());
+    ASSERT_TRUE(saved.Save(dir.path(), {.chunk_bytes = 4096}).ok());
+  }
+  // The last rank's last array, in its last chunk of data: what its load
+  // reads last.
+  const CheckpointInfo info = (*CheckpointReader::Open(dir.path()))->info();
+  const CheckpointFile& last = info.ranks.back().files.back();
+  const std::string bad = info.save_dir + "/" + last.name;
+  FlipBit(bad, last.payload_bytes - 3);
+
+  Cluster target(world, config, seed + 1);
+  ASSERT_TRUE(target.status().ok()) << target.status();
+  const Snapshot before = *TakeSnapshot(target);
+  ASSERT_TRUE(target.device().Synchronize().ok());
+  std::vector<std::vector<uint8_t>> params_before;
+  for (size_t t = 0; t < target.model(0).size(); ++t) {
+    params_before.push_back(target.model(0).ParamBytes(t));
+  }
+  std::vector<Status> status(world);
+  ASSERT_TRUE(target
+                  .Run([&](int r) {
+                    status[r] = LoadCheckpoint(target.opt(r), dir.path());
+                    return OkStatus();
+                  })
+                  .ok());
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    ASSERT_FALSE(status[r].ok());
+    ExpectMentions(status[r],
+                   "nothing was loaded (the state is again the one Create wrote from the params)");
+    if (r == world - 1) {
+      EXPECT_EQ(status[r].code(), StatusCode::kDataLoss) << status[r];
+      ExpectMentions(status[r], bad + ": chunk");
+    } else {
+      ExpectMentions(status[r], "1 other rank(s) failed while loading");
+    }
+    EXPECT_TRUE(target.opt(r).state_from_params());
+  }
+  ExpectSameSnapshot(*TakeSnapshot(target), before);
+  ASSERT_TRUE(target.device().Synchronize().ok());
+  for (int r = 0; r < world; ++r) {
+    for (size_t t = 0; t < target.model(r).size(); ++t) {
+      EXPECT_EQ(target.model(r).ParamBytes(t), params_before[t]) << "rank " << r << " tensor " << t;
+    }
+  }
+  Cluster twin(world, config, seed + 1);
+  ASSERT_TRUE(twin.status().ok()) << twin.status();
+  ASSERT_TRUE(target.Train(seed + 2, 2).ok());
+  ASSERT_TRUE(twin.Train(seed + 2, 2).ok());
+  ExpectSameSnapshot(*TakeSnapshot(target), *TakeSnapshot(twin));
+  ASSERT_TRUE(target.device().Synchronize().ok());
+  for (size_t t = 0; t < target.model(0).size(); ++t) {
+    EXPECT_EQ(target.model(0).ParamBytes(t), twin.model(0).ParamBytes(t)) << "tensor " << t;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, OnePassLoadFailureTest,
+                         ::testing::Values(std::tuple{Where::kHost, 0.0, 1},
+                                           std::tuple{Where::kNvme, 0.0, 1},
+                                           std::tuple{Where::kMixed, 0.0, 2},
+                                           std::tuple{Where::kHost, 0.5, 1}));
+
 }  // namespace
 }  // namespace strata
