@@ -192,7 +192,7 @@ std::string ComparableDir(const std::string& dir) {
 class ArrayFile {
  public:
   static Result<std::unique_ptr<ArrayFile>> Open(Storage& storage, const std::string& path,
-                                                 const SaveOptions& o) {
+                                                 uint64_t payload_bytes, const SaveOptions& o) {
     auto f = std::unique_ptr<ArrayFile>(new ArrayFile());
     f->hash_ = XXH3_createState();
     XXH3_64bits_reset(f->hash_);
@@ -204,10 +204,13 @@ class ArrayFile {
                                   .direct = o.direct,
                                   .chunk_bytes = o.chunk_bytes,
                                   .queue_depth = o.queue_depth,
-                                  .on_chunk = [raw](std::span<const std::byte> c) {
-                                    raw->chunk_xxh3_.push_back(XXH3_64bits(c.data(), c.size()));
-                                    XXH3_64bits_update(raw->hash_, c.data(), c.size());
-                                  }}));
+                                  .on_chunk =
+                                      [raw](std::span<const std::byte> c) {
+                                        raw->chunk_xxh3_.push_back(
+                                            XXH3_64bits(c.data(), c.size()));
+                                        XXH3_64bits_update(raw->hash_, c.data(), c.size());
+                                      },
+                                  .size_hint = RoundUp(payload_bytes, kFileAlign)}));
     return f;
   }
   ~ArrayFile() {
@@ -628,7 +631,8 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
   std::vector<std::string> names;
   for (uint32_t a = 0; a < arrays; ++a) {
     names.push_back(fmt::format("{}.{}.f32", RankName(rank), info.arrays[a]));
-    STRATA_ASSIGN_OR_RETURN(auto f, ArrayFile::Open(storage, save_dir + "/" + names[a], o));
+    STRATA_ASSIGN_OR_RETURN(auto f, ArrayFile::Open(storage, save_dir + "/" + names[a],
+                                                    opt.shard().elems() * 4, o));
     files.push_back(std::move(f));
   }
   // One chunk of state at a time: host memory stays at that chunk plus the

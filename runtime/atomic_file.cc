@@ -176,6 +176,12 @@ Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& stor
     w->Abandon();
     return s;
   }
+  if (options.size_hint > 0) {
+    if (Status s = w->file_->Resize(options.size_hint); !s.ok()) {
+      w->Abandon();
+      return std::move(s).WithContext("write " + path);
+    }
+  }
   for (uint32_t i = 0; i < depth; ++i) {
     w->chunks_.push_back(std::make_unique<Chunk>(options.chunk_bytes));
     w->free_.push_back(i);
@@ -264,6 +270,9 @@ Status AtomicFileWriter::Commit() {
   if (s.ok() && cur_ >= 0 && fill_ > 0) s = Flush();
   if (Status d = Drain(); s.ok()) s = d;
   if (s.ok()) s = error_;
+  if (s.ok() && options_.size_hint > 0 && options_.size_hint != file_bytes()) {
+    s = file_->Resize(file_bytes()).WithContext("write " + path_);
+  }
   if (s.ok()) s = file_->Sync().WithContext("write " + path_ + ": fsync " + temp_path_);
   if (s.ok()) s = CheckOutputPath(path_, options_.existing);  // nothing appeared meanwhile
   if (s.ok()) {

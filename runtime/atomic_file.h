@@ -64,6 +64,12 @@ struct AtomicWriteOptions {
   // Called with each chunk as it is written, in file order, padding
   // included (checksums of what reaches the disk).
   std::function<void(std::span<const std::byte>)> on_chunk;
+  // The file's final size (padding included) when known: Create reserves it
+  // (a full disk fails before the first byte is written), and the writes
+  // then land inside the file, which a filesystem serves faster than writes
+  // that grow it (ext4 serializes those on the inode lock). Commit truncates
+  // the file to what was written when that differs. 0: none.
+  uint64_t size_hint = 0;
 };
 
 class AtomicFileWriter {

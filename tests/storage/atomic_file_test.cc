@@ -225,6 +225,48 @@ TEST(AtomicFileTest, DirectIoPadsTheTailAndOnChunkSeesEveryByteWritten) {
             StatusCode::kInvalidArgument);
 }
 
+// size_hint reserves the file's final size at Create, so a write lands
+// inside the file (ext4 serializes writes that grow a file on its inode lock,
+// which io_uring's workers then contend for) and a full disk fails before
+// the first byte; Commit leaves exactly what was written, whatever the hint.
+TEST(AtomicFileTest, ASizeHintIsReservedAtCreateAndTheFileEndsAsWritten) {
+  for (const Backend& b : FileBackends()) {
+    SCOPED_TRACE(b.name);
+    TempDir dir;
+    auto storage = b.make();
+    const std::string data = Pattern(40'000, 11);
+    for (uint64_t hint : {uint64_t{40'000}, uint64_t{1} << 20, uint64_t{4096}}) {
+      SCOPED_TRACE("hint " + std::to_string(hint));
+      const std::string path = dir.File("h" + std::to_string(hint));
+      std::string temporary;
+      AtomicFileListener previous =
+          SetAtomicFileListener([&](AtomicFileEvent e, const std::string& p) {
+            if (e == AtomicFileEvent::kCreatingTemporary) temporary = p;
+          });
+      auto w = AtomicFileWriter::Create(*storage, path,
+                                        {.chunk_bytes = 8192, .queue_depth = 2, .size_hint = hint});
+      SetAtomicFileListener(std::move(previous));
+      ASSERT_TRUE(w.ok()) << w.status();
+      EXPECT_EQ(fs::file_size(temporary), hint) << "reserved before the first write";
+      ASSERT_TRUE((*w)->Append(data).ok());
+      ASSERT_TRUE((*w)->Commit().ok());
+      EXPECT_EQ(ReadAll(path), data);
+    }
+  }
+  // More than the disk holds: refused at Create, naming the output, leaving nothing.
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  const DirectoryProbe probe = ProbeDirectory(dir.path(), DirectoryChecks::kSpace);
+  ASSERT_TRUE(probe.space.ok()) << probe.space;
+  auto w = AtomicFileWriter::Create(*storage, dir.File("big"),
+                                    {.size_hint = probe.free_bytes + (uint64_t{1} << 30)});
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kResourceExhausted) << w.status();
+  EXPECT_NE(w.status().message().find("write " + dir.File("big")), std::string::npos)
+      << w.status();
+  EXPECT_TRUE(Names(dir.path()).empty());
+}
+
 // Two writers of one path at once (two processes saving into one checkpoint
 // directory did share one "latest.json.tmp"): each has its own temporary
 // file, and the target ends as one whole version.
