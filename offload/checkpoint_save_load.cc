@@ -218,7 +218,21 @@ class ArrayFile {
     XXH3_freeState(hash_);
   }
 
-  Status Append(std::span<const float> values) { return writer_->Append(std::as_bytes(values)); }
+  // Appends elems [0, elems) of `array` of sub-group `index`, read from the
+  // state straight into the writer's chunks.
+  Status AppendState(OffloadOptimizer& opt, uint32_t index, uint32_t array, uint64_t elems,
+                     ProgressReporter& progress) {
+    uint64_t begin = 0;
+    return writer_->AppendFilled(elems * sizeof(float), [&](std::span<std::byte> piece) {
+      // Only whole floats are appended before the padding: pieces hold floats.
+      const std::span<float> out(reinterpret_cast<float*>(piece.data()),
+                                 piece.size() / sizeof(float));
+      STRATA_RETURN_IF_ERROR(opt.ReadState(index, array, begin, out));
+      begin += out.size();
+      progress.Add(piece.size());
+      return OkStatus();
+    });
+  }
 
   Result<CheckpointFile> Finish(std::string array, std::string name) {
     const uint64_t payload = writer_->appended_bytes();
@@ -635,20 +649,14 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
                                                     opt.shard().elems() * 4, o));
     files.push_back(std::move(f));
   }
-  // One chunk of state at a time: host memory stays at that chunk plus the
-  // writers' chunks, whatever the sub-group size.
-  std::vector<float> piece(o.chunk_bytes / sizeof(float));
+  // The state goes straight into the writers' chunks: host memory stays at
+  // those chunks, whatever the sub-group size.
   ProgressReporter progress(fmt::format("rank {}: save {}", rank, save_dir),
                             opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
   for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
     const uint64_t elems = opt.sub_groups()[i].elems();
     for (uint32_t a = 0; a < arrays; ++a) {
-      for (uint64_t begin = 0; begin < elems; begin += piece.size()) {
-        const auto p = std::span(piece).first(std::min<uint64_t>(piece.size(), elems - begin));
-        STRATA_RETURN_IF_ERROR(opt.ReadState(i, a, begin, p));
-        STRATA_RETURN_IF_ERROR(files[a]->Append(p));
-        progress.Add(p.size_bytes());
-      }
+      STRATA_RETURN_IF_ERROR(files[a]->AppendState(opt, i, a, elems, progress));
     }
   }
   progress.Finish();

@@ -205,10 +205,17 @@ void AtomicFileWriter::Abandon() {
 }
 
 Status AtomicFileWriter::Append(std::span<const std::byte> bytes) {
+  return AppendFilled(bytes.size(), [&](std::span<std::byte> piece) {
+    std::memcpy(piece.data(), bytes.data(), piece.size());
+    bytes = bytes.subspan(piece.size());
+    return OkStatus();
+  });
+}
+
+Status AtomicFileWriter::AppendFilled(uint64_t bytes, const Fill& fill) {
   if (!error_.ok()) return error_;
   if (!file_) return FailedPreconditionError("write " + path_ + ": the writer is finished");
-  appended_ += bytes.size();
-  while (!bytes.empty()) {
+  while (bytes > 0) {
     if (cur_ < 0) {
       while (free_.empty()) {
         if (Status s = ReapSome(1); !s.ok()) return error_ = s;
@@ -218,10 +225,11 @@ Status AtomicFileWriter::Append(std::span<const std::byte> bytes) {
       free_.pop_back();
       fill_ = 0;
     }
-    const uint64_t n = std::min<uint64_t>(bytes.size(), options_.chunk_bytes - fill_);
-    std::memcpy(chunks_[cur_]->data + fill_, bytes.data(), n);
+    const uint64_t n = std::min<uint64_t>(bytes, options_.chunk_bytes - fill_);
+    if (Status s = fill({chunks_[cur_]->data + fill_, n}); !s.ok()) return error_ = s;
     fill_ += n;
-    bytes = bytes.subspan(n);
+    appended_ += n;
+    bytes -= n;
     if (fill_ == options_.chunk_bytes) {
       if (Status s = Flush(); !s.ok()) return error_ = s;
     }

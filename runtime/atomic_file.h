@@ -83,6 +83,14 @@ class AtomicFileWriter {
 
   Status Append(std::span<const std::byte> bytes);
   Status Append(std::string_view text) { return Append(std::as_bytes(std::span(text))); }
+  // Appends `bytes` bytes that `fill` writes straight into the writer's
+  // chunks: called in file order with consecutive pieces (each within one
+  // chunk, together `bytes`), so data produced on the fly (a checkpoint's
+  // state) is not copied through a buffer of the caller's. A piece starts at
+  // an offset of the file that is a multiple of 4 when everything appended
+  // before was. An error of `fill` fails the writer, as an IO error does.
+  using Fill = std::function<Status(std::span<std::byte>)>;
+  Status AppendFilled(uint64_t bytes, const Fill& fill);
   // Durable and visible under path() when OK; on failure nothing is left.
   Status Commit();
 
