@@ -2,17 +2,32 @@
 // machine's link and drive do alone, measured the way the engine uses them.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "runtime/device.h"
 #include "runtime/status.h"
 
 namespace strata::cli {
+
+// The median of the figures of several runs (0 for none).
+inline double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// A bench's --drive-probe: a size, 0 (no drive baseline), or "auto"
+// (nullopt: the bench chooses); InvalidArgument saying so otherwise.
+Result<std::optional<uint64_t>> ParseDriveProbe(std::string_view text);
 
 // A 2 MiB-aligned host array advised for transparent huge pages: what the
 // CPU-side baselines and `bench adam` run on, so that the kernel and its

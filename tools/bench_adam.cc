@@ -51,12 +51,6 @@ struct Options {
   bool json = false;
 };
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 Status Run(const Options& o) {
   STRATA_ASSIGN_OR_RETURN(const uint64_t n64, ParseCount(o.params));
   if (n64 == 0) return InvalidArgumentError("--params 0: the benchmark needs at least one param");

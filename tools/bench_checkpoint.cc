@@ -57,11 +57,6 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
-
 // `dir` when given (it must exist), else a new directory under /var/tmp;
 // either way the bench works in a fresh directory of its own inside it,
 // removed at the end (also on Ctrl-C).
@@ -93,16 +88,8 @@ bool SameFilesystem(const std::string& a, const std::string& b) {
 Status RunCheckpoint(const CheckpointArgs& a) {
   STRATA_ASSIGN_OR_RETURN(const uint64_t params, ParseCount(a.params));
   if (params == 0) return InvalidArgumentError("--params 0: the benchmark needs parameters");
-  std::optional<uint64_t> probe_bytes;  // nullopt: auto
-  if (a.drive_probe != "auto") {
-    Result<uint64_t> b = ParseBytes(a.drive_probe);
-    if (!b.ok()) {
-      return InvalidArgumentError(fmt::format(
-          "--drive-probe {}: give a size (256MiB, 1GiB), 0 to skip the drive baseline, or auto",
-          a.drive_probe));
-    }
-    probe_bytes = *b;
-  }
+  STRATA_ASSIGN_OR_RETURN(const std::optional<uint64_t> probe_bytes,
+                          ParseDriveProbe(a.drive_probe));
   const bool nvme = a.offload == "nvme";
   if (!nvme && !a.nvme_dir.empty()) {
     return InvalidArgumentError(

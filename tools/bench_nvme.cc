@@ -214,13 +214,6 @@ Status RunFile(File& file, IoOp op, uint64_t size_bytes, uint64_t block_bytes, u
 
 enum class Progress : uint8_t { kQuiet, kShow };
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 // One pass over every file, one thread per file (as fio runs one job per
 // file). Returns bytes per second over all files.
 Result<double> RunPass(std::vector<std::unique_ptr<File>>& files, IoOp op, uint64_t per_file_bytes,
@@ -576,6 +569,17 @@ Status CheckProbeFits(std::span<const std::string> dirs, uint32_t files_per_dir,
           ? fmt::format("give {} {}MiB or less, ", size_flag, room * dirs.size() / kMiB)
           : std::string(),
       other_way));
+}
+
+Result<std::optional<uint64_t>> ParseDriveProbe(std::string_view text) {
+  if (text == "auto") return std::optional<uint64_t>();
+  Result<uint64_t> b = ParseBytes(text);
+  if (!b.ok()) {
+    return InvalidArgumentError(fmt::format(
+        "--drive-probe {}: give a size (256MiB, 1GiB), 0 to skip the drive baseline, or auto",
+        text));
+  }
+  return std::optional<uint64_t>(*b);
 }
 
 Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t bytes_per_dir,

@@ -138,13 +138,6 @@ Status CheckOutputFile(const std::string& option, const std::string& path) {
   return OkStatus();
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // One rank's trainer tensors on the device.
 struct RankModel {
   std::vector<DeviceBuffer> data, grad;
@@ -432,16 +425,8 @@ StageTimes MedianTimes(const std::vector<StepSample>& v) {
 Status RunStep(const StepArgs& a) {
   // ---- the options on their own, before any work ----
   if (!a.trace_path.empty()) STRATA_RETURN_IF_ERROR(CheckOutputFile("--trace", a.trace_path));
-  std::optional<uint64_t> drive_probe_bytes;  // nullopt: auto
-  if (a.drive_probe != "auto") {
-    Result<uint64_t> b = ParseBytes(a.drive_probe);
-    if (!b.ok()) {
-      return InvalidArgumentError(fmt::format(
-          "--drive-probe {}: give a size (256MiB, 1GiB), 0 to skip the drive baseline, or auto",
-          a.drive_probe));
-    }
-    drive_probe_bytes = *b;
-  }
+  STRATA_ASSIGN_OR_RETURN(const std::optional<uint64_t> drive_probe_bytes,
+                          ParseDriveProbe(a.drive_probe));
   Result<uint64_t> pcie_rate_parsed = ParseBytes(a.pcie_rate);
   if (!pcie_rate_parsed.ok()) {
     return InvalidArgumentError(fmt::format(
