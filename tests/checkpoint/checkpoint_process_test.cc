@@ -248,15 +248,9 @@ TEST(CliTest, InspectAndExport) {
   // --verify fails naming the file.
   auto reader = *CheckpointReader::Open(dir.path());
   const std::string victim = reader->info().save_dir + "/rank00001.exp_avg_sq.f32";
-  {
-    // Flipped, not overwritten: a byte that already held the value written
-    // left the file intact (one run in 256) and --verify passed.
-    std::fstream io(victim, std::ios::in | std::ios::out | std::ios::binary);
-    io.seekg(100);
-    const char b = static_cast<char>(io.get());
-    io.seekp(100);
-    io.put(static_cast<char>(b ^ 0x5a));
-  }
+  // Flipped, not overwritten: a byte that already held the value written
+  // left the file intact (one run in 256) and --verify passed.
+  testing::FlipBits(victim, 100, 0x5a);
   r = RunStrata("inspect " + dir.path(), tmp);
   EXPECT_EQ(r.code, 0) << r.err;
   r = RunStrata("inspect --verify " + dir.path(), tmp);

@@ -712,16 +712,7 @@ TEST_F(BadInputTest, FlippedByteInEachDataFileIsDataLossNamingIt) {
     SCOPED_TRACE(name);
     const std::string f = File(name);
     const uint64_t at = rng() % std::filesystem::file_size(f);
-    auto flip = [&] {
-      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
-      io.seekg(static_cast<std::streamoff>(at));
-      char b = 0;
-      io.read(&b, 1);
-      b = static_cast<char>(b ^ (1 << (rng() % 8)));
-      io.seekp(static_cast<std::streamoff>(at));
-      io.write(&b, 1);
-    };
-    flip();
+    testing::FlipBits(f, at, static_cast<uint8_t>(1 << (rng() % 8)));
     Status s = LoadExpectingFailure(dir_.path());
     EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
     ExpectMentions(s, name);
@@ -2063,17 +2054,6 @@ TEST(ReloadParamsTest, OnlyTheNamedParamsAreAdoptedAndABadIndexIsRefused) {
 
 // ---- A load into a new optimizer reads each file once --------------------------------
 
-// Flips one bit of the byte at `at` in `path`.
-void FlipBit(const std::string& path, uint64_t at) {
-  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
-  io.seekg(static_cast<std::streamoff>(at));
-  char b = 0;
-  io.read(&b, 1);
-  b = static_cast<char>(b ^ 0x10);
-  io.seekp(static_cast<std::streamoff>(at));
-  io.write(&b, 1);
-}
-
 // The state Create writes from the params may be overwritten by a load at no
 // risk (ResetStateFromParams writes it again): such a load reads each data
 // file once. A stepped optimizer's load verifies every file before it
@@ -2136,7 +2116,7 @@ TEST_P(OnePassLoadFailureTest, ACorruptChunkLeavesTheStateAsCreatedOnEveryRank) 
   const CheckpointInfo info = (*CheckpointReader::Open(dir.path()))->info();
   const CheckpointFile& last = info.ranks.back().files.back();
   const std::string bad = info.save_dir + "/" + last.name;
-  FlipBit(bad, last.payload_bytes - 3);
+  testing::FlipBits(bad, last.payload_bytes - 3, 0x10);
 
   Cluster target(world, config, seed + 1);
   ASSERT_TRUE(target.status().ok()) << target.status();

@@ -8,6 +8,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
@@ -231,6 +232,18 @@ inline void ExpectSameSnapshot(const Snapshot& got, const Snapshot& want) {
       ASSERT_EQ(got.state[a][t], want.state[a][t]) << "array " << a << " tensor " << t;
     }
   }
+}
+
+// XORs the byte at `at` in `path` with `mask` (nonzero): always a change,
+// whatever the byte held.
+inline void FlipBits(const std::string& path, uint64_t at, uint8_t mask) {
+  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(at));
+  char b = 0;
+  io.read(&b, 1);
+  b = static_cast<char>(b ^ mask);
+  io.seekp(static_cast<std::streamoff>(at));
+  io.write(&b, 1);
 }
 
 // Every rank's param tensors hold the cast of the master weights.

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from bench_step_run import start_until
+
 
 def fail(msg):
     print(f"check_bench_checkpoint: {msg}")
@@ -90,15 +92,7 @@ def main():
     # the save's temporaries and files, and the directories, are removed.
     cmd = [strata, "bench", "checkpoint", "--params", "16M", "--sub-group", "2M", "--repeat",
            "20", "--drive-probe", "0", "--offload", "nvme", "--nvme-dir", nv, "--dir", ck]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = b""
-    deadline = time.time() + 180
-    while b"round 1/20" not in err:
-        chunk = os.read(proc.stderr.fileno(), 4096)
-        if not chunk or time.time() > deadline:
-            proc.kill()
-            fail(f"the bench ended (or stalled) before its first round: {err.decode()}")
-        err += chunk
+    proc, err = start_until(cmd, b"round 1/20", fail, timeout=180)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
