@@ -650,15 +650,16 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
     files.push_back(std::move(f));
   }
   // The state goes straight into the writers' chunks: host memory stays at
-  // those chunks, whatever the sub-group size.
+  // those chunks, whatever the sub-group size. NVMe state is read ahead.
   ProgressReporter progress(fmt::format("rank {}: save {}", rank, save_dir),
                             opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
-  for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
+  STRATA_RETURN_IF_ERROR(opt.ReadStateInOrder([&](uint32_t i) -> Status {
     const uint64_t elems = opt.sub_groups()[i].elems();
     for (uint32_t a = 0; a < arrays; ++a) {
       STRATA_RETURN_IF_ERROR(files[a]->AppendState(opt, i, a, elems, progress));
     }
-  }
+    return OkStatus();
+  }));
   progress.Finish();
   RankManifest manifest{.rank = rank, .shard = opt.shard(), .files = {}};
   for (uint32_t a = 0; a < arrays; ++a) {
@@ -1115,29 +1116,33 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
   Status applied = [&]() -> Status {
     ProgressReporter progress(fmt::format("rank {}: load {}", opt.rank(), dir),
                               opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
-    for (uint32_t i = 0; i < opt.sub_groups().size(); ++i) {
-      const ElemRange sg = opt.sub_groups()[i];
-      STRATA_ASSIGN_OR_RETURN(std::vector<MappedPiece> pieces, MapRange(info, opt.layout(), sg));
-      // Straight into the state (a device sub-group's through pieces of
-      // kStatePieceElems): no buffer of the sub-group's state.
-      auto fill = [&](uint32_t a, uint64_t begin, std::span<float> out) -> Status {
-        const uint64_t end = begin + out.size();
-        uint64_t done = begin;  // the pieces come in order: zero only the padding between
-        for (const MappedPiece& p : pieces) {
-          const uint64_t lo = std::max(begin, p.at), hi = std::min(end, p.at + p.elems);
-          if (lo >= hi) continue;
-          std::fill(out.begin() + (done - begin), out.begin() + (lo - begin), 0.0f);
-          const uint64_t from = p.saved_begin + (lo - p.at);
-          STRATA_RETURN_IF_ERROR(
-              reader->ReadFlat(a, {from, from + (hi - lo)}, out.subspan(lo - begin, hi - lo)));
-          done = hi;
-        }
-        std::fill(out.begin() + (done - begin), out.end(), 0.0f);
-        progress.Add(out.size_bytes());
-        return OkStatus();
-      };
-      STRATA_RETURN_IF_ERROR(opt.WriteState(i, fill, kStatePieceElems));
-    }
+    // Straight into the state (a device sub-group's through pieces of
+    // kStatePieceElems): no buffer of a sub-group's state. An NVMe
+    // sub-group's write runs while the next one is read from the checkpoint.
+    uint32_t mapped = UINT32_MAX;  // the sub-group `pieces` maps
+    std::vector<MappedPiece> pieces;
+    STRATA_RETURN_IF_ERROR(opt.WriteStateInOrder(
+        [&](uint32_t i, uint32_t a, uint64_t begin, std::span<float> out) -> Status {
+          if (mapped != i) {
+            STRATA_ASSIGN_OR_RETURN(pieces, MapRange(info, opt.layout(), opt.sub_groups()[i]));
+            mapped = i;
+          }
+          const uint64_t end = begin + out.size();
+          uint64_t done = begin;  // the pieces come in order: zero only the padding between
+          for (const MappedPiece& p : pieces) {
+            const uint64_t lo = std::max(begin, p.at), hi = std::min(end, p.at + p.elems);
+            if (lo >= hi) continue;
+            std::fill(out.begin() + (done - begin), out.begin() + (lo - begin), 0.0f);
+            const uint64_t from = p.saved_begin + (lo - p.at);
+            STRATA_RETURN_IF_ERROR(
+                reader->ReadFlat(a, {from, from + (hi - lo)}, out.subspan(lo - begin, hi - lo)));
+            done = hi;
+          }
+          std::fill(out.begin() + (done - begin), out.end(), 0.0f);
+          progress.Add(out.size_bytes());
+          return OkStatus();
+        },
+        kStatePieceElems));
     progress.Finish();
     return OkStatus();
   }();

@@ -474,6 +474,14 @@ struct OffloadOptimizer::Impl {
     pending.reset();
     failure = OkStatus();
   }
+  // New state: a failed step awaiting retry no longer applies.
+  void BeginStateWrite() {
+    if (pending) {
+      EndFailedStep();
+      grads->Consume();
+    }
+    state_from_params = false;
+  }
   void ResetReadiness() {
     std::fill(ready_count.begin(), ready_count.end(), 0);
     std::fill(tensor_ready.begin(), tensor_ready.end(), 0);
@@ -1714,13 +1722,37 @@ Status OffloadOptimizer::WriteState(uint32_t index, std::span<const float> state
 Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint64_t piece_elems) {
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "write state"));
-  // New state: a failed step awaiting retry no longer applies.
-  if (m.pending) {
-    m.EndFailedStep();
-    m.grads->Consume();
-  }
-  m.state_from_params = false;
+  m.BeginStateWrite();
   return m.tiers->Write(index, fill, piece_elems).WithContext("write state");
+}
+
+Status OffloadOptimizer::ReadStateInOrder(const std::function<Status(uint32_t index)>& visit) {
+  Impl& m = *impl_;
+  if (m.pending) return m.FailedStepError("read state");
+  Status s;
+  for (uint32_t i = 0; i < m.sub_groups.size() && s.ok(); ++i) {
+    m.tiers->ReadAhead(i);
+    s = visit(i);
+  }
+  m.tiers->DrainReads();  // what a failed visit left unread
+  return s;
+}
+
+Status OffloadOptimizer::WriteStateInOrder(const IndexedStateFill& fill, uint64_t piece_elems) {
+  Impl& m = *impl_;
+  m.BeginStateWrite();
+  Status s;
+  for (uint32_t i = 0; i < m.sub_groups.size() && s.ok(); ++i) {
+    s = m.tiers->Write(
+        i,
+        [&](uint32_t array, uint64_t begin, std::span<float> piece) {
+          return fill(i, array, begin, piece);
+        },
+        piece_elems, /*wait=*/false);
+  }
+  Status written = m.tiers->FinishWrites([](uint32_t, const Status&) {});
+  if (s.ok()) s = std::move(written);
+  return std::move(s).WithContext("write state");
 }
 
 Status OffloadOptimizer::UpdateState(uint32_t index, uint32_t array, const StateUpdate& update,

@@ -327,6 +327,19 @@ class OffloadOptimizer {
   using StateUpdate = std::function<Result<bool>(uint64_t begin, std::span<float> piece)>;
   Status UpdateState(uint32_t index, uint32_t array, const StateUpdate& update,
                      uint64_t piece_elems = 1 << 20);
+  // The whole state, sub-group by sub-group in index order (checkpoints),
+  // with the NVMe IO beside the caller's work. Read: `visit(index)` for
+  // every sub-group, which reads it with ReadState while the next NVMe
+  // extents are read ahead; no read is left in flight when it returns (the
+  // first error: visit's, as is). Write: WriteState of every sub-group from
+  // `fill(index, array, begin, piece)`, each NVMe sub-group written while
+  // the next ones are filled; it returns once every write is done, with the
+  // first error (the sub-groups before it, and any NVMe one whose write
+  // succeeded, hold the new state; the others are as WriteState leaves them).
+  Status ReadStateInOrder(const std::function<Status(uint32_t index)>& visit);
+  using IndexedStateFill =
+      std::function<Status(uint32_t index, uint32_t array, uint64_t begin, std::span<float> piece)>;
+  Status WriteStateInOrder(const IndexedStateFill& fill, uint64_t piece_elems = 1 << 20);
 
   // Everything a checkpoint holds besides the arrays.
   LossScalerState loss_scaler_state() const;

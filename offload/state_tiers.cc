@@ -239,6 +239,13 @@ void StateTiers::DrainReads() {
   }
 }
 
+void StateTiers::ReadAhead(uint32_t i) {
+  const auto first = std::find_if(nvme_order_.begin(), nvme_order_.end(),
+                                  [i](uint32_t sub_group) { return sub_group >= i; });
+  const auto last = first + std::min<ptrdiff_t>(buffers_.size(), nvme_order_.end() - first);
+  for (auto it = first; it != last; ++it) StartRead(*it);
+}
+
 Status StateTiers::Read(uint32_t i, std::span<float> out) {
   if (on_device(i)) return CopyDeviceState(out.data(), DeviceState(i), out.size_bytes(),
                                             CopyKind::kDeviceToHost);
@@ -284,7 +291,7 @@ Status StateTiers::Read(uint32_t i, uint32_t array, uint64_t begin, std::span<fl
   return OkStatus();
 }
 
-Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems) {
+Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems, bool wait) {
   if (on_device(i)) {
     for (uint32_t a = 0; a < o_.arrays; ++a) {
       STRATA_RETURN_IF_ERROR(
@@ -302,7 +309,7 @@ Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems
     }
     return OkStatus();
   }));
-  return WaitWrite(i);
+  return wait ? WaitWrite(i) : OkStatus();
 }
 
 Status StateTiers::Update(uint32_t i, uint32_t array, const StateUpdate& update,

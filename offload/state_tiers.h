@@ -109,6 +109,13 @@ class StateTiers {
   Status FinishWrites(const std::function<void(uint32_t, const Status&)>& done);
   // Waits for reads queued and never acquired (after an error).
   void DrainReads();
+  // Sequential access between steps (checkpoints visit the sub-groups in
+  // index order): queues the reads of the NVMe sub-groups from i on that
+  // have buffers of their own, at most nvme_buffers extents (the buffers of
+  // the ones before, which the caller is done with, take the later ones),
+  // so Read of each finds it read or in flight. DrainReads afterwards waits
+  // for any that no Read took.
+  void ReadAhead(uint32_t i);
 
   // Sets i's whole state (not a device one: Write): `fill` writes every one
   // of its elems x arrays floats in place; an NVMe one is then queued for
@@ -125,11 +132,13 @@ class StateTiers {
   // array); a device one through a host buffer of at most `piece_elems`.
   // NVMe: written as a new generation once every fill succeeded; a failed
   // fill leaves the committed one. Host: a failed fill leaves it partly set.
-  // The caller checks the ranges.
+  // With `wait` false an NVMe write is left in flight (write-behind: the
+  // next Fill of its buffer or FinishWrites waits for it). The caller checks
+  // the ranges.
   Status Read(uint32_t i, std::span<float> out);
   Status Read(uint32_t i, uint32_t array, uint64_t begin, std::span<float> out);
   using StateFill = std::function<Status(uint32_t array, uint64_t begin, std::span<float> piece)>;
-  Status Write(uint32_t i, const StateFill& fill, uint64_t piece_elems);
+  Status Write(uint32_t i, const StateFill& fill, uint64_t piece_elems, bool wait = true);
   // Changes one array in place: `update(begin, piece)` sees the committed
   // values and returns whether it changed any. One piece for host and NVMe
   // state; a device one's through a host buffer of at most `piece_elems`.

@@ -12,6 +12,8 @@
 //   torn_write             the write reports success but only a prefix
 //                          reached the file (what a crash mid-write leaves)
 //   latency                the operation is delayed by `latency`
+//   before_io              (not a fault) called before each attempt is
+//                          dispatched: a test's gate that holds some IO back
 //   sync_eio               Sync() fails with EIO
 //   queue_fail             Reap() of a file with requests in flight fails with
 //                          EIO, as when the queue itself broke (an io_uring
@@ -33,6 +35,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -58,6 +61,8 @@ struct FaultOptions {
   uint32_t sync_eio_one_in = 0;
   uint32_t queue_fail_one_in = 0;
   DropUnsynced drop_unsynced = DropUnsynced::kOff;
+  // On the thread that submits the request, before the faults are drawn.
+  std::function<void(IoOp op, const std::string& path)> before_io;
 };
 
 struct FaultStats {

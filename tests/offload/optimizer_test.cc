@@ -7,11 +7,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
@@ -456,6 +460,153 @@ TEST(EngineNvme, ExtentsStillInTheirBuffersAreNotReadAgain) {
   const GradStats st = FlatStats(*opt, order, grads);
   ref.Step(grads, st.sum_sq, st.nonfinite_elems);
   ExpectSameAsReference(*opt, model, ref);
+}
+
+// Polls `done` for up to 10 s; whether it became true.
+bool WaitUntil(const std::function<bool()>& done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// Checkpoints walk the state in index order. ReadStateInOrder reads the next
+// NVMe extents (one per buffer) while the caller handles one, reads each
+// once, and leaves no read in flight, also when the caller fails part way.
+TEST(EngineNvme, InOrderReadsRunAheadOfTheVisitAndLeaveNoneInFlight) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed});
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16);
+  const Case c{.where = Where::kNvme, .grad_dtype = DType::kBF16, .sub_group_elems = 1024};
+  const OffloadConfig config = MakeConfig(c);
+  auto master = model.SetParams(rng);
+  auto opt = *OffloadOptimizer::Create({.device = device.get(), .storage = fault.get()}, config,
+                                       model.Groups(kHypers));
+  const uint32_t n = opt->plan().nvme_sub_groups;
+  const uint32_t k = opt->plan().nvme_buffers;
+  ASSERT_EQ(n, opt->sub_groups().size());
+  ASSERT_GE(k, 2u);
+  ASSERT_GT(n, k + 1);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->Step().ok());
+  const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
+  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+  const uint64_t extent = opt->last_step().write_bytes / n;
+  // The last k extents in their buffers: the walk must read every extent.
+  for (uint32_t i = n - k; i < n; ++i) {
+    std::vector<float> s(opt->sub_groups()[i].elems() * opt->StateArrayCount());
+    ASSERT_TRUE(opt->ReadState(i, s).ok());
+  }
+  const uint64_t before = fault->stats().read_bytes.load();
+  auto read = [&] { return fault->stats().read_bytes.load() - before; };
+  std::vector<std::vector<float>> seen(n);
+  bool late = false;  // one wait timed out: the others are not waited for
+  Status s = opt->ReadStateInOrder([&](uint32_t i) -> Status {
+    seen[i].resize(opt->sub_groups()[i].elems() * opt->StateArrayCount());
+    STRATA_RETURN_IF_ERROR(opt->ReadState(i, seen[i]));
+    const uint64_t queued = std::min(i + k, n) * extent;
+    if (!late && !WaitUntil([&] { return read() >= queued; })) {
+      late = true;
+      ADD_FAILURE() << "while sub-group " << i << " is handled, extents up to "
+                    << std::min(i + k, n) - 1 << " are read: " << read() / extent
+                    << " extents read";
+    }
+    return OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(read(), n * extent) << "each extent read once";
+  for (uint32_t i = 0; i < n; ++i) {
+    std::vector<float> again(seen[i].size());
+    ASSERT_TRUE(opt->ReadState(i, again).ok());
+    EXPECT_EQ(again, seen[i]) << "sub-group " << i;
+  }
+
+  // A visit that fails: its error as is; the reads queued ahead are waited
+  // for, and the buffers they filled are not taken for committed state.
+  s = opt->ReadStateInOrder([&](uint32_t i) -> Status {
+    if (i == 1) return DataLossError("the checkpoint drive failed");
+    return opt->ReadState(i, seen[i]);
+  });
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_EQ(s.message(), "the checkpoint drive failed");
+  ExpectSameAsReference(*opt, model, ref);
+  grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->Step().ok());
+  const GradStats st2 = FlatStats(*opt, model.FlatOrder(), grads);
+  ref.Step(grads, st2.sum_sq, st2.nonfinite_elems);
+  ExpectSameAsReference(*opt, model, ref);
+}
+
+// WriteStateInOrder writes each NVMe sub-group while the next one is filled
+// (its write is held here until that fill begins: a write waited for in
+// place would time out), returns once all are written, and after a failed
+// fill keeps what it wrote before it and the committed state after it.
+TEST(EngineNvme, InOrderWritesRunBehindTheNextFill) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  std::mutex mu;
+  std::condition_variable cv;
+  bool hold = false;
+  int timeouts = 0;
+  auto gate = [&](IoOp op, const std::string&) {
+    if (op != IoOp::kWrite) return;
+    std::unique_lock<std::mutex> lock(mu);
+    if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return !hold; })) ++timeouts;
+  };
+  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed, .before_io = gate});
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16);
+  const OffloadConfig config =
+      MakeConfig({.where = Where::kNvme, .grad_dtype = DType::kBF16, .sub_group_elems = 1024});
+  model.SetParams(rng);
+  auto opt = *OffloadOptimizer::Create({.device = device.get(), .storage = fault.get()}, config,
+                                       model.Groups(kHypers));
+  const uint32_t n = opt->plan().nvme_sub_groups;
+  ASSERT_EQ(n, opt->sub_groups().size());
+  ASSERT_GT(n, opt->plan().nvme_buffers + 1);
+  const uint32_t arrays = opt->StateArrayCount();
+  auto value = [](uint32_t i, uint32_t a, uint64_t e, int round) {
+    return static_cast<float>(round * 100000 + i * 1000 + a * 100) + 1e-3f * static_cast<float>(e);
+  };
+  auto fill_round = [&](int round) {
+    return [&, round](uint32_t i, uint32_t a, uint64_t begin, std::span<float> piece) -> Status {
+      if (i == 1 && a == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        hold = false;
+        cv.notify_all();
+      }
+      if (round == 2 && i == n - 1) return InvalidArgumentError("the saved file ended early");
+      for (uint64_t e = 0; e < piece.size(); ++e) piece[e] = value(i, a, begin + e, round);
+      return OkStatus();
+    };
+  };
+  auto expect_round = [&](uint32_t i, int round) {
+    const uint64_t elems = opt->sub_groups()[i].elems();
+    std::vector<float> s(elems * arrays);
+    ASSERT_TRUE(opt->ReadState(i, s).ok());
+    for (uint32_t a = 0; a < arrays; ++a) {
+      for (uint64_t e = 0; e < elems; ++e) {
+        ASSERT_EQ(s[a * elems + e], value(i, a, e, round))
+            << "sub-group " << i << " array " << a << " elem " << e << " round " << round;
+      }
+    }
+  };
+  hold = true;
+  Status s = opt->WriteStateInOrder(fill_round(1));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(timeouts, 0) << "sub-group 0's write waited for in place, before sub-group 1's fill";
+  for (uint32_t i = 0; i < n; ++i) expect_round(i, 1);
+
+  s = opt->WriteStateInOrder(fill_round(2));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("the saved file ended early"), std::string::npos) << s;
+  for (uint32_t i = 0; i + 1 < n; ++i) expect_round(i, 2);
+  expect_round(n - 1, 1);
 }
 
 // Rank r of N gets its own grads; the reference sees their average, summed
