@@ -35,8 +35,11 @@ assert all(s['status'] == 'skipped' and s['summary'] == 'no GPU' for s in r['ste
           "$src/scripts/gpu-session" check 2>&1); rc=$?
     set -e
     [ $rc = 77 ] || fail "gpu-session check: exit code $rc, wanted 77: $out"
-    grep -q "NO_GPU" "$work/session/check.txt" && tar -tzf "$work/session/check.tgz" | grep -q report.json ||
-      fail "gpu-session check did not leave check.txt and check.tgz in \$OUT"
+    # The listing in full first: `tar | grep -q` fails under pipefail when
+    # grep exits before tar has written its last name (SIGPIPE).
+    listing=$(tar -tzf "$work/session/check.tgz" 2>&1) || listing=
+    grep -q "NO_GPU" "$work/session/check.txt" && grep -q report.json <<<"$listing" ||
+      fail "gpu-session check did not leave check.txt and check.tgz in \$OUT: $listing"
     set +e; out=$("$src/scripts/gpu-check" --out "$work/out2" --skip demo,ctest-gpu 2>&1); rc=$?; set -e
     [ $rc = 2 ] && grep -q -- "--skip ctest-gpu: only pytest-all, bench-step, demo can be skipped" <<<"$out" ||
       fail "--skip of a step that cannot be skipped: exit $rc, $out"
