@@ -474,6 +474,18 @@ struct OffloadOptimizer::Impl {
     pending.reset();
     failure = OkStatus();
   }
+  // visit(i) for the sub-groups from `first` in index order, until one
+  // fails (its error), with the NVMe extents read ahead; no read is left in
+  // flight.
+  Status WalkInOrder(uint32_t first, const std::function<Status(uint32_t)>& visit) {
+    Status s;
+    for (uint32_t i = first; i < sub_groups.size() && s.ok(); ++i) {
+      tiers->ReadAhead(i);
+      s = visit(i);
+    }
+    tiers->DrainReads();  // what a failed visit left unread
+    return s;
+  }
   // New state: a failed step awaiting retry no longer applies.
   void BeginStateWrite() {
     if (pending) {
@@ -1729,13 +1741,7 @@ Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint6
 Status OffloadOptimizer::ReadStateInOrder(const std::function<Status(uint32_t index)>& visit) {
   Impl& m = *impl_;
   if (m.pending) return m.FailedStepError("read state");
-  Status s;
-  for (uint32_t i = 0; i < m.sub_groups.size() && s.ok(); ++i) {
-    m.tiers->ReadAhead(i);
-    s = visit(i);
-  }
-  m.tiers->DrainReads();  // what a failed visit left unread
-  return s;
+  return m.WalkInOrder(0, visit);
 }
 
 Status OffloadOptimizer::WriteStateInOrder(const IndexedStateFill& fill, uint64_t piece_elems) {
@@ -1869,32 +1875,31 @@ Status OffloadOptimizer::UploadParams() {
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.publisher->OrderAfterUser());
   Status first_error;
-  const uint32_t n = static_cast<uint32_t>(m.sub_groups.size());
   for (uint32_t i = 0; i < m.device_count; ++i) {
     STRATA_RETURN_IF_ERROR(m.publisher->PublishDevice(i, m.tiers->DeviceState(i), nullptr));
   }
-  for (uint32_t i = m.device_count; i < n; ++i) {
+  // The masters in index order, NVMe extents read ahead and left resident
+  // for the next step. A rank that fails still joins every collective.
+  auto keep = [&](Status s) {
+    if (!s.ok() && first_error.ok()) first_error = std::move(s);
+  };
+  Status walked = m.WalkInOrder(m.device_count, [&](uint32_t i) -> Status {
     const uint32_t slot = (i - m.device_count) % m.slots;
-    bool ok = true;
-    if (Status s = m.publisher->WaitSlot(slot); !s.ok()) {
-      if (first_error.ok()) first_error = std::move(s);
-      ok = false;
-    }
-    if (ok) {
-      Result<std::span<float>> state = m.tiers->Acquire(i);
-      if (!state.ok()) {
-        if (first_error.ok()) first_error = state.status();
-        ok = false;
-      } else {
+    Status s = m.publisher->WaitSlot(slot);
+    if (s.ok()) {
+      Result<std::span<const float>> state = m.tiers->View(i);
+      if (state.ok()) {
         ConvertOut(state->first(m.sub_groups[i].elems()), m.publisher->Staging(slot),
                    m.config.param_dtype);
       }
+      s = state.status();
     }
-    if (Status s = m.publisher->Publish(i, slot, ok ? PublishMode::kUpload : PublishMode::kJoin);
-        !s.ok() && first_error.ok()) {
-      first_error = std::move(s);
-    }
-  }
+    const bool ok = s.ok();
+    keep(std::move(s));
+    keep(m.publisher->Publish(i, slot, ok ? PublishMode::kUpload : PublishMode::kJoin));
+    return OkStatus();
+  });
+  keep(std::move(walked));
   if (Status s = m.publisher->Finish(); !s.ok() && first_error.ok()) first_error = std::move(s);
   m.publisher->TakeTimes();
   m.tiers->TakeFigures();

@@ -256,6 +256,15 @@ Status StateTiers::Read(uint32_t i, std::span<float> out) {
   return OkStatus();
 }
 
+Result<std::span<const float>> StateTiers::View(uint32_t i) {
+  if (on_device(i)) {
+    return InternalError(fmt::format("state tiers: {} has no host state to view", Name(i)));
+  }
+  if (!on_nvme(i)) return HostState(i);
+  STRATA_ASSIGN_OR_RETURN(std::span<const float> s, Committed(i));
+  return s;
+}
+
 Result<std::span<float>> StateTiers::Committed(uint32_t i) {
   if (!Resident(i)) {
     STRATA_RETURN_IF_ERROR(Acquire(i).status());

@@ -101,6 +101,10 @@ class StateTiers {
   // The state to update: the host arrays, or the NVMe buffer once its read
   // completed (queued now if it was not). Not for device sub-groups.
   Result<std::span<float>> Acquire(uint32_t i);
+  // The committed state to read, not change: the host arrays, or the NVMe
+  // buffer read and verified unless resident (it stays resident). Not for
+  // device sub-groups.
+  Result<std::span<const float>> View(uint32_t i);
   // NVMe: queues the write of i's buffer (a new committed generation).
   void StartWrite(uint32_t i);
   // Waits for the write of i queued last (serial mode); OK for a host one.

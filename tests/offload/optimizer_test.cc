@@ -542,6 +542,45 @@ TEST(EngineNvme, InOrderReadsRunAheadOfTheVisitAndLeaveNoneInFlight) {
   ExpectSameAsReference(*opt, model, ref);
 }
 
+// UploadParams walks the masters as ReadStateInOrder does, and what it read
+// last stays in the buffers: a next step that takes its NVMe sub-groups in
+// reverse (an odd update) reads those extents no more.
+TEST(EngineNvme, UploadParamsLeavesTheExtentsItReadLastForTheNextStep) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed});
+  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16);
+  const OffloadConfig config =
+      MakeConfig({.where = Where::kNvme, .grad_dtype = DType::kBF16, .sub_group_elems = 1024});
+  auto master = model.SetParams(rng);
+  auto opt = *OffloadOptimizer::Create({.device = device.get(), .storage = fault.get()}, config,
+                                       model.Groups(kHypers));
+  const uint32_t n = opt->plan().nvme_sub_groups;
+  const uint32_t k = opt->plan().nvme_buffers;
+  ASSERT_EQ(n, opt->sub_groups().size());
+  ASSERT_GT(n, 2 * k);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  const auto order = model.FlatOrder();
+  auto step = [&] {
+    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+    ASSERT_TRUE(opt->Step().ok());
+    const GradStats st = FlatStats(*opt, order, grads);
+    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+  };
+  step();
+  step();  // an even update: forward, it ends with the last extents in the buffers
+  const uint64_t extent = opt->last_step().write_bytes / n;
+  const uint64_t before = fault->stats().read_bytes.load();
+  ASSERT_TRUE(opt->UploadParams().ok());
+  // The walk starts at extent 0, which displaces what the step left.
+  EXPECT_EQ(fault->stats().read_bytes.load() - before, n * extent) << "each extent read once";
+  step();
+  EXPECT_EQ(opt->last_step().resident_bytes, k * extent);
+  EXPECT_EQ(opt->last_step().read_bytes, (n - k) * extent);
+  ExpectSameAsReference(*opt, model, ref);
+}
+
 // WriteStateInOrder writes each NVMe sub-group while the next one is filled
 // (its write is held here until that fill begins: a write waited for in
 // place would time out), returns once all are written, and after a failed
