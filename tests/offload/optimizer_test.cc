@@ -472,43 +472,73 @@ bool WaitUntil(const std::function<bool()>& done) {
   return true;
 }
 
+// An optimizer with all its state on NVMe (9 sub-groups, 2 extent buffers)
+// over a FaultStorage, and the reference it is checked against.
+struct NvmeRig {
+  explicit NvmeRig(const testing::FaultOptions& faults = {})
+      : seed(TestSeed()),
+        rng(seed),
+        device(*CreateHostDevice()),
+        fault(testing::FaultStorage::Create(CreateMemStorage(), WithSeed(faults, seed))),
+        model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16),
+        config(MakeConfig(
+            {.where = Where::kNvme, .grad_dtype = DType::kBF16, .sub_group_elems = 1024})),
+        ref(config, model.SetParams(rng), kGroupOf, kHypers),
+        opt(*OffloadOptimizer::Create({.device = device.get(), .storage = fault.get()}, config,
+                                      model.Groups(kHypers))),
+        n(opt->plan().nvme_sub_groups),
+        k(opt->plan().nvme_buffers) {
+    EXPECT_EQ(n, opt->sub_groups().size());
+    EXPECT_GE(k, 2u);
+    EXPECT_GT(n, 2 * k);
+  }
+  static testing::FaultOptions WithSeed(testing::FaultOptions o, uint64_t seed) {
+    o.seed = seed;
+    return o;
+  }
+  // One step of the optimizer and of the reference.
+  void Step() {
+    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+    ASSERT_TRUE(opt->Step().ok());
+    const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
+    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+  }
+  std::vector<float> State(uint32_t i) {
+    std::vector<float> s(opt->sub_groups()[i].elems() * opt->StateArrayCount());
+    EXPECT_TRUE(opt->ReadState(i, s).ok());
+    return s;
+  }
+  uint64_t read_bytes() const { return fault->stats().read_bytes.load(); }
+
+  uint64_t seed;
+  std::mt19937_64 rng;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<testing::FaultStorage> fault;
+  TestModel model;
+  OffloadConfig config;
+  ReferenceOptimizer ref;
+  std::unique_ptr<OffloadOptimizer> opt;
+  uint32_t n, k;  // NVMe sub-groups (all of them), extent buffers
+};
+
 // Checkpoints walk the state in index order. ReadStateInOrder reads the next
 // NVMe extents (one per buffer) while the caller handles one, reads each
 // once, and leaves no read in flight, also when the caller fails part way.
 TEST(EngineNvme, InOrderReadsRunAheadOfTheVisitAndLeaveNoneInFlight) {
-  const uint64_t seed = TestSeed();
-  std::mt19937_64 rng(seed);
-  auto device = *CreateHostDevice();
-  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed});
-  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16);
-  const Case c{.where = Where::kNvme, .grad_dtype = DType::kBF16, .sub_group_elems = 1024};
-  const OffloadConfig config = MakeConfig(c);
-  auto master = model.SetParams(rng);
-  auto opt = *OffloadOptimizer::Create({.device = device.get(), .storage = fault.get()}, config,
-                                       model.Groups(kHypers));
-  const uint32_t n = opt->plan().nvme_sub_groups;
-  const uint32_t k = opt->plan().nvme_buffers;
-  ASSERT_EQ(n, opt->sub_groups().size());
-  ASSERT_GE(k, 2u);
-  ASSERT_GT(n, k + 1);
-  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
-  auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
-  ASSERT_TRUE(opt->Step().ok());
-  const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
-  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
-  const uint64_t extent = opt->last_step().write_bytes / n;
+  NvmeRig rig;
+  OffloadOptimizer& opt = *rig.opt;
+  const uint32_t n = rig.n, k = rig.k;
+  rig.Step();
+  const uint64_t extent = opt.last_step().write_bytes / n;
   // The last k extents in their buffers: the walk must read every extent.
-  for (uint32_t i = n - k; i < n; ++i) {
-    std::vector<float> s(opt->sub_groups()[i].elems() * opt->StateArrayCount());
-    ASSERT_TRUE(opt->ReadState(i, s).ok());
-  }
-  const uint64_t before = fault->stats().read_bytes.load();
-  auto read = [&] { return fault->stats().read_bytes.load() - before; };
+  for (uint32_t i = n - k; i < n; ++i) rig.State(i);
+  const uint64_t before = rig.read_bytes();
+  auto read = [&] { return rig.read_bytes() - before; };
   std::vector<std::vector<float>> seen(n);
   bool late = false;  // one wait timed out: the others are not waited for
-  Status s = opt->ReadStateInOrder([&](uint32_t i) -> Status {
-    seen[i].resize(opt->sub_groups()[i].elems() * opt->StateArrayCount());
-    STRATA_RETURN_IF_ERROR(opt->ReadState(i, seen[i]));
+  Status s = opt.ReadStateInOrder([&](uint32_t i) -> Status {
+    seen[i].resize(opt.sub_groups()[i].elems() * opt.StateArrayCount());
+    STRATA_RETURN_IF_ERROR(opt.ReadState(i, seen[i]));
     const uint64_t queued = std::min(i + k, n) * extent;
     if (!late && !WaitUntil([&] { return read() >= queued; })) {
       late = true;
@@ -520,65 +550,38 @@ TEST(EngineNvme, InOrderReadsRunAheadOfTheVisitAndLeaveNoneInFlight) {
   });
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(read(), n * extent) << "each extent read once";
-  for (uint32_t i = 0; i < n; ++i) {
-    std::vector<float> again(seen[i].size());
-    ASSERT_TRUE(opt->ReadState(i, again).ok());
-    EXPECT_EQ(again, seen[i]) << "sub-group " << i;
-  }
+  for (uint32_t i = 0; i < n; ++i) EXPECT_EQ(rig.State(i), seen[i]) << "sub-group " << i;
 
   // A visit that fails: its error as is; the reads queued ahead are waited
   // for, and the buffers they filled are not taken for committed state.
-  s = opt->ReadStateInOrder([&](uint32_t i) -> Status {
+  s = opt.ReadStateInOrder([&](uint32_t i) -> Status {
     if (i == 1) return DataLossError("the checkpoint drive failed");
-    return opt->ReadState(i, seen[i]);
+    return opt.ReadState(i, seen[i]);
   });
   EXPECT_EQ(s.code(), StatusCode::kDataLoss);
   EXPECT_EQ(s.message(), "the checkpoint drive failed");
-  ExpectSameAsReference(*opt, model, ref);
-  grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
-  ASSERT_TRUE(opt->Step().ok());
-  const GradStats st2 = FlatStats(*opt, model.FlatOrder(), grads);
-  ref.Step(grads, st2.sum_sq, st2.nonfinite_elems);
-  ExpectSameAsReference(*opt, model, ref);
+  ExpectSameAsReference(opt, rig.model, rig.ref);
+  rig.Step();
+  ExpectSameAsReference(opt, rig.model, rig.ref);
 }
 
 // UploadParams walks the masters as ReadStateInOrder does, and what it read
 // last stays in the buffers: a next step that takes its NVMe sub-groups in
 // reverse (an odd update) reads those extents no more.
 TEST(EngineNvme, UploadParamsLeavesTheExtentsItReadLastForTheNextStep) {
-  const uint64_t seed = TestSeed();
-  std::mt19937_64 rng(seed);
-  auto device = *CreateHostDevice();
-  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed});
-  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16);
-  const OffloadConfig config =
-      MakeConfig({.where = Where::kNvme, .grad_dtype = DType::kBF16, .sub_group_elems = 1024});
-  auto master = model.SetParams(rng);
-  auto opt = *OffloadOptimizer::Create({.device = device.get(), .storage = fault.get()}, config,
-                                       model.Groups(kHypers));
-  const uint32_t n = opt->plan().nvme_sub_groups;
-  const uint32_t k = opt->plan().nvme_buffers;
-  ASSERT_EQ(n, opt->sub_groups().size());
-  ASSERT_GT(n, 2 * k);
-  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
-  const auto order = model.FlatOrder();
-  auto step = [&] {
-    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
-    ASSERT_TRUE(opt->Step().ok());
-    const GradStats st = FlatStats(*opt, order, grads);
-    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
-  };
-  step();
-  step();  // an even update: forward, it ends with the last extents in the buffers
-  const uint64_t extent = opt->last_step().write_bytes / n;
-  const uint64_t before = fault->stats().read_bytes.load();
-  ASSERT_TRUE(opt->UploadParams().ok());
+  NvmeRig rig;
+  OffloadOptimizer& opt = *rig.opt;
+  rig.Step();
+  rig.Step();  // an even update: forward, it ends with the last extents in the buffers
+  const uint64_t extent = opt.last_step().write_bytes / rig.n;
+  const uint64_t before = rig.read_bytes();
+  ASSERT_TRUE(opt.UploadParams().ok());
   // The walk starts at extent 0, which displaces what the step left.
-  EXPECT_EQ(fault->stats().read_bytes.load() - before, n * extent) << "each extent read once";
-  step();
-  EXPECT_EQ(opt->last_step().resident_bytes, k * extent);
-  EXPECT_EQ(opt->last_step().read_bytes, (n - k) * extent);
-  ExpectSameAsReference(*opt, model, ref);
+  EXPECT_EQ(rig.read_bytes() - before, rig.n * extent) << "each extent read once";
+  rig.Step();
+  EXPECT_EQ(opt.last_step().resident_bytes, rig.k * extent);
+  EXPECT_EQ(opt.last_step().read_bytes, (rig.n - rig.k) * extent);
+  ExpectSameAsReference(opt, rig.model, rig.ref);
 }
 
 // WriteStateInOrder writes each NVMe sub-group while the next one is filled
@@ -586,9 +589,6 @@ TEST(EngineNvme, UploadParamsLeavesTheExtentsItReadLastForTheNextStep) {
 // place would time out), returns once all are written, and after a failed
 // fill keeps what it wrote before it and the committed state after it.
 TEST(EngineNvme, InOrderWritesRunBehindTheNextFill) {
-  const uint64_t seed = TestSeed();
-  std::mt19937_64 rng(seed);
-  auto device = *CreateHostDevice();
   std::mutex mu;
   std::condition_variable cv;
   bool hold = false;
@@ -598,16 +598,9 @@ TEST(EngineNvme, InOrderWritesRunBehindTheNextFill) {
     std::unique_lock<std::mutex> lock(mu);
     if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return !hold; })) ++timeouts;
   };
-  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed, .before_io = gate});
-  TestModel model(*device, kSizes, kGroupOf, DType::kBF16, DType::kBF16);
-  const OffloadConfig config =
-      MakeConfig({.where = Where::kNvme, .grad_dtype = DType::kBF16, .sub_group_elems = 1024});
-  model.SetParams(rng);
-  auto opt = *OffloadOptimizer::Create({.device = device.get(), .storage = fault.get()}, config,
-                                       model.Groups(kHypers));
-  const uint32_t n = opt->plan().nvme_sub_groups;
-  ASSERT_EQ(n, opt->sub_groups().size());
-  ASSERT_GT(n, opt->plan().nvme_buffers + 1);
+  NvmeRig rig({.before_io = gate});
+  OffloadOptimizer* opt = rig.opt.get();
+  const uint32_t n = rig.n;
   const uint32_t arrays = opt->StateArrayCount();
   auto value = [](uint32_t i, uint32_t a, uint64_t e, int round) {
     return static_cast<float>(round * 100000 + i * 1000 + a * 100) + 1e-3f * static_cast<float>(e);
@@ -626,8 +619,7 @@ TEST(EngineNvme, InOrderWritesRunBehindTheNextFill) {
   };
   auto expect_round = [&](uint32_t i, int round) {
     const uint64_t elems = opt->sub_groups()[i].elems();
-    std::vector<float> s(elems * arrays);
-    ASSERT_TRUE(opt->ReadState(i, s).ok());
+    const std::vector<float> s = rig.State(i);
     for (uint32_t a = 0; a < arrays; ++a) {
       for (uint64_t e = 0; e < elems; ++e) {
         ASSERT_EQ(s[a * elems + e], value(i, a, e, round))
