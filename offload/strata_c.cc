@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -365,32 +366,50 @@ int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr) {
   });
 }
 
-int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out) {
+int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out,
+                               size_t out_size) {
   if (opt == nullptr) return ReportNull("strata_optimizer_last_step", "opt");
   if (out == nullptr) return ReportNull("strata_optimizer_last_step", "out");
   // A value getter: the copy taken when the last call ended, never refused.
   return Guard("strata_optimizer_last_step", [&]() -> Status {
+    constexpr size_t kLeast = offsetof(strata_step_stats, skipped) + sizeof(int32_t);
+    if (out_size < kLeast) {
+      return strata::InvalidArgumentError(
+          fmt::format("strata_optimizer_last_step: out_size {} is smaller than the first fields of "
+                      "strata_step_stats ({} bytes): pass sizeof(strata_step_stats)",
+                      out_size, kLeast));
+    }
     const strata::StepStats s = opt->Read().last;
-    *out = strata_step_stats{};
-    out->step = s.step;
-    out->skipped = s.skipped ? 1 : 0;
-    out->loss_scale = s.loss_scale;
-    out->grad_norm = s.grad_norm;
-    out->clip_coef = s.clip_coef;
-    out->micro_steps = s.micro_steps;
-    out->d2h_sec = s.times.d2h;
-    out->comm_sec = s.times.comm;
-    out->read_sec = s.times.read;
-    out->adam_sec = s.times.adam;
-    out->write_sec = s.times.write;
-    out->h2d_sec = s.times.h2d;
-    out->step_sec = s.times.step;
-    out->grad_stats_sec = s.times.grad_stats;
-    out->device_sec = s.times.device;
-    out->read_bytes = s.read_bytes;
-    out->write_bytes = s.write_bytes;
-    out->d2h_bytes = s.d2h_bytes;
-    out->h2d_bytes = s.h2d_bytes;
+    strata_step_stats v;
+    std::memset(&v, 0, sizeof v);  // the padding too: the caller gets bytes we chose
+    v.step = s.step;
+    v.skipped = s.skipped ? 1 : 0;
+    v.loss_scale = s.loss_scale;
+    v.grad_norm = s.grad_norm;
+    v.clip_coef = s.clip_coef;
+    v.micro_steps = s.micro_steps;
+    v.d2h_sec = s.times.d2h;
+    v.comm_sec = s.times.comm;
+    v.read_sec = s.times.read;
+    v.adam_sec = s.times.adam;
+    v.write_sec = s.times.write;
+    v.h2d_sec = s.times.h2d;
+    v.step_sec = s.times.step;
+    v.grad_stats_sec = s.times.grad_stats;
+    v.device_sec = s.times.device;
+    v.read_bytes = s.read_bytes;
+    v.write_bytes = s.write_bytes;
+    v.d2h_bytes = s.d2h_bytes;
+    v.h2d_bytes = s.h2d_bytes;
+    v.nonfinite_elems = s.nonfinite_elems;
+    v.resident_bytes = s.resident_bytes;
+    v.host_dram_bytes = s.host_dram_bytes;
+    // The caller's struct is a prefix of ours (an older header) or ours is a
+    // prefix of the caller's (a newer one): copy what both know, zero the rest.
+    auto* dst = reinterpret_cast<unsigned char*>(out);
+    const size_t known = std::min(out_size, sizeof v);
+    std::memcpy(dst, &v, known);
+    std::memset(dst + known, 0, out_size - known);
     return strata::OkStatus();
   });
 }

@@ -81,7 +81,7 @@ typedef struct strata_optimizer strata_optimizer;
 const char* strata_last_error(void);
 /* "OK", "InvalidArgument", ...; "Unknown" for other values. */
 const char* strata_status_name(int status);
-/* "0.1.0". */
+/* "0.2.0". */
 const char* strata_version(void);
 
 /* Logging: lines of the levels below go to stderr ("strata: <level>:
@@ -192,7 +192,9 @@ int strata_optimizer_get_hyper(const strata_optimizer* opt, uint32_t group, stra
 int strata_optimizer_set_hyper(strata_optimizer* opt, uint32_t group, const strata_hyper* hyper);
 int strata_optimizer_set_lr(strata_optimizer* opt, uint32_t group, double lr);
 
-/* What the last step did (strata::StepStats). Times in seconds. */
+/* What the last step did (strata::StepStats). Times in seconds. Later
+ * versions only append fields, so the struct a caller was compiled with is
+ * always a prefix of the library's. */
 typedef struct strata_step_stats {
   int64_t step;
   int32_t skipped; /* 1: non-finite gradients, no update */
@@ -203,11 +205,19 @@ typedef struct strata_step_stats {
   double d2h_sec, comm_sec, read_sec, adam_sec, write_sec, h2d_sec, step_sec;
   double grad_stats_sec; /* part of adam_sec: the norm / non-finite pass */
   double device_sec;     /* device kernels: packing grads, unpacking params */
-  uint64_t read_bytes, write_bytes, d2h_bytes, h2d_bytes;
+  uint64_t read_bytes, write_bytes, d2h_bytes, h2d_bytes; /* NVMe, then PCIe */
+  uint64_t nonfinite_elems;                               /* NaN/inf gradient elements, all ranks */
+  uint64_t resident_bytes;  /* NVMe reads skipped: the extent was still in its buffer */
+  uint64_t host_dram_bytes; /* DRAM bytes the CPU read and wrote (28 per param for bf16 Adam) */
 } strata_step_stats;
 /* The last step's statistics (as of the end of the last call: a value
- * getter, never refused). */
-int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out);
+ * getter, never refused). `out_size`: sizeof(strata_step_stats) as the
+ * caller was compiled, at least through `skipped` (STRATA_INVALID_ARGUMENT
+ * otherwise). The library writes the fields that fit and zeroes any bytes
+ * of a newer caller's struct that it does not know, so callers built
+ * against an older or newer header keep working. */
+int strata_optimizer_last_step(const strata_optimizer* opt, strata_step_stats* out,
+                               size_t out_size);
 /* NaN or inf gradient elements the last step saw, over all ranks (what made
  * it skip); 0 for NULL. A value getter. */
 uint64_t strata_optimizer_last_step_nonfinite(const strata_optimizer* opt);

@@ -8,7 +8,7 @@
 namespace strata {
 
 struct BuildInfo {
-  std::string_view version;  // "0.1.0"
+  std::string_view version;  // the project version, "0.2.0"
   std::string_view build_type;
   bool cuda;   // CUDA device backend and kernels compiled in
   bool nccl;   // NCCL communicator compiled in

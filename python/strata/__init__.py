@@ -25,7 +25,7 @@ from strata import _strata
 from strata._strata import InvalidArgumentError, ResourceExhaustedError, StrataError
 
 __all__ = ["StrataError", "InvalidArgumentError", "ResourceExhaustedError"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 logger = _logging.getLogger("strata")
 _LEVELS = {"debug": _logging.DEBUG, "info": _logging.INFO, "warning": _logging.WARNING,

@@ -4,16 +4,17 @@
  * rebinding a param's memory, reloading written params, shapes and the export, the step trace, and
  * the error paths (status codes and strata_last_error). Exit status 0 on success; each failure
  * prints a line. */
+#include "offload/strata_c.h"
+
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-#include "offload/strata_c.h"
 
 static int failures = 0;
 
@@ -112,7 +113,7 @@ static void TrainAndCompare(strata_device* dev, const char* config) {
   EXPECT(worst <= 1e-5);
 
   strata_step_stats stats;
-  CHECK_OK(strata_optimizer_last_step(opt, &stats));
+  CHECK_OK(strata_optimizer_last_step(opt, &stats, sizeof stats));
   EXPECT(stats.step == kSteps && strata_optimizer_step_count(opt) == kSteps);
   EXPECT(stats.skipped == 0 && stats.grad_norm > 0 && stats.step_sec > 0);
   char line[8];
@@ -617,8 +618,9 @@ static void* Watch(void* arg) {
     if (n < last) ++m->backwards;
     last = n;
     strata_step_stats stats;
-    if (strata_optimizer_last_step(m->opt, &stats) != STRATA_OK || stats.step < last_step ||
-        stats.skipped != 0 || strata_optimizer_last_step_nonfinite(m->opt) != 0) {
+    if (strata_optimizer_last_step(m->opt, &stats, sizeof stats) != STRATA_OK ||
+        stats.step < last_step || stats.skipped != 0 ||
+        strata_optimizer_last_step_nonfinite(m->opt) != 0) {
       ++m->backwards;
     }
     last_step = stats.step;
@@ -702,7 +704,7 @@ static void MonitorThread(strata_device* dev) {
   t.g[7] = INFINITY;
   CHECK_OK(strata_optimizer_step(m.opt));
   strata_step_stats stats;
-  CHECK_OK(strata_optimizer_last_step(m.opt, &stats));
+  CHECK_OK(strata_optimizer_last_step(m.opt, &stats, sizeof stats));
   EXPECT(stats.skipped == 1 && strata_optimizer_step_count(m.opt) == 30);
   EXPECT(strata_optimizer_last_step_nonfinite(m.opt) == 2);
   EXPECT(strata_optimizer_last_step_nonfinite(NULL) == 0);
@@ -726,9 +728,81 @@ static void AccumulationReadsEachMicroStep(strata_device* dev) {
   }
   CHECK_OK(strata_optimizer_step(opt));
   strata_step_stats st;
-  CHECK_OK(strata_optimizer_last_step(opt, &st));
+  CHECK_OK(strata_optimizer_last_step(opt, &st, sizeof st));
   EXPECT(st.micro_steps == 3);
   EXPECT(fabs(st.grad_norm / sqrt((double)kN) - 6.0) < 1e-6);
+  strata_optimizer_free(opt);
+  free(w);
+  free(g);
+}
+
+/* strata_step_stats as a caller built against an older header knew it: the
+ * fields up to h2d_bytes. */
+typedef struct {
+  int64_t step;
+  int32_t skipped;
+  double loss_scale;
+  double grad_norm;
+  float clip_coef;
+  uint32_t micro_steps;
+  double d2h_sec, comm_sec, read_sec, adam_sec, write_sec, h2d_sec, step_sec;
+  double grad_stats_sec;
+  double device_sec;
+  uint64_t read_bytes, write_bytes, d2h_bytes, h2d_bytes;
+} StepStatsV1;
+
+/* strata_step_stats only grows at its end. An older caller's struct gets its
+ * fields and nothing past them; a newer caller's bytes this library does not
+ * know come back zero; a size short of the first fields is refused. The
+ * later fields are filled: after two NVMe steps, extents were still in their
+ * buffers. */
+static void StepStatsSizes(strata_device* dev, const char* nvme_dir) {
+  float* w = calloc(kW, sizeof(float));
+  float* g = calloc(kW, sizeof(float));
+  unsigned seed = 7;
+  for (int i = 0; i < kW; ++i) w[i] = Rand(&seed);
+  strata_param p = {"w", w, g, kW, 0};
+  char config[512];
+  snprintf(config, sizeof config,
+           "{\"zero_optimization\": {\"sub_group_size\": 512, \"offload_optimizer\": "
+           "{\"device\": \"nvme\", \"nvme_path\": \"%s\"}}}",
+           nvme_dir);
+  strata_optimizer* opt = NULL;
+  CHECK_OK(strata_optimizer_create(dev, NULL, NULL, config, &p, 1, NULL, 1, &opt));
+  for (int k = 0; k < 2; ++k) {
+    for (int i = 0; i < kW; ++i) g[i] = Rand(&seed);
+    CHECK_OK(strata_optimizer_step(opt));
+  }
+  strata_step_stats full;
+  CHECK_OK(strata_optimizer_last_step(opt, &full, sizeof full));
+  EXPECT(full.step == 2 && full.skipped == 0 && full.nonfinite_elems == 0);
+  EXPECT(full.resident_bytes > 0);
+  EXPECT(full.host_dram_bytes >= 24u * kW); /* at least the fp32 state in and out */
+
+  union {
+    StepStatsV1 s;
+    unsigned char b[sizeof(StepStatsV1) + 16];
+  } older;
+  memset(older.b, 0xAB, sizeof older.b);
+  CHECK_OK(strata_optimizer_last_step(opt, (strata_step_stats*)&older, sizeof(StepStatsV1)));
+  EXPECT(memcmp(older.b, &full, sizeof(StepStatsV1)) == 0);
+  int untouched = 1;
+  for (size_t i = sizeof(StepStatsV1); i < sizeof older.b; ++i) untouched &= older.b[i] == 0xAB;
+  EXPECT(untouched);
+
+  union {
+    strata_step_stats s;
+    unsigned char b[sizeof(strata_step_stats) + 24];
+  } newer;
+  memset(newer.b, 0xAB, sizeof newer.b);
+  CHECK_OK(strata_optimizer_last_step(opt, &newer.s, sizeof newer.b));
+  EXPECT(memcmp(newer.b, &full, sizeof full) == 0);
+  int zeroed = 1;
+  for (size_t i = sizeof full; i < sizeof newer.b; ++i) zeroed &= newer.b[i] == 0;
+  EXPECT(zeroed);
+
+  EXPECT(strata_optimizer_last_step(opt, &full, 4) == STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "out_size 4") != NULL);
   strata_optimizer_free(opt);
   free(w);
   free(g);
@@ -758,6 +832,7 @@ int main(void) {
   SaveLoad(dev, ckpt);
   Safety(dev, dir);
   Trace(dev, dir);
+  StepStatsSizes(dev, dir);
   char cmd[700];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
