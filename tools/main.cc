@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/build_info.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -67,7 +68,7 @@ int main(int argc, char** argv) {
   using strata::cli::Cli;
   Cli cli;
   cli.app.require_subcommand(1);
-  cli.app.set_version_flag("--version", "strata 0.1.0");
+  cli.app.set_version_flag("--version", fmt::format("strata {}", strata::GetBuildInfo().version));
   cli.bench = cli.app.add_subcommand(
       "bench", "Measure PCIe, NVMe, CPU Adam, whole-step and checkpoint throughput");
   cli.bench->require_subcommand(1);
