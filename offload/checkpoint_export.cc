@@ -14,6 +14,7 @@
 #include "offload/checkpoint_internal.h"
 #include "runtime/atomic_file.h"
 #include "runtime/log.h"
+#include "runtime/units.h"
 
 namespace strata {
 
@@ -69,6 +70,34 @@ Result<std::vector<std::string>> StaleExportFiles(const std::string& out_dir,
             .WithContext(fmt::format("{}: a file of an earlier export cannot be replaced", op)));
   }
   return stale;
+}
+
+// Removes the temporaries that exports killed part way (SIGKILL, an
+// out-of-memory kill) left in `dir`: up to a whole shard each, and nothing
+// else removes them. Those of `one_file` when it is given, else those of
+// any export file name.
+Status RemoveDeadTemporaries(Storage& storage, const std::string& dir, const std::string& one_file,
+                             std::string_view op) {
+  const std::vector<std::string> dead = DeadTemporaries(dir, [&](std::string_view target) {
+    return one_file.empty() ? IsExportFileName(std::string(target)) : target == one_file;
+  });
+  uint64_t bytes = 0;
+  for (const std::string& path : dead) {
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(path, ec);
+    STRATA_RETURN_IF_ERROR(
+        (storage.Remove(path))
+            .WithContext(fmt::format(
+                "{}: remove {}, the temporary file of an export that was killed part way", op,
+                path)));
+    if (!ec) bytes += size;
+  }
+  if (!dead.empty()) {
+    LogInfo(
+        fmt::format("{}: removed {} temporary file(s), {}, that exports killed part way left: {}",
+                    op, dead.size(), FormatBytes(bytes), fmt::join(dead, ", ")));
+  }
+  return OkStatus();
 }
 
 // Removes what StaleExportFiles found, once this export's data files are
@@ -251,6 +280,9 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   }
 
   STRATA_ASSIGN_OR_RETURN(StorageRef storage, StorageRef::Of(options.storage));
+  STRATA_RETURN_IF_ERROR(RemoveDeadTemporaries(
+      *storage.storage, one_file ? fs::path(out).parent_path().string() : out_dir,
+      one_file ? fs::path(out).filename().string() : "", op));
   ExportResult result;
   std::vector<float> buf(std::max<uint64_t>(options.buffer_bytes / 4, 1024));
   std::vector<std::byte> converted;

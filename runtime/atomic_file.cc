@@ -1,14 +1,17 @@
 #include "runtime/atomic_file.h"
 
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <random>
 #include <vector>
@@ -298,6 +301,35 @@ Status AtomicFileWriter::Commit() {
   }
   Abandon();
   return error_ = s;
+}
+
+std::vector<std::string> DeadTemporaries(const std::string& dir,
+                                         const std::function<bool(std::string_view)>& wanted) {
+  std::vector<std::string> dead;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.empty() ? "." : dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    // ".<target>.tmp-<pid>-<hex>"
+    const size_t tmp = name.rfind(".tmp-");
+    if (name.size() < 2 || name[0] != '.' || tmp == std::string::npos || tmp < 2) continue;
+    const size_t dash = name.find('-', tmp + 5);
+    if (dash == std::string::npos || dash == tmp + 5 || dash + 1 == name.size()) continue;
+    const std::string_view pid_text = std::string_view(name).substr(tmp + 5, dash - tmp - 5);
+    const std::string_view hex = std::string_view(name).substr(dash + 1);
+    if (!std::all_of(pid_text.begin(), pid_text.end(),
+                     [](char c) { return c >= '0' && c <= '9'; }) ||
+        !std::all_of(hex.begin(), hex.end(), [](char c) { return std::isxdigit(c) != 0; }) ||
+        pid_text.size() > 9) {
+      continue;
+    }
+    const pid_t pid = static_cast<pid_t>(std::stol(std::string(pid_text)));
+    if (pid <= 0 || !wanted(std::string_view(name).substr(1, tmp - 1))) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive, or not ours to signal
+    if (!entry.is_regular_file(ec)) continue;
+    dead.push_back(entry.path().string());
+  }
+  std::sort(dead.begin(), dead.end());
+  return dead;
 }
 
 Status WriteFileAtomically(Storage& storage, const std::string& path, std::string_view bytes,

@@ -41,6 +41,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "runtime/status.h"
 #include "runtime/storage.h"
@@ -138,6 +139,16 @@ using AtomicFileListener = std::function<void(AtomicFileEvent, const std::string
 // thread-safe where writers run on several threads, and must not use a
 // writer.
 AtomicFileListener SetAtomicFileListener(AtomicFileListener listener);
+
+// The temporaries in `dir` that writers left when their process died
+// before removing them (SIGKILL, an out-of-memory kill, a crash): names as
+// AtomicFileWriter gives them, ".<target>.tmp-<pid>-<n>", whose `target`
+// `wanted` accepts and whose pid is no live process on this host. Sorted
+// paths. For a command about to write those targets again, which may remove
+// them: nothing reads a temporary. (A writer on another host, writing into
+// a shared directory at the same moment, is not told apart.)
+std::vector<std::string> DeadTemporaries(const std::string& dir,
+                                         const std::function<bool(std::string_view)>& wanted);
 
 // Create, Append(bytes), Commit.
 Status WriteFileAtomically(Storage& storage, const std::string& path, std::string_view bytes,

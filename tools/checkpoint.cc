@@ -7,10 +7,8 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <signal.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -213,21 +211,17 @@ Status ExplainUnfinishedExport(Status s, const std::string& out) {
     return s;
   }
   std::vector<std::string> shards, temporaries;
-  static const std::regex temporary(
-      "\\.model-[0-9]{5,}-of-[0-9]{5,}\\.safetensors\\.tmp-([0-9]+)-[0-9a-f]+");
   for (const auto& e : std::filesystem::directory_iterator(out, ec)) {
     const std::string name = e.path().filename().string();
-    std::smatch m;
-    if (IsShardName(name)) {
-      shards.push_back(name);
-    } else if (std::regex_match(name, m, temporary) &&
-               ::kill(static_cast<pid_t>(std::stol(m[1].str())), 0) != 0 && errno == ESRCH) {
-      temporaries.push_back(name);  // its writer is gone (SIGKILL): nothing removes it
-    }
+    if (IsShardName(name)) shards.push_back(name);
   }
   if (shards.empty()) return s;
   std::sort(shards.begin(), shards.end());
-  std::sort(temporaries.begin(), temporaries.end());
+  // Those of a writer that is gone (SIGKILL): the export with --force removes them.
+  for (const std::string& path : DeadTemporaries(
+           out, [](std::string_view target) { return IsShardName(std::string(target)); })) {
+    temporaries.push_back(std::filesystem::path(path).filename().string());
+  }
   return Status(
       s.code(),
       fmt::format("{}; note: {} holds {} ({}{}) but no {}: an export that was interrupted or "
@@ -235,7 +229,7 @@ Status ExplainUnfinishedExport(Status s, const std::string& out) {
                   s.message(), out, Plural(shards.size(), "shard"), shards.front(),
                   shards.size() > 1 ? fmt::format(" ... {}", shards.back()) : "", kIndexName,
                   temporaries.empty() ? ""
-                                      : fmt::format(" (remove its hidden temporaries by hand: {})",
+                                      : fmt::format(" and removes its hidden temporaries ({})",
                                                     fmt::join(temporaries, ", "))));
 }
 

@@ -122,6 +122,16 @@ inline std::string ReadFileBytes(const std::string& path) {
 }
 
 // The names in a directory, sorted.
+// A pid that was a process of this host and is no longer: a child that
+// exited and was reaped (the kernel hands pids out in order, so it is not
+// reused for a long while).
+inline pid_t DeadPid() {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  ::waitpid(pid, nullptr, 0);
+  return pid;
+}
+
 inline std::vector<std::string> DirNames(const std::string& dir) {
   std::vector<std::string> out;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {

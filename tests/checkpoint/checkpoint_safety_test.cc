@@ -438,6 +438,42 @@ TEST_F(ExportShapedTest, AnInterruptedExportLeavesNothing) {
   }
 }
 
+// An export killed part way (SIGKILL, an out-of-memory kill) leaves its
+// temporary, up to a whole shard. The next export into that directory
+// removes those of dead processes and says so; a live writer's, and other
+// files', stay. A one-file export removes its own target's only.
+TEST_F(ExportShapedTest, AnExportRemovesTheTemporariesOfExportsKilledPartWay) {
+  TempDir out;
+  const std::string dir = out.File("hf");
+  fs::create_directory(dir);
+  const std::string dead = std::to_string(testing::DeadPid());
+  const std::string alive = std::to_string(::getpid());
+  const std::vector<std::string> killed = {".model-00001-of-00007.safetensors.tmp-" + dead + "-a1",
+                                           ".model.safetensors.tmp-" + dead + "-b2"};
+  const std::vector<std::string> kept = {".model.safetensors.tmp-" + alive + "-c3",
+                                         ".notes.txt.tmp-" + dead + "-d4"};
+  for (const std::string& name : killed)
+    std::ofstream((dir + "/" + name)) << std::string(1000, 'x');
+  for (const std::string& name : kept) std::ofstream((dir + "/" + name)) << "y";
+  testing::LogCapture log(LogLevel::kInfo);
+  auto r = ExportSafetensors(ckpt_.path(), dir, {.max_shard_bytes = 8192});
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (const std::string& name : killed) EXPECT_FALSE(fs::exists((dir + "/" + name))) << name;
+  for (const std::string& name : kept) EXPECT_TRUE(fs::exists((dir + "/" + name))) << name;
+  const auto lines = log.Find(LogLevel::kInfo, "removed 2 temporary file(s), 1.95 KiB");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find((dir + "/" + killed[0])), std::string::npos) << lines[0];
+
+  // One file: its own target's temporaries only.
+  const std::string mine = ".m.safetensors.tmp-" + dead + "-e5";
+  const std::string other = ".model.safetensors.tmp-" + dead + "-f6";
+  std::ofstream(out.File(mine)) << "z";
+  std::ofstream(out.File(other)) << "z";
+  ASSERT_TRUE(ExportSafetensors(ckpt_.path(), out.File("m.safetensors")).ok());
+  EXPECT_FALSE(fs::exists(out.File(mine)));
+  EXPECT_TRUE(fs::exists(out.File(other)));
+}
+
 // The output path as the user gave it: an empty one is refused (it used to
 // write /model.safetensors), a directory with a trailing slash gives clean
 // paths, and a missing parent directory is named as such.

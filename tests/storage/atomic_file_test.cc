@@ -53,6 +53,31 @@ std::vector<Backend> FileBackends() {
   return out;
 }
 
+// What a writer killed before it removed its temporary left: only names as
+// the writer gives them, of targets the caller wants, whose pid is no live
+// process, and only regular files.
+TEST(DeadTemporariesTest, OnlyTheTemporariesOfDeadProcessesAndWantedTargets) {
+  TempDir dir;
+  const std::string dead = std::to_string(testing::DeadPid());
+  const std::string alive = std::to_string(::getpid());
+  for (const std::string& name : std::vector<std::string>{
+           ".a.bin.tmp-" + dead + "-1f",    // listed
+           ".a.bin.tmp-" + dead + "-2a3b",  // listed
+           ".a.bin.tmp-" + alive + "-3",    // this process: alive
+           ".a.bin.tmp-1-4",                // pid 1: alive
+           ".b.bin.tmp-" + dead + "-5",     // not a wanted target
+           ".a.bin.tmp-" + dead + "-zz",    // not a writer's name
+           "a.bin.tmp-" + dead + "-6",      // no leading dot
+           ".a.bin.tmp--7", ".a.bin.tmp-" + dead + "-", ".tmp-" + dead + "-8"}) {
+    std::ofstream(dir.File(name)) << "x";
+  }
+  fs::create_directory(dir.File(".a.bin.tmp-" + dead + "-9"));  // not a file
+  const std::vector<std::string> want = {dir.File(".a.bin.tmp-" + dead + "-1f"),
+                                         dir.File(".a.bin.tmp-" + dead + "-2a3b")};
+  EXPECT_EQ(DeadTemporaries(dir.path(), [](std::string_view t) { return t == "a.bin"; }), want);
+  EXPECT_TRUE(DeadTemporaries(dir.File("missing"), [](std::string_view) { return true; }).empty());
+}
+
 TEST(AtomicFileTest, ManyChunksReadBackBitwiseAndOnlyTheTargetRemains) {
   for (const Backend& b : FileBackends()) {
     SCOPED_TRACE(b.name);

@@ -108,12 +108,16 @@ def main():
     want = f"{hf} holds {len(left)} shard"
     if r.returncode != 1 or want not in r.stderr or \
             "interrupted or failed before it wrote its index; --force replaces them" not in r.stderr \
-            or "remove its hidden temporaries by hand: .model-" not in r.stderr:
+            or "--force replaces them and removes its hidden temporaries (.model-" not in r.stderr:
         fail(f"re-run over the shards of a killed export: exit {r.returncode}, stderr "
              f"{r.stderr!r}, want {want!r}")
-    r = subprocess.run([strata, "export"] + args + ["--force"], capture_output=True, text=True)
-    if r.returncode != 0 or INDEX not in os.listdir(hf):
-        fail(f"--force over the shards of a killed export: exit {r.returncode} {r.stderr}")
+    # --force replaces them and removes the temporaries, saying so (an info line).
+    r = subprocess.run([strata, "export"] + args + ["--force"], capture_output=True, text=True,
+                       env=dict(os.environ, STRATA_LOG="info"))
+    if r.returncode != 0 or INDEX not in os.listdir(hf) or temporaries(hf) or \
+            "that exports killed part way left: " + hf + "/.model-" not in r.stderr:
+        fail(f"--force over the shards of a killed export: exit {r.returncode} {r.stderr}, "
+             f"left {sorted(os.listdir(hf))}")
     shutil.rmtree(scratch, ignore_errors=True)
     print("check_export_signal: ok")
 
