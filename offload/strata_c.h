@@ -126,6 +126,12 @@ int strata_comm_nccl_create(strata_device* device, const uint8_t id[STRATA_NCCL_
                             int rank, int world_size, strata_comm** out);
 void strata_comm_free(strata_comm* comm);
 
+/* strata_param and strata_hyper are passed in arrays, so their layout is
+ * frozen: a later release adds per-param or per-group settings as functions
+ * (as strata_optimizer_set_param_shape), never as fields. Structs the
+ * library fills (strata_step_stats) grow at their end instead, and their
+ * getters take the caller's size. */
+
 /* One trainer tensor. `name` (UTF-8) may be NULL; it is copied. */
 typedef struct strata_param {
   const char* name;
