@@ -79,9 +79,15 @@ struct CheckpointReader::Impl {
   }
   Result<File*> FileOf(uint32_t rank, uint32_t array);
   // Reads chunks [first, last) of a file in order, queue_depth in flight,
-  // checks each chunk's checksum and hands it to `fn`.
+  // checks each chunk's checksum and hands it to `fn`. A chunk for which
+  // `place(c, bytes)` gives memory (kFileAlign-aligned; bytes is a multiple
+  // of it) is read straight there instead of into a buffer of ours: fn then
+  // sees it in place. Such memory holds the chunk's bytes even when its
+  // checksum fails.
+  using Place = std::function<std::byte*(uint64_t chunk, uint64_t bytes)>;
   Status ReadChunks(uint32_t rank, uint32_t array, uint64_t first, uint64_t last,
-                    const std::function<void(uint64_t, std::span<const std::byte>)>& fn);
+                    const std::function<void(uint64_t, std::span<const std::byte>)>& fn,
+                    const Place& place = {});
 };
 
 Result<File*> CheckpointReader::Impl::FileOf(uint32_t rank, uint32_t array) {
@@ -117,7 +123,7 @@ Result<File*> CheckpointReader::Impl::FileOf(uint32_t rank, uint32_t array) {
 
 Status CheckpointReader::Impl::ReadChunks(
     uint32_t rank, uint32_t array, uint64_t first, uint64_t last,
-    const std::function<void(uint64_t, std::span<const std::byte>)>& fn) {
+    const std::function<void(uint64_t, std::span<const std::byte>)>& fn, const Place& place) {
   const CheckpointFile& meta = info->ranks[rank].files[array];
   const uint64_t cb = info->chunk_bytes;
   auto chunk_len = [&](uint64_t c) { return std::min(cb, meta.file_bytes - c * cb); };
@@ -131,13 +137,17 @@ Status CheckpointReader::Impl::ReadChunks(
   const std::string path = PathOf(rank, array);
   const uint64_t depth = bufs.size();
   std::vector<uint8_t> done(depth, 0);
+  std::vector<std::span<std::byte>> into(depth);  // where each slot's chunk is read
   uint64_t next_submit = first;
   Status error;
   for (uint64_t next = first; next < last && error.ok(); ++next) {
     while (next_submit < last && next_submit - next < depth) {
       const uint64_t slot = next_submit % depth;
-      reqs[slot] =
-          IoRequest::Read(next_submit * cb, bufs[slot].span().first(chunk_len(next_submit)), slot);
+      const uint64_t len = chunk_len(next_submit);
+      std::byte* at = place && len % kFileAlign == 0 ? place(next_submit, len) : nullptr;
+      if (at != nullptr && reinterpret_cast<uintptr_t>(at) % kFileAlign != 0) at = nullptr;
+      into[slot] = at != nullptr ? std::span<std::byte>(at, len) : bufs[slot].span().first(len);
+      reqs[slot] = IoRequest::Read(next_submit * cb, into[slot], slot);
       done[slot] = 0;
       if (Status s = file->Submit({&reqs[slot], 1}); !s.ok()) {
         error = std::move(s);
@@ -157,7 +167,7 @@ Status CheckpointReader::Impl::ReadChunks(
       error = reqs[slot].status;
       break;
     }
-    std::span<const std::byte> data = bufs[slot].span().first(chunk_len(next));
+    std::span<const std::byte> data = into[slot];
     const uint64_t h = XXH3_64bits(data.data(), data.size());
     if (h != meta.chunk_xxh3[next]) {
       error = DataLossError(fmt::format(
@@ -356,12 +366,20 @@ Status CheckpointReader::ReadFlat(uint32_t array, ElemRange range, std::span<flo
     const uint64_t end = std::min(range.end, shard_end);
     const uint64_t lo = (range.begin - uint64_t{r} * info_.shard_elems) * 4;
     const uint64_t hi = (end - uint64_t{r} * info_.shard_elems) * 4;
+    // Whole chunks go straight into `out` where it is aligned: no copy.
     STRATA_RETURN_IF_ERROR(impl_->ReadChunks(
-        r, array, lo / cb, (hi + cb - 1) / cb, [&](uint64_t c, std::span<const std::byte> data) {
+        r, array, lo / cb, (hi + cb - 1) / cb,
+        [&](uint64_t c, std::span<const std::byte> data) {
           const uint64_t c0 = c * cb;
           const uint64_t from = std::max(lo, c0);
           const uint64_t to = std::min(hi, c0 + data.size());
-          std::memcpy(dst + (from - lo), data.data() + (from - c0), to - from);
+          std::byte* target = dst + (from - lo);
+          if (data.data() + (from - c0) != target) {
+            std::memcpy(target, data.data() + (from - c0), to - from);
+          }
+        },
+        [&](uint64_t c, uint64_t bytes) -> std::byte* {
+          return c * cb >= lo && c * cb + bytes <= hi ? dst + (c * cb - lo) : nullptr;
         }));
     dst += hi - lo;
     range.begin = end;

@@ -103,7 +103,9 @@ class FaultFile final : public File {
   // Starts (or restarts) the remainder of `r`, possibly with a fault.
   Status Dispatch(IoRequest* r) {
     FaultStats& stats = storage_->mutable_stats();
-    if (auto gate = storage_->options().before_io) gate(r->op, info_.path);
+    if (auto gate = storage_->options().before_io) {
+      gate(r->op, info_.path, r->buffer.subspan(r->transferred_bytes));
+    }
     if (storage_->Draw(&FaultOptions::latency_one_in)) {
       stats.delays.fetch_add(1);
       std::this_thread::sleep_for(storage_->options().latency);

@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "runtime/storage.h"
@@ -61,8 +62,10 @@ struct FaultOptions {
   uint32_t sync_eio_one_in = 0;
   uint32_t queue_fail_one_in = 0;
   DropUnsynced drop_unsynced = DropUnsynced::kOff;
-  // On the thread that submits the request, before the faults are drawn.
-  std::function<void(IoOp op, const std::string& path)> before_io;
+  // On the thread that submits the request, before the faults are drawn;
+  // `buffer`: what this attempt reads into or writes from.
+  std::function<void(IoOp op, const std::string& path, std::span<const std::byte> buffer)>
+      before_io;
 };
 
 struct FaultStats {

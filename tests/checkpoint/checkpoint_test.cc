@@ -20,6 +20,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
@@ -2091,6 +2092,72 @@ TEST(OnePassLoadTest, ANewOptimizerReadsEachFileOnceAndASteppedOneVerifiesFirst)
   ExpectSameSnapshot(*TakeSnapshot(target), *TakeSnapshot(saved));
   EXPECT_GE(counting->stats().read_bytes.load() - once, info.data_bytes() + payload)
       << "every file verified whole, then read again";
+}
+
+// ReadFlat reads whole chunks straight into an output aligned to 4096 bytes
+// (no copy) and the partial ones at its ends through the reader's buffers;
+// an unaligned output gets every chunk through them. Same values either way,
+// and a chunk read in place that fails its checksum still fails the read.
+TEST(ReaderTest, WholeChunksAreReadStraightIntoAnAlignedOutput) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  {
+    Cluster saved(1, CkptConfig(Where::kHost), seed);
+    ASSERT_TRUE(saved.status().ok()) << saved.status();
+    ASSERT_TRUE(saved.Train(seed, 1).ok());
+    ASSERT_TRUE(saved.Save(dir.path(), {.chunk_bytes = 4096}).ok());
+  }
+  std::mutex mu;
+  std::vector<std::span<const std::byte>> reads;
+  auto storage = testing::FaultStorage::Create(
+      CreatePosixStorage(),
+      {.seed = seed, .before_io = [&](IoOp op, const std::string&, std::span<const std::byte> b) {
+         std::lock_guard<std::mutex> lock(mu);
+         if (op == IoOp::kRead) reads.push_back(b);
+       }});
+  auto reader = *CheckpointReader::Open(dir.path(), {.storage = storage.get()});
+  const uint64_t n = reader->info().total_elems;
+  ASSERT_GT(n * 4, 4 * 4096u) << "several whole chunks";
+  // [begin, n) with begin 1: the first chunk is partial, the last one is
+  // padded past the payload.
+  const ElemRange range{1, n};
+  const size_t bytes = range.elems() * 4;
+  std::unique_ptr<std::byte, decltype(&std::free)> memory(
+      static_cast<std::byte*>(std::aligned_alloc(4096, (bytes + 8191) / 4096 * 4096)), &std::free);
+  // Elem 1 (file byte 4) at memory + 4: the chunks' file offsets and their
+  // places in the output agree modulo 4096. A vector's data is 16-byte
+  // aligned, so never 4 past a page: no chunk of it is aligned.
+  const std::span<float> aligned(reinterpret_cast<float*>(memory.get() + 4), range.elems());
+  std::vector<float> unaligned(range.elems());
+  auto in_out = [&](std::span<const float> out) {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto* lo = reinterpret_cast<const std::byte*>(out.data());
+    uint64_t in_place = 0;
+    for (std::span<const std::byte> b : reads) {
+      if (b.data() >= lo && b.data() + b.size() <= lo + out.size_bytes()) in_place += b.size();
+    }
+    reads.clear();
+    return in_place;
+  };
+  ASSERT_TRUE(reader->ReadFlat(0, range, unaligned).ok());
+  EXPECT_EQ(in_out(unaligned), 0u);
+  Status s = reader->ReadFlat(0, range, aligned);
+  ASSERT_TRUE(s.ok()) << s;
+  const uint64_t whole = (n * 4 / 4096 - 1) * 4096;  // chunks 1 .. the last whole one
+  EXPECT_EQ(in_out(aligned), whole);
+  EXPECT_TRUE(std::equal(aligned.begin(), aligned.end(), unaligned.begin(), [](float a, float b) {
+    return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+  }));
+
+  // A bit flipped in chunk 2, which is read in place.
+  reader.reset();
+  const CheckpointFile& file = (*CheckpointReader::Open(dir.path()))->info().ranks[0].files[0];
+  testing::FlipBits((*CheckpointReader::Open(dir.path()))->info().save_dir + "/" + file.name,
+                    2 * 4096 + 17, 0x04);
+  reader = *CheckpointReader::Open(dir.path(), {.storage = storage.get()});
+  s = reader->ReadFlat(0, range, aligned);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  ExpectMentions(s, ": chunk 2 ");
 }
 
 // A chunk that fails its checksum late in a new optimizer's load, after the

@@ -593,7 +593,7 @@ TEST(EngineNvme, InOrderWritesRunBehindTheNextFill) {
   std::condition_variable cv;
   bool hold = false;
   int timeouts = 0;
-  auto gate = [&](IoOp op, const std::string&) {
+  auto gate = [&](IoOp op, const std::string&, std::span<const std::byte>) {
     if (op != IoOp::kWrite) return;
     std::unique_lock<std::mutex> lock(mu);
     if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return !hold; })) ++timeouts;
