@@ -1,6 +1,7 @@
 #include "tools/cleanup.h"
 
 #include <fmt/format.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -96,7 +97,19 @@ void RemoveEverything() {
   }
 }
 
+// The thread that made the outermost scope: the command's, which adds the
+// paths and makes the files.
+pthread_t g_owner;
+
 void OnSignal(int sig) {
+  // Only on the command's own thread, which adds no path and makes no file
+  // while the handler removes them. Run on another thread, the handler
+  // raced the command: a file made after its pass was left behind.
+  // (pthread_self and pthread_kill are async-signal-safe.)
+  if (!::pthread_equal(::pthread_self(), g_owner)) {
+    ::pthread_kill(g_owner, sig);
+    return;
+  }
   RemoveEverything();
   ::signal(sig, SIG_DFL);
   ::raise(sig);
@@ -148,6 +161,7 @@ void KillAndReap(pid_t pid) {
 
 CleanupScope::CleanupScope() {
   if (g_scopes++ > 0) return;
+  g_owner = ::pthread_self();
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigemptyset(&sa.sa_mask);

@@ -24,7 +24,10 @@
 // drive probe's files inside bench step's scope); the child processes of
 // every live scope are killed first (SIGKILL, then waited for up to a
 // second), then every file goes, then the directories, the last added first.
-// Add paths from one thread at a time; the handler may run on any thread.
+// The handler runs on the thread that made the outermost scope (the
+// command's): a signal another thread receives is passed on to it, so that
+// thread adds no path and makes no file while the handler removes them.
+// Paths added from other threads (under the caller's lock) can still race it.
 #pragma once
 
 #include <sys/types.h>
