@@ -27,8 +27,10 @@ endfunction()
 # that gtest_discover_tests itself sets on every test (3.25 and later). Passing
 # it again in PROPERTIES breaks CMake 4, which writes the value into a bracket
 # argument that its trailing "]" closes early (tests/cmake/check_gtest_skip.sh).
+# RESOURCE_LOCK name: ctest runs none of its tests beside another test that
+# holds the same lock (tests/CMakeLists.txt: free_space).
 function(strata_cc_test)
-  cmake_parse_arguments(A "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
+  cmake_parse_arguments(A "" "NAME;RESOURCE_LOCK" "SRCS;DEPS;LABELS" ${ARGN})
   add_executable(${A_NAME} ${A_SRCS})
   target_link_libraries(${A_NAME} PRIVATE ${A_DEPS} GTest::gtest GTest::gtest_main GTest::gmock)
   target_compile_options(${A_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${STRATA_WARNINGS}>)
@@ -36,8 +38,12 @@ function(strata_cc_test)
   if(NOT _labels)
     set(_labels unit)
   endif()
+  set(_properties LABELS "${_labels}")
+  if(A_RESOURCE_LOCK)
+    list(APPEND _properties RESOURCE_LOCK "${A_RESOURCE_LOCK}")
+  endif()
   gtest_discover_tests(${A_NAME}
-    PROPERTIES LABELS "${_labels}"
+    PROPERTIES ${_properties}
     DISCOVERY_TIMEOUT 60)
 endfunction()
 
