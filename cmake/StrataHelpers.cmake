@@ -28,7 +28,7 @@ endfunction()
 # it again in PROPERTIES breaks CMake 4, which writes the value into a bracket
 # argument that its trailing "]" closes early (tests/cmake/check_gtest_skip.sh).
 # RESOURCE_LOCK name: ctest runs none of its tests beside another test that
-# holds the same lock (tests/CMakeLists.txt: free_space).
+# holds the same lock (free_space: tests/offload/CMakeLists.txt).
 function(strata_cc_test)
   cmake_parse_arguments(A "" "NAME;RESOURCE_LOCK" "SRCS;DEPS;LABELS" ${ARGN})
   add_executable(${A_NAME} ${A_SRCS})
