@@ -189,12 +189,16 @@ struct ReaderOptions {
   uint32_t queue_depth = 8;
   DirectIo direct = DirectIo::kAuto;
   DuplicateNames duplicate_names = DuplicateNames::kRefuse;
+  // Verify checks the arrays on threads of their own, at most this many
+  // (<= 0: one per array, up to the hardware's threads; 1: one thread).
+  int threads = 0;
 };
 
 // Reads a checkpoint: the save latest.json names (or DIR itself when it is a
 // save directory), every rank's manifest, checked for consistency on Open.
 // Data reads verify each chunk's checksum as it arrives. Host memory:
-// queue_depth + 1 chunks.
+// queue_depth + 1 chunks per array read. Reads of different arrays may run
+// on different threads at once; one array's may not.
 class CheckpointReader {
  public:
   static Result<std::unique_ptr<CheckpointReader>> Open(const std::string& dir,

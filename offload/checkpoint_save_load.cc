@@ -6,13 +6,14 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <random>
 #include <regex>
-#include <map>
 #include <set>
 #include <span>
 
@@ -218,16 +219,21 @@ class ArrayFile {
     XXH3_freeState(hash_);
   }
 
-  // Appends elems [0, elems) of `array` of sub-group `index`, read from the
-  // state straight into the writer's chunks.
+  // Appends elems [0, elems) of `array` of sub-group `index` straight into
+  // the writer's chunks: from `state` (host memory) or, where it is empty
+  // (device state), read with ReadState.
   Status AppendState(OffloadOptimizer& opt, uint32_t index, uint32_t array, uint64_t elems,
-                     ProgressReporter& progress) {
+                     std::span<const float> state, ProgressReporter& progress) {
     uint64_t begin = 0;
     return writer_->AppendFilled(elems * sizeof(float), [&](std::span<std::byte> piece) {
       // Only whole floats are appended before the padding: pieces hold floats.
       const std::span<float> out(reinterpret_cast<float*>(piece.data()),
                                  piece.size() / sizeof(float));
-      STRATA_RETURN_IF_ERROR(opt.ReadState(index, array, begin, out));
+      if (state.empty()) {
+        STRATA_RETURN_IF_ERROR(opt.ReadState(index, array, begin, out));
+      } else {
+        std::memcpy(out.data(), state.data() + begin, out.size_bytes());
+      }
       begin += out.size();
       progress.Add(piece.size());
       return OkStatus();
@@ -650,16 +656,14 @@ Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& sav
     files.push_back(std::move(f));
   }
   // The state goes straight into the writers' chunks: host memory stays at
-  // those chunks, whatever the sub-group size. NVMe state is read ahead.
+  // those chunks, whatever the sub-group size. NVMe state is read ahead; the
+  // arrays' files are written (copied, hashed) on threads of their own.
   ProgressReporter progress(fmt::format("rank {}: save {}", rank, save_dir),
                             opt.shard().elems() * arrays * 4, ProgressUnit::kBytes);
-  STRATA_RETURN_IF_ERROR(opt.ReadStateInOrder([&](uint32_t i) -> Status {
-    const uint64_t elems = opt.sub_groups()[i].elems();
-    for (uint32_t a = 0; a < arrays; ++a) {
-      STRATA_RETURN_IF_ERROR(files[a]->AppendState(opt, i, a, elems, progress));
-    }
-    return OkStatus();
-  }));
+  STRATA_RETURN_IF_ERROR(
+      opt.ReadStateInOrder([&](uint32_t i, uint32_t a, std::span<const float> state) -> Status {
+        return files[a]->AppendState(opt, i, a, opt.sub_groups()[i].elems(), state, progress);
+      }));
   progress.Finish();
   RankManifest manifest{.rank = rank, .shard = opt.shard(), .files = {}};
   for (uint32_t a = 0; a < arrays; ++a) {
@@ -1023,11 +1027,12 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
       return InvalidArgumentError(
           "the checkpoint directory is empty; give the directory given to Save");
     }
-    STRATA_ASSIGN_OR_RETURN(
-        reader, CheckpointReader::Open(dir, {.storage = o.storage,
-                                             .queue_depth = o.queue_depth,
-                                             .direct = o.direct,
-                                             .duplicate_names = DuplicateNames::kAllow}));
+    STRATA_ASSIGN_OR_RETURN(reader,
+                            CheckpointReader::Open(dir, {.storage = o.storage,
+                                                         .queue_depth = o.queue_depth,
+                                                         .direct = o.direct,
+                                                         .duplicate_names = DuplicateNames::kAllow,
+                                                         .threads = opt.config().threads}));
     const CheckpointInfo& info = reader->info();
     const std::string manifest = info.save_dir + "/" + RankName(0) + ".json";
     STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, "load checkpoint"));
@@ -1119,14 +1124,11 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
     // Straight into the state (a device sub-group's through pieces of
     // kStatePieceElems): no buffer of a sub-group's state. An NVMe
     // sub-group's write runs while the next one is read from the checkpoint.
-    uint32_t mapped = UINT32_MAX;  // the sub-group `pieces` maps
-    std::vector<MappedPiece> pieces;
+    // The arrays are filled on threads of their own: each call maps its range.
     STRATA_RETURN_IF_ERROR(opt.WriteStateInOrder(
         [&](uint32_t i, uint32_t a, uint64_t begin, std::span<float> out) -> Status {
-          if (mapped != i) {
-            STRATA_ASSIGN_OR_RETURN(pieces, MapRange(info, opt.layout(), opt.sub_groups()[i]));
-            mapped = i;
-          }
+          STRATA_ASSIGN_OR_RETURN(std::vector<MappedPiece> pieces,
+                                  MapRange(info, opt.layout(), opt.sub_groups()[i]));
           const uint64_t end = begin + out.size();
           uint64_t done = begin;  // the pieces come in order: zero only the padding between
           for (const MappedPiece& p : pieces) {

@@ -1738,10 +1738,20 @@ Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint6
   return m.tiers->Write(index, fill, piece_elems).WithContext("write state");
 }
 
-Status OffloadOptimizer::ReadStateInOrder(const std::function<Status(uint32_t index)>& visit) {
+Status OffloadOptimizer::ReadStateInOrder(const StateVisit& visit) {
   Impl& m = *impl_;
   if (m.pending) return m.FailedStepError("read state");
-  return m.WalkInOrder(0, visit);
+  return m.WalkInOrder(0, [&](uint32_t i) -> Status {
+    if (m.tiers->on_device(i)) {
+      for (uint32_t a = 0; a < m.arrays; ++a) STRATA_RETURN_IF_ERROR(visit(i, a, {}));
+      return OkStatus();
+    }
+    STRATA_ASSIGN_OR_RETURN(std::span<const float> state, m.tiers->View(i));
+    const uint64_t elems = m.sub_groups[i].elems();
+    return m.tiers->ForEachArray(
+        /*concurrent=*/true,
+        [&](uint32_t a) { return visit(i, a, state.subspan(a * elems, elems)); });
+  });
 }
 
 Status OffloadOptimizer::WriteStateInOrder(const IndexedStateFill& fill, uint64_t piece_elems) {
@@ -1749,12 +1759,11 @@ Status OffloadOptimizer::WriteStateInOrder(const IndexedStateFill& fill, uint64_
   m.BeginStateWrite();
   Status s;
   for (uint32_t i = 0; i < m.sub_groups.size() && s.ok(); ++i) {
-    s = m.tiers->Write(
-        i,
-        [&](uint32_t array, uint64_t begin, std::span<float> piece) {
-          return fill(i, array, begin, piece);
-        },
-        piece_elems, /*wait=*/false);
+    s = m.tiers->Write(i,
+                       [&](uint32_t array, uint64_t begin, std::span<float> piece) {
+                         return fill(i, array, begin, piece);
+                       },
+                       piece_elems, {.wait = false, .concurrent_arrays = true});
   }
   Status written = m.tiers->FinishWrites([](uint32_t, const Status&) {});
   if (s.ok()) s = std::move(written);

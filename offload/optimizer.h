@@ -328,15 +328,26 @@ class OffloadOptimizer {
   Status UpdateState(uint32_t index, uint32_t array, const StateUpdate& update,
                      uint64_t piece_elems = 1 << 20);
   // The whole state, sub-group by sub-group in index order (checkpoints),
-  // with the NVMe IO beside the caller's work. Read: `visit(index)` for
-  // every sub-group, which reads it with ReadState while the next NVMe
-  // extents are read ahead; no read is left in flight when it returns (the
-  // first error: visit's, as is). Write: WriteState of every sub-group from
-  // `fill(index, array, begin, piece)`, each NVMe sub-group written while
-  // the next ones are filled; it returns once every write is done, with the
-  // first error (the sub-groups before it, and any NVMe one whose write
-  // succeeded, hold the new state; the others are as WriteState leaves them).
-  Status ReadStateInOrder(const std::function<Status(uint32_t index)>& visit);
+  // with the NVMe IO beside the caller's work and the arrays of a DRAM or
+  // NVMe sub-group on the CPU optimizer's threads (`threads`), each array's
+  // call on a thread of its own where there are enough: the calls for one
+  // sub-group's arrays may run concurrently and must touch only their own
+  // array's data; the next sub-group's start after all of them returned.
+  // Read: `visit(index, array, state)` for every array of every sub-group;
+  // `state` is that array's committed elems (DRAM, or the NVMe extent read
+  // and verified while the one before was visited), valid until visit
+  // returns; for device state it is empty and visit reads it with ReadState
+  // (those calls run in order on the calling thread). No read is left in
+  // flight when it returns (the first error: a visit's, as is, the lowest
+  // array's of the first sub-group that failed). Write: WriteState of every
+  // sub-group from `fill(index, array, begin, piece)`, each NVMe sub-group
+  // written while the next ones are filled; it returns once every write is
+  // done, with the first error (the sub-groups before it, and any NVMe one
+  // whose write succeeded, hold the new state; the others are as WriteState
+  // leaves them).
+  using StateVisit =
+      std::function<Status(uint32_t index, uint32_t array, std::span<const float> state)>;
+  Status ReadStateInOrder(const StateVisit& visit);
   using IndexedStateFill =
       std::function<Status(uint32_t index, uint32_t array, uint64_t begin, std::span<float> piece)>;
   Status WriteStateInOrder(const IndexedStateFill& fill, uint64_t piece_elems = 1 << 20);

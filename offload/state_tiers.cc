@@ -300,7 +300,24 @@ Status StateTiers::Read(uint32_t i, uint32_t array, uint64_t begin, std::span<fl
   return OkStatus();
 }
 
-Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems, bool wait) {
+Status StateTiers::ForEachArray(bool concurrent,
+                                const std::function<Status(uint32_t array)>& fn) const {
+  std::vector<Status> results(o_.arrays);
+  if (!concurrent || o_.cpu == nullptr) {
+    for (uint32_t a = 0; a < o_.arrays; ++a) results[a] = fn(a);
+  } else {
+    o_.cpu->ParallelFor(o_.arrays, 1, [&](size_t begin, size_t count) {
+      for (size_t a = begin; a < begin + count; ++a) results[a] = fn(static_cast<uint32_t>(a));
+    });
+  }
+  for (Status& s : results) {
+    if (!s.ok()) return std::move(s);
+  }
+  return OkStatus();
+}
+
+Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems,
+                         StateWriteMode mode) {
   if (on_device(i)) {
     for (uint32_t a = 0; a < o_.arrays; ++a) {
       STRATA_RETURN_IF_ERROR(
@@ -313,12 +330,10 @@ Status StateTiers::Write(uint32_t i, const StateFill& fill, uint64_t piece_elems
   }
   const uint64_t elems = o_.sub_groups[i].elems();
   STRATA_RETURN_IF_ERROR(Fill(i, [&](std::span<float> s) -> Status {
-    for (uint32_t a = 0; a < o_.arrays; ++a) {
-      STRATA_RETURN_IF_ERROR(fill(a, 0, s.subspan(a * elems, elems)));
-    }
-    return OkStatus();
+    return ForEachArray(mode.concurrent_arrays,
+                        [&](uint32_t a) { return fill(a, 0, s.subspan(a * elems, elems)); });
   }));
-  return wait ? WaitWrite(i) : OkStatus();
+  return mode.wait ? WaitWrite(i) : OkStatus();
 }
 
 Status StateTiers::Update(uint32_t i, uint32_t array, const StateUpdate& update,

@@ -73,6 +73,12 @@ struct TierFigures {
   uint64_t resident_bytes = 0;  // reads skipped: the extent was still in its buffer
 };
 
+// How StateTiers::Write runs.
+struct StateWriteMode {
+  bool wait = true;                // an NVMe write is waited for
+  bool concurrent_arrays = false;  // the arrays' fills run as ForEachArray runs them
+};
+
 class StateTiers {
  public:
   static Result<std::unique_ptr<StateTiers>> Create(const StateTiersOptions& options);
@@ -136,13 +142,19 @@ class StateTiers {
   // array); a device one through a host buffer of at most `piece_elems`.
   // NVMe: written as a new generation once every fill succeeded; a failed
   // fill leaves the committed one. Host: a failed fill leaves it partly set.
-  // With `wait` false an NVMe write is left in flight (write-behind: the
-  // next Fill of its buffer or FinishWrites waits for it). The caller checks
-  // the ranges.
+  // Without `mode.wait` an NVMe write is left in flight (write-behind: the
+  // next Fill of its buffer or FinishWrites waits for it); with
+  // `mode.concurrent_arrays` the fills of host and NVMe state run as
+  // ForEachArray runs them. The caller checks the ranges.
   Status Read(uint32_t i, std::span<float> out);
   Status Read(uint32_t i, uint32_t array, uint64_t begin, std::span<float> out);
   using StateFill = std::function<Status(uint32_t array, uint64_t begin, std::span<float> piece)>;
-  Status Write(uint32_t i, const StateFill& fill, uint64_t piece_elems, bool wait = true);
+  Status Write(uint32_t i, const StateFill& fill, uint64_t piece_elems, StateWriteMode mode = {});
+  // fn(0) ... fn(arrays - 1) on the CPU optimizer's threads (in order on
+  // the calling thread without them, or when not `concurrent`): a
+  // checkpoint's arrays, whose files are independent. All run; the lowest
+  // array's error is returned.
+  Status ForEachArray(bool concurrent, const std::function<Status(uint32_t array)>& fn) const;
   // Changes one array in place: `update(begin, piece)` sees the committed
   // values and returns whether it changed any. One piece for host and NVMe
   // state; a device one's through a host buffer of at most `piece_elems`.

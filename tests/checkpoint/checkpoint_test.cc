@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -2236,6 +2237,64 @@ INSTANTIATE_TEST_SUITE_P(Tiers, OnePassLoadFailureTest,
                                            std::tuple{Where::kNvme, 0.0, 1},
                                            std::tuple{Where::kMixed, 0.0, 2},
                                            std::tuple{Where::kHost, 0.5, 1}));
+
+// Verify checks the arrays' files on threads of their own (the two
+// checksums per byte are CPU work at about a drive's rate): reads of two
+// files are in flight at once. With threads = 1 the files are read one after
+// the other. Of two corrupt files, the error names the lower array's.
+TEST(ReaderTest, VerifyReadsTheArraysFilesOnThreadsOfTheirOwn) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  {
+    Cluster saved(1, CkptConfig(Where::kHost), seed);
+    ASSERT_TRUE(saved.status().ok()) << saved.status();
+    ASSERT_TRUE(saved.Train(seed, 1).ok());
+    ASSERT_TRUE(saved.Save(dir.path(), {.chunk_bytes = 4096}).ok());
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> order;  // the data file of each read, as submitted
+  bool meet = true;                // a read waits until another file was read
+  int alone = 0;
+  auto storage = testing::FaultStorage::Create(
+      CreatePosixStorage(),
+      {.seed = seed,
+       .before_io = [&](IoOp op, const std::string& path, std::span<const std::byte>) {
+         if (op != IoOp::kRead || !path.ends_with(".f32")) return;  // not a manifest
+         std::unique_lock<std::mutex> lock(mu);
+         order.push_back(path);
+         cv.notify_all();
+         auto other = [&] {
+           return std::any_of(order.begin(), order.end(), [&](auto& p) { return p != path; });
+         };
+         if (meet && alone == 0 && !cv.wait_for(lock, std::chrono::seconds(10), other)) ++alone;
+       }});
+  auto reader = *CheckpointReader::Open(dir.path(), {.storage = storage.get()});
+  const uint32_t arrays = static_cast<uint32_t>(reader->info().arrays.size());
+  ASSERT_EQ(arrays, 3u);
+  Status s = reader->Verify();
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(alone, 0) << "a file's read waited 10 s for a read of another file";
+
+  meet = false;
+  order.clear();
+  reader = *CheckpointReader::Open(dir.path(), {.storage = storage.get(), .threads = 1});
+  ASSERT_TRUE(reader->Verify().ok());
+  uint32_t runs = 0;
+  for (size_t i = 0; i < order.size(); ++i) runs += i == 0 || order[i] != order[i - 1];
+  EXPECT_EQ(runs, arrays) << "one thread: each file read whole before the next";
+
+  const CheckpointInfo info = reader->info();
+  for (uint32_t a : {2u, 1u}) {
+    testing::FlipBits(info.save_dir + "/" + info.ranks[0].files[a].name, 4096 + 3, 0x10);
+  }
+  for (int threads : {0, 1}) {
+    reader = *CheckpointReader::Open(dir.path(), {.threads = threads});
+    s = reader->Verify();
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+    ExpectMentions(s, info.ranks[0].files[1].name + ": chunk 1 ");
+  }
+}
 
 }  // namespace
 }  // namespace strata

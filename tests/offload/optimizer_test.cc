@@ -535,12 +535,16 @@ TEST(EngineNvme, InOrderReadsRunAheadOfTheVisitAndLeaveNoneInFlight) {
   const uint64_t before = rig.read_bytes();
   auto read = [&] { return rig.read_bytes() - before; };
   std::vector<std::vector<float>> seen(n);
-  bool late = false;  // one wait timed out: the others are not waited for
-  Status s = opt.ReadStateInOrder([&](uint32_t i) -> Status {
+  for (uint32_t i = 0; i < n; ++i) {
     seen[i].resize(opt.sub_groups()[i].elems() * opt.StateArrayCount());
-    STRATA_RETURN_IF_ERROR(opt.ReadState(i, seen[i]));
+  }
+  bool late = false;  // one wait timed out: the others are not waited for
+  Status s = opt.ReadStateInOrder([&](uint32_t i, uint32_t a, std::span<const float> state) {
+    const uint64_t elems = opt.sub_groups()[i].elems();
+    EXPECT_EQ(state.size(), elems) << "sub-group " << i << " array " << a;
+    std::copy(state.begin(), state.end(), seen[i].begin() + a * elems);
     const uint64_t queued = std::min(i + k, n) * extent;
-    if (!late && !WaitUntil([&] { return read() >= queued; })) {
+    if (a == 0 && !late && !WaitUntil([&] { return read() >= queued; })) {
       late = true;
       ADD_FAILURE() << "while sub-group " << i << " is handled, extents up to "
                     << std::min(i + k, n) - 1 << " are read: " << read() / extent
@@ -554,12 +558,72 @@ TEST(EngineNvme, InOrderReadsRunAheadOfTheVisitAndLeaveNoneInFlight) {
 
   // A visit that fails: its error as is; the reads queued ahead are waited
   // for, and the buffers they filled are not taken for committed state.
-  s = opt.ReadStateInOrder([&](uint32_t i) -> Status {
-    if (i == 1) return DataLossError("the checkpoint drive failed");
-    return opt.ReadState(i, seen[i]);
+  s = opt.ReadStateInOrder([&](uint32_t i, uint32_t a, std::span<const float>) -> Status {
+    if (i == 1 && a == 2) return DataLossError("the checkpoint drive failed");
+    if (i == 1 && a == 1) return UnavailableError("the checkpoint drive is gone");
+    return OkStatus();
   });
-  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
-  EXPECT_EQ(s.message(), "the checkpoint drive failed");
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << "the lowest array's error: " << s;
+  EXPECT_EQ(s.message(), "the checkpoint drive is gone");
+  ExpectSameAsReference(opt, rig.model, rig.ref);
+  rig.Step();
+  ExpectSameAsReference(opt, rig.model, rig.ref);
+}
+
+// Checkpoints copy and hash each array's file on a thread of its own: the
+// calls for one sub-group's arrays run at once on the optimizer's threads
+// (2 here), and the next sub-group's start after all of them returned.
+TEST(EngineNvme, InOrderCallsForOneSubGroupsArraysRunConcurrently) {
+  if (kCpuThreads < 2) GTEST_SKIP() << "the CPU optimizer runs on one thread under TSan";
+  NvmeRig rig;
+  OffloadOptimizer& opt = *rig.opt;
+  const uint32_t n = rig.n, arrays = opt.StateArrayCount();
+  rig.Step();
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint32_t> entered(n), returned(n);
+  int alone = 0, early = 0;
+  // Each call waits until a second call of its sub-group is inside too.
+  auto meet = [&](uint32_t i) {
+    std::unique_lock<std::mutex> lock(mu);
+    for (uint32_t j = 0; j < i; ++j) early += returned[j] != arrays;
+    ++entered[i];
+    cv.notify_all();
+    if (alone == 0 &&
+        !cv.wait_for(lock, std::chrono::seconds(10), [&] { return entered[i] >= 2; })) {
+      ++alone;
+    }
+    ++returned[i];
+  };
+  auto expect_met = [&](const char* what) {
+    EXPECT_EQ(alone, 0) << what << ": a call waited 10 s for another of its sub-group";
+    EXPECT_EQ(early, 0) << what << ": a call began before the sub-group before it returned";
+    for (uint32_t i = 0; i < n; ++i) EXPECT_EQ(returned[i], arrays) << what << " " << i;
+    std::fill(entered.begin(), entered.end(), 0);
+    std::fill(returned.begin(), returned.end(), 0);
+    alone = early = 0;
+  };
+  std::vector<std::vector<float>> state(n);
+  Status s = opt.ReadStateInOrder([&](uint32_t i, uint32_t a, std::span<const float> view) {
+    meet(i);
+    std::lock_guard<std::mutex> lock(mu);
+    state[i].resize(view.size() * arrays);
+    std::copy(view.begin(), view.end(), state[i].begin() + a * view.size());
+    return OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  expect_met("read");
+  for (uint32_t i = 0; i < n; ++i) EXPECT_EQ(rig.State(i), state[i]) << "sub-group " << i;
+
+  // Written back as read: the state and the next step are unchanged.
+  s = opt.WriteStateInOrder([&](uint32_t i, uint32_t a, uint64_t begin, std::span<float> piece) {
+    meet(i);
+    const uint64_t elems = opt.sub_groups()[i].elems();
+    std::copy_n(state[i].begin() + a * elems + begin, piece.size(), piece.begin());
+    return OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  expect_met("write");
   ExpectSameAsReference(opt, rig.model, rig.ref);
   rig.Step();
   ExpectSameAsReference(opt, rig.model, rig.ref);
