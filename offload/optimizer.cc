@@ -474,13 +474,16 @@ struct OffloadOptimizer::Impl {
     pending.reset();
     failure = OkStatus();
   }
-  // visit(i) for the sub-groups from `first` in index order, until one
-  // fails (its error), with the NVMe extents read ahead; no read is left in
-  // flight.
-  Status WalkInOrder(uint32_t first, const std::function<Status(uint32_t)>& visit) {
+  // visit(i) for the sub-groups from `first` in index order (`reverse`:
+  // from the last down to `first`), until one fails (its error), with the
+  // NVMe extents read ahead; no read is left in flight.
+  Status WalkInOrder(uint32_t first, const std::function<Status(uint32_t)>& visit,
+                     bool reverse = false) {
     Status s;
-    for (uint32_t i = first; i < sub_groups.size() && s.ok(); ++i) {
-      tiers->ReadAhead(i);
+    const auto n = static_cast<uint32_t>(sub_groups.size());
+    for (uint32_t j = first; j < n && s.ok(); ++j) {
+      const uint32_t i = reverse ? n - 1 - (j - first) : j;
+      tiers->ReadAhead(i, reverse);
       s = visit(i);
     }
     tiers->DrainReads();  // what a failed visit left unread
@@ -1887,27 +1890,34 @@ Status OffloadOptimizer::UploadParams() {
   for (uint32_t i = 0; i < m.device_count; ++i) {
     STRATA_RETURN_IF_ERROR(m.publisher->PublishDevice(i, m.tiers->DeviceState(i), nullptr));
   }
-  // The masters in index order, NVMe extents read ahead and left resident
-  // for the next step. A rank that fails still joins every collective.
+  // The masters, NVMe extents read ahead, in the order opposite to the next
+  // step's NVMe sub-groups (Schedule: reversed on odd updates), so that the
+  // extents read last, left resident, are the ones that step takes first.
+  // Every rank has the same step count, so the same order. A rank that
+  // fails still joins every collective.
+  const bool next_update_forward = (m.step + 1) % 2 == 0;
   auto keep = [&](Status s) {
     if (!s.ok() && first_error.ok()) first_error = std::move(s);
   };
-  Status walked = m.WalkInOrder(m.device_count, [&](uint32_t i) -> Status {
-    const uint32_t slot = (i - m.device_count) % m.slots;
-    Status s = m.publisher->WaitSlot(slot);
-    if (s.ok()) {
-      Result<std::span<const float>> state = m.tiers->View(i);
-      if (state.ok()) {
-        ConvertOut(state->first(m.sub_groups[i].elems()), m.publisher->Staging(slot),
-                   m.config.param_dtype);
-      }
-      s = state.status();
-    }
-    const bool ok = s.ok();
-    keep(std::move(s));
-    keep(m.publisher->Publish(i, slot, ok ? PublishMode::kUpload : PublishMode::kJoin));
-    return OkStatus();
-  });
+  Status walked = m.WalkInOrder(
+      m.device_count,
+      [&](uint32_t i) -> Status {
+        const uint32_t slot = (i - m.device_count) % m.slots;
+        Status s = m.publisher->WaitSlot(slot);
+        if (s.ok()) {
+          Result<std::span<const float>> state = m.tiers->View(i);
+          if (state.ok()) {
+            ConvertOut(state->first(m.sub_groups[i].elems()), m.publisher->Staging(slot),
+                       m.config.param_dtype);
+          }
+          s = state.status();
+        }
+        const bool ok = s.ok();
+        keep(std::move(s));
+        keep(m.publisher->Publish(i, slot, ok ? PublishMode::kUpload : PublishMode::kJoin));
+        return OkStatus();
+      },
+      /*reverse=*/next_update_forward);
   keep(std::move(walked));
   if (Status s = m.publisher->Finish(); !s.ok() && first_error.ok()) first_error = std::move(s);
   m.publisher->TakeTimes();

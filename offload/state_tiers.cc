@@ -239,10 +239,19 @@ void StateTiers::DrainReads() {
   }
 }
 
-void StateTiers::ReadAhead(uint32_t i) {
+void StateTiers::ReadAhead(uint32_t i, bool reverse) {
+  // nvme_order_ is in index order; consecutive extents have distinct buffers.
+  const auto k = static_cast<ptrdiff_t>(buffers_.size());
+  if (reverse) {
+    const auto end = std::find_if(nvme_order_.begin(), nvme_order_.end(),
+                                  [i](uint32_t sub_group) { return sub_group > i; });
+    const auto first = end - std::min<ptrdiff_t>(k, end - nvme_order_.begin());
+    for (auto it = end; it != first;) StartRead(*--it);
+    return;
+  }
   const auto first = std::find_if(nvme_order_.begin(), nvme_order_.end(),
                                   [i](uint32_t sub_group) { return sub_group >= i; });
-  const auto last = first + std::min<ptrdiff_t>(buffers_.size(), nvme_order_.end() - first);
+  const auto last = first + std::min<ptrdiff_t>(k, nvme_order_.end() - first);
   for (auto it = first; it != last; ++it) StartRead(*it);
 }
 

@@ -124,8 +124,9 @@ class StateTiers {
   // have buffers of their own, at most nvme_buffers extents (the buffers of
   // the ones before, which the caller is done with, take the later ones),
   // so Read of each finds it read or in flight. DrainReads afterwards waits
-  // for any that no Read took.
-  void ReadAhead(uint32_t i);
+  // for any that no Read took. `reverse`: the same for a walk in reverse
+  // index order (the NVMe sub-groups from i down).
+  void ReadAhead(uint32_t i, bool reverse = false);
 
   // Sets i's whole state (not a device one: Write): `fill` writes every one
   // of its elems x arrays floats in place; an NVMe one is then queued for

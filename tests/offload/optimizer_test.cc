@@ -629,23 +629,27 @@ TEST(EngineNvme, InOrderCallsForOneSubGroupsArraysRunConcurrently) {
   ExpectSameAsReference(opt, rig.model, rig.ref);
 }
 
-// UploadParams walks the masters as ReadStateInOrder does, and what it read
-// last stays in the buffers: a next step that takes its NVMe sub-groups in
-// reverse (an odd update) reads those extents no more.
+// UploadParams walks the masters opposite to the next step's NVMe order
+// (steps alternate it), and what it read last stays in the buffers: the next
+// step, odd (its NVMe sub-groups in reverse) or even (in index order), reads
+// those extents no more.
 TEST(EngineNvme, UploadParamsLeavesTheExtentsItReadLastForTheNextStep) {
-  NvmeRig rig;
-  OffloadOptimizer& opt = *rig.opt;
-  rig.Step();
-  rig.Step();  // an even update: forward, it ends with the last extents in the buffers
-  const uint64_t extent = opt.last_step().write_bytes / rig.n;
-  const uint64_t before = rig.read_bytes();
-  ASSERT_TRUE(opt.UploadParams().ok());
-  // The walk starts at extent 0, which displaces what the step left.
-  EXPECT_EQ(rig.read_bytes() - before, rig.n * extent) << "each extent read once";
-  rig.Step();
-  EXPECT_EQ(opt.last_step().resident_bytes, rig.k * extent);
-  EXPECT_EQ(opt.last_step().read_bytes, (rig.n - rig.k) * extent);
-  ExpectSameAsReference(opt, rig.model, rig.ref);
+  for (int steps_before : {2, 1, 3}) {
+    SCOPED_TRACE(std::to_string(steps_before) + " steps before the upload");
+    NvmeRig rig;
+    OffloadOptimizer& opt = *rig.opt;
+    for (int s = 0; s < steps_before; ++s) rig.Step();
+    const uint64_t extent = opt.last_step().write_bytes / rig.n;
+    const uint64_t before = rig.read_bytes();
+    ASSERT_TRUE(opt.UploadParams().ok());
+    // The step before ended at the other end: none of its extents is where
+    // the walk begins, and the walk displaces them all.
+    EXPECT_EQ(rig.read_bytes() - before, rig.n * extent) << "each extent read once";
+    rig.Step();
+    EXPECT_EQ(opt.last_step().resident_bytes, rig.k * extent);
+    EXPECT_EQ(opt.last_step().read_bytes, (rig.n - rig.k) * extent);
+    ExpectSameAsReference(opt, rig.model, rig.ref);
+  }
 }
 
 // WriteStateInOrder writes each NVMe sub-group while the next one is filled
