@@ -61,6 +61,29 @@ def assert_same(a, b):
         assert torch.equal(pa, pb)
 
 
+def _emulated_post_accumulate_grad_hook(self, hook):
+    """torch >= 2.1's Tensor.register_post_accumulate_grad_hook on an older torch:
+    hook(param) once autograd has accumulated param.grad."""
+    node = self.expand_as(self).grad_fn.next_functions[0][0]
+    self._emulated_accumulate_node = node  # autograd holds it weakly
+    return node.register_hook(lambda *_: hook(self))
+
+
+@pytest.fixture(params=["autograd node", "post-accumulate hook"])
+def hook_api(request, monkeypatch):
+    """Runs a test over both ways OffloadAdam hooks a param: torch >= 2.1's
+    register_post_accumulate_grad_hook (emulated on an older torch, such as
+    Debian's 1.13) and the AccumulateGrad node's post hook (where the tensor
+    method is absent: hidden on a newer torch)."""
+    has = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+    if request.param == "autograd node" and has:
+        monkeypatch.delattr(torch.Tensor, "register_post_accumulate_grad_hook")
+    if request.param == "post-accumulate hook" and not has:
+        monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook",
+                            _emulated_post_accumulate_grad_hook, raising=False)
+    return request.param
+
+
 class Recorder:
     """The engine, with its grad_ready calls recorded."""
 
@@ -77,7 +100,7 @@ class Recorder:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("set_to_none", [False, True])
-def test_overlap_matches_the_step_time_hand_over_bitwise(dtype, set_to_none):
+def test_overlap_matches_the_step_time_hand_over_bitwise(dtype, set_to_none, hook_api):
     models = [make_model(DTYPES[dtype]) for _ in range(2)]
     opts = [make_opt(m, overlap) for m, overlap in zip(models, (False, True))]
     skipped = []
@@ -98,11 +121,16 @@ def test_overlap_matches_the_step_time_hand_over_bitwise(dtype, set_to_none):
         assert torch.equal(a, b)  # master weights, m and v
 
 
-def test_gradients_are_handed_over_before_backward_ends():
+def test_gradients_are_handed_over_before_backward_ends(hook_api):
     model = make_model(torch.float32)
     opt = make_opt(model, True)
     opt._engine = recorder = Recorder(opt._engine)
     n = len(list(model.parameters()))
+    # The hook API the fixture chose is the one OffloadAdam used (a node is kept
+    # alive only for the AccumulateGrad hook).
+    assert len(opt._hooks) == n
+    assert all((node is None) == (hook_api == "post-accumulate hook")
+               for _, node in opt._hooks.values())
     for step in range(2):
         x, y = batch(step)
         x.requires_grad_(True)
