@@ -2095,6 +2095,14 @@ TEST(OnePassLoadTest, ANewOptimizerReadsEachFileOnceAndASteppedOneVerifiesFirst)
       << "every file verified whole, then read again";
 }
 
+// A one-rank save of one step, in chunks of 4096 bytes (many per file).
+void SaveOneStepInSmallChunks(const std::string& dir, uint64_t seed) {
+  Cluster saved(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(saved.status().ok()) << saved.status();
+  ASSERT_TRUE(saved.Train(seed, 1).ok());
+  ASSERT_TRUE(saved.Save(dir, {.chunk_bytes = 4096}).ok());
+}
+
 // ReadFlat reads whole chunks straight into an output aligned to 4096 bytes
 // (no copy) and the partial ones at its ends through the reader's buffers;
 // an unaligned output gets every chunk through them. Same values either way,
@@ -2102,12 +2110,7 @@ TEST(OnePassLoadTest, ANewOptimizerReadsEachFileOnceAndASteppedOneVerifiesFirst)
 TEST(ReaderTest, WholeChunksAreReadStraightIntoAnAlignedOutput) {
   const uint64_t seed = TestSeed();
   TempDir dir;
-  {
-    Cluster saved(1, CkptConfig(Where::kHost), seed);
-    ASSERT_TRUE(saved.status().ok()) << saved.status();
-    ASSERT_TRUE(saved.Train(seed, 1).ok());
-    ASSERT_TRUE(saved.Save(dir.path(), {.chunk_bytes = 4096}).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(SaveOneStepInSmallChunks(dir.path(), seed));
   std::mutex mu;
   std::vector<std::span<const std::byte>> reads;
   auto storage = testing::FaultStorage::Create(
@@ -2245,12 +2248,7 @@ INSTANTIATE_TEST_SUITE_P(Tiers, OnePassLoadFailureTest,
 TEST(ReaderTest, VerifyReadsTheArraysFilesOnThreadsOfTheirOwn) {
   const uint64_t seed = TestSeed();
   TempDir dir;
-  {
-    Cluster saved(1, CkptConfig(Where::kHost), seed);
-    ASSERT_TRUE(saved.status().ok()) << saved.status();
-    ASSERT_TRUE(saved.Train(seed, 1).ok());
-    ASSERT_TRUE(saved.Save(dir.path(), {.chunk_bytes = 4096}).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(SaveOneStepInSmallChunks(dir.path(), seed));
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::string> order;  // the data file of each read, as submitted
