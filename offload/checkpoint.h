@@ -77,6 +77,7 @@
 #include "offload/optimizer.h"
 #include "runtime/atomic_file.h"
 #include "runtime/dtype.h"
+#include "runtime/log.h"
 #include "runtime/status.h"
 #include "runtime/storage.h"
 
@@ -192,6 +193,11 @@ struct ReaderOptions {
   // Verify checks the arrays on threads of their own, at most this many
   // (<= 0: one per array, up to the hardware's threads; 1: one thread).
   int threads = 0;
+  // Verify's progress lines on the log (work of more than ~2 s, as save
+  // and load): "<verify_what>: 1.20 GiB of 4.30 GiB (27%), ..."; empty:
+  // "verify <save directory>".
+  std::string verify_what;
+  ProgressOptions progress;
 };
 
 // Reads a checkpoint: the save latest.json names (or DIR itself when it is a

@@ -363,6 +363,7 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
                       : fmt::format("{}; {} shard(s) written before it could not be removed: {}",
                                     written.message(), kept.size(), fmt::join(kept, ", ")));
   }
+  progress.Finish();
   STRATA_RETURN_IF_ERROR(RemoveStale(*storage.storage, stale, op));
   result.removed = std::move(stale);
   if (shards.size() > 1) {

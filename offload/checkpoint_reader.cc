@@ -466,6 +466,13 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
   // two checksums per byte are CPU work that one thread does at about a
   // drive's rate. The first error in array order is returned.
   const uint32_t arrays = static_cast<uint32_t>(info_.arrays.size());
+  uint64_t total = 0;
+  for (uint32_t r : ranks) {
+    for (const CheckpointFile& f : info_.ranks[r].files) total += f.file_bytes;
+  }
+  const ReaderOptions& o = impl_->options;
+  ProgressReporter progress(o.verify_what.empty() ? "verify " + info_.save_dir : o.verify_what,
+                            total, ProgressUnit::kBytes, o.progress);
   std::vector<Status> results(arrays);
   auto verify_array = [&](uint32_t a) {
     XXH3_state_t* state = XXH3_createState();
@@ -480,6 +487,7 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
       result = impl_->ReadChunks(r, a, 0, f.chunk_xxh3.size(),
                                  [&](uint64_t, std::span<const std::byte> data) {
                                    XXH3_64bits_update(state, data.data(), data.size());
+                                   progress.Add(data.size());
                                  });
       if (result.ok() && XXH3_64bits_digest(state) != f.xxh3) {
         result = DataLossError(fmt::format(
@@ -490,10 +498,11 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
     }
     XXH3_freeState(state);
   };
-  ForEachArray(arrays, impl_->options.threads, verify_array);
+  ForEachArray(arrays, o.threads, verify_array);
   for (Status& s : results) {
     if (!s.ok()) return std::move(s).WithContext("verify checkpoint " + info_.save_dir);
   }
+  progress.Finish();
   return OkStatus();
 }
 

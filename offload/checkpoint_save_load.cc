@@ -1027,12 +1027,13 @@ Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadO
       return InvalidArgumentError(
           "the checkpoint directory is empty; give the directory given to Save");
     }
-    STRATA_ASSIGN_OR_RETURN(reader,
-                            CheckpointReader::Open(dir, {.storage = o.storage,
-                                                         .queue_depth = o.queue_depth,
-                                                         .direct = o.direct,
-                                                         .duplicate_names = DuplicateNames::kAllow,
-                                                         .threads = opt.config().threads}));
+    ReaderOptions reading{.storage = o.storage,
+                          .queue_depth = o.queue_depth,
+                          .direct = o.direct,
+                          .duplicate_names = DuplicateNames::kAllow,
+                          .threads = opt.config().threads};
+    reading.verify_what = fmt::format("rank {}: verify {}", opt.rank(), dir);
+    STRATA_ASSIGN_OR_RETURN(reader, CheckpointReader::Open(dir, reading));
     const CheckpointInfo& info = reader->info();
     const std::string manifest = info.save_dir + "/" + RankName(0) + ".json";
     STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, "load checkpoint"));

@@ -184,7 +184,7 @@ ProgressReporter::ProgressReporter(std::string what, uint64_t total, ProgressUni
   state_->next_line.store(state_->start + state_->options.quiet_sec);
 }
 
-ProgressReporter::~ProgressReporter() { Finish(); }
+ProgressReporter::~ProgressReporter() = default;
 
 void ProgressReporter::Add(uint64_t units) {
   state_->done.fetch_add(units, std::memory_order_relaxed);

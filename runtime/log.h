@@ -93,9 +93,11 @@ struct ProgressOptions {
 // Reports the progress of one piece of work of `total` units (0: unknown;
 // lines then show what is done and the rate, with no percentage). Add() and
 // Set() are thread-safe and cheap (an atomic add and a clock read); the
-// line is logged by whichever call finds the interval over. Finish() (or the
-// destructor) logs the final line, "<what>: <total> in <time> (<rate>)",
-// only when an earlier line was logged, so short work stays silent.
+// line is logged by whichever call finds the interval over. Finish() logs
+// the final line, "<what>: done, <amount> in <time> (<rate>)", only when an
+// earlier line was logged, so short work stays silent. Work that ends
+// without Finish() (an error returned part way) gets no final line: it did
+// not get done, and its error says why.
 class ProgressReporter {
  public:
   ProgressReporter(std::string what, uint64_t total, ProgressUnit unit,

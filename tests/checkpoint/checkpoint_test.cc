@@ -2294,5 +2294,42 @@ TEST(ReaderTest, VerifyReadsTheArraysFilesOnThreadsOfTheirOwn) {
   }
 }
 
+// A verify pass of a large checkpoint takes a while: it logs progress lines
+// as save and load do (here at once: quiet_sec 0), a final "done" line when
+// every file passed, and none when one failed.
+TEST(ReaderTest, VerifyLogsProgressAndADoneLineOnlyWhenEverythingPassed) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  ASSERT_NO_FATAL_FAILURE(SaveOneStepInSmallChunks(dir.path(), seed));
+  std::mutex mu;
+  std::vector<std::string> lines;
+  LogSink previous = SetLogSink([&](LogLevel, std::string_view m) {
+    std::lock_guard<std::mutex> lock(mu);
+    lines.emplace_back(m);
+  });
+  const LogLevel level = GetLogLevel();
+  SetLogLevel(LogLevel::kInfo);
+  const ReaderOptions o{.verify_what = "rank 3: verify it",
+                        .progress = {.quiet_sec = 0, .interval_sec = 0}};
+  auto count = [&](std::string_view what) {
+    std::lock_guard<std::mutex> lock(mu);
+    return std::count_if(lines.begin(), lines.end(),
+                         [&](const std::string& l) { return l.find(what) != std::string::npos; });
+  };
+  Status s = (*CheckpointReader::Open(dir.path(), o))->Verify();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_GE(count("rank 3: verify it: "), 2) << "progress lines";
+  EXPECT_EQ(count("rank 3: verify it: done, "), 1);
+  const CheckpointInfo info = (*CheckpointReader::Open(dir.path()))->info();
+  testing::FlipBits(info.save_dir + "/" + info.ranks[0].files[2].name, 2 * 4096 + 9, 0x01);
+  lines.clear();
+  s = (*CheckpointReader::Open(dir.path(), o))->Verify();
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  EXPECT_GE(count("rank 3: verify it: "), 1);
+  EXPECT_EQ(count(": done, "), 0) << "a failed verify claims nothing";
+  SetLogLevel(level);
+  SetLogSink(std::move(previous));
+}
+
 }  // namespace
 }  // namespace strata

@@ -164,8 +164,24 @@ TEST(ProgressReporterTest, ShortWorkIsSilent) {
       clock.now = clock.now + 0.019;  // 1.9 s in all: under the 2 s of quiet
     }
     EXPECT_EQ(p.done(), 100u);
-  }  // the destructor finishes it
+    p.Finish();
+  }
   EXPECT_THAT(sink.lines(), IsEmpty());
+}
+
+// Work that stops part way (an error returned) ends without Finish(): no
+// "done" line claims what did not happen.
+TEST(ProgressReporterTest, WorkThatEndsWithoutFinishGetsNoDoneLine) {
+  CollectingSink sink;
+  SetLogLevel(LogLevel::kInfo);
+  FakeClock clock;
+  {
+    ProgressReporter p("save", 10, ProgressUnit::kItems, {.clock = clock.fn()});
+    clock.now = clock.now + 3;
+    p.Add(4);
+  }
+  ASSERT_THAT(sink.messages(), SizeIs(1));
+  EXPECT_EQ(sink.messages()[0], "save: 4 of 10 (40%), 1.3/s, ~4.50 s left");
 }
 
 TEST(ProgressReporterTest, LongWorkLogsAtMostOneLineASecondThenAFinalLine) {
