@@ -2246,6 +2246,7 @@ INSTANTIATE_TEST_SUITE_P(Tiers, OnePassLoadFailureTest,
 // files are in flight at once. With threads = 1 the files are read one after
 // the other. Of two corrupt files, the error names the lower array's.
 TEST(ReaderTest, VerifyReadsTheArraysFilesOnThreadsOfTheirOwn) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one hardware thread";
   const uint64_t seed = TestSeed();
   TempDir dir;
   ASSERT_NO_FATAL_FAILURE(SaveOneStepInSmallChunks(dir.path(), seed));

@@ -575,6 +575,7 @@ TEST(EngineNvme, InOrderReadsRunAheadOfTheVisitAndLeaveNoneInFlight) {
 // (2 here), and the next sub-group's start after all of them returned.
 TEST(EngineNvme, InOrderCallsForOneSubGroupsArraysRunConcurrently) {
   if (kCpuThreads < 2) GTEST_SKIP() << "the CPU optimizer runs on one thread under TSan";
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one hardware thread";
   NvmeRig rig;
   OffloadOptimizer& opt = *rig.opt;
   const uint32_t n = rig.n, arrays = opt.StateArrayCount();
