@@ -1749,11 +1749,12 @@ Status OffloadOptimizer::ReadStateInOrder(const StateVisit& visit) {
       for (uint32_t a = 0; a < m.arrays; ++a) STRATA_RETURN_IF_ERROR(visit(i, a, {}));
       return OkStatus();
     }
-    STRATA_ASSIGN_OR_RETURN(std::span<const float> state, m.tiers->View(i));
+    Result<std::span<const float>> state = m.tiers->View(i);
+    if (!state.ok()) return state.status().WithContext("read state");
     const uint64_t elems = m.sub_groups[i].elems();
     return m.tiers->ForEachArray(
         /*concurrent=*/true,
-        [&](uint32_t a) { return visit(i, a, state.subspan(a * elems, elems)); });
+        [&](uint32_t a) { return visit(i, a, state->subspan(a * elems, elems)); });
   });
 }
 
