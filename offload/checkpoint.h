@@ -250,8 +250,10 @@ struct ExportOptions {
   // another count): kReplace removes them (ExportResult::removed).
   ExistingFile existing = ExistingFile::kRefuse;
   Storage* storage = nullptr;        // for the output files; nullptr: posix
-  uint64_t buffer_bytes = 4 << 20;   // host memory for the copy
-  // Polled before each buffer is read; true stops the export (Cancelled).
+  // Host memory for the copy: two halves, the next part read into one
+  // while the other is converted and written.
+  uint64_t buffer_bytes = 32 << 20;
+  // Polled once per part (buffer_bytes / 2); true stops the export (Cancelled).
   // A front end's Ctrl-C (the Python module checks its signals here).
   std::function<bool()> interrupted;
 };

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -284,7 +286,14 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
       *storage.storage, one_file ? fs::path(out).parent_path().string() : out_dir,
       one_file ? fs::path(out).filename().string() : "", op));
   ExportResult result;
-  std::vector<float> buf(std::max<uint64_t>(options.buffer_bytes / 4, 1024));
+  // Two buffers: the next part is read (and its chunks checked) on a thread
+  // of its own while this one is converted and written. 4096-aligned, so
+  // the reader reads whole chunks straight into them.
+  const uint64_t part_elems = RoundUp(std::max<uint64_t>(options.buffer_bytes / 8, 1024), 1024);
+  std::unique_ptr<float, decltype(&std::free)> bufs(
+      static_cast<float*>(std::aligned_alloc(kFileAlign, 2 * part_elems * sizeof(float))),
+      &std::free);
+  if (bufs == nullptr) return ResourceExhaustedError(op + ": no memory for the copy buffers");
   std::vector<std::byte> converted;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   uint64_t total_bytes = 0;
@@ -323,25 +332,47 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
           AtomicFileWriter::Create(*storage.storage, shard.file, {.existing = options.existing}));
       STRATA_RETURN_IF_ERROR((writer->Append(len)).WithContext(op));
       STRATA_RETURN_IF_ERROR((writer->Append(text)).WithContext(op));
+      // The shard's tensors in parts of at most part_elems; part p is read
+      // into buffer p % 2 while part p - 1 is converted and written.
+      struct Part {
+        uint32_t tensor;
+        uint64_t at, elems;
+      };
+      std::vector<Part> parts;
       for (uint32_t i : shard.tensors) {
-        uint64_t overflowed = 0;
-        for (uint64_t at = 0; at < info.tensors[i].elems; at += buf.size()) {
-          if (options.interrupted && options.interrupted()) {
-            return CancelledError(fmt::format("{}: interrupted while writing {}", op, shard.file));
-          }
-          const uint64_t k = std::min<uint64_t>(buf.size(), info.tensors[i].elems - at);
-          std::span<float> part(buf.data(), k);
-          STRATA_RETURN_IF_ERROR((reader->ReadTensor(0, i, at, part)).WithContext(op));
-          overflowed += Convert(part, options.dtype, converted);
-          STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
-          progress.Add(converted.size());
+        for (uint64_t at = 0; at < info.tensors[i].elems; at += part_elems) {
+          parts.push_back({i, at, std::min<uint64_t>(part_elems, info.tensors[i].elems - at)});
         }
+      }
+      auto buffer = [&](size_t p) {
+        return std::span<float>(bufs.get() + (p % 2) * part_elems, parts[p].elems);
+      };
+      auto read = [&](size_t p) {
+        return std::async(std::launch::async, [&, p] {
+          return reader->ReadTensor(0, parts[p].tensor, parts[p].at, buffer(p));
+        });
+      };
+      // Waited for before anything it reads into or from goes away.
+      std::future<Status> reading = parts.empty() ? std::future<Status>() : read(0);
+      uint64_t overflowed = 0;  // of the current tensor
+      for (size_t p = 0; p < parts.size(); ++p) {
+        STRATA_RETURN_IF_ERROR((reading.get()).WithContext(op));
+        if (options.interrupted && options.interrupted()) {
+          return CancelledError(fmt::format("{}: interrupted while writing {}", op, shard.file));
+        }
+        if (p + 1 < parts.size()) reading = read(p + 1);
+        overflowed += Convert(buffer(p), options.dtype, converted);
+        STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
+        progress.Add(converted.size());
+        const uint32_t i = parts[p].tensor;
+        if (parts[p].at + parts[p].elems < info.tensors[i].elems) continue;
         if (overflowed > 0) {
           LogWarning(fmt::format(
               "{}: {} of the {} values of tensor '{}' are beyond {}'s range and are inf in the "
               "file; export it as bf16 or fp32 to keep them",
               op, overflowed, info.tensors[i].elems, names[i], DTypeName(options.dtype)));
         }
+        overflowed = 0;
       }
       STRATA_RETURN_IF_ERROR((writer->Commit()).WithContext(op));
       result.files.push_back(shard.file);

@@ -11,10 +11,12 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "offload/checkpoint.h"
@@ -408,6 +410,35 @@ TEST_F(ExportShapedTest, WriteFaultsFailTheExportAndLeaveNothing) {
     EXPECT_GT(fault->stats().injected_errors.load(), 0u);
     EXPECT_EQ(Names(out.File("hf")), std::vector<std::string>{}) << r.status();
   }
+}
+
+// The checkpoint is read on a thread of the export's own, one part ahead of
+// the conversion and writing on the caller's: the data files are never read
+// on the calling thread, and the output is the same for any part size.
+TEST_F(ExportShapedTest, TheCheckpointIsReadAheadOnAThreadOfItsOwn) {
+  std::mutex mu;
+  int on_caller = 0, elsewhere = 0;
+  const std::thread::id caller = std::this_thread::get_id();
+  auto reads = testing::FaultStorage::Create(
+      CreatePosixStorage(),
+      {.seed = seed_, .before_io = [&](IoOp op, const std::string& path, auto) {
+         if (op != IoOp::kRead || !path.ends_with(".f32")) return;
+         std::lock_guard<std::mutex> lock(mu);
+         ++(std::this_thread::get_id() == caller ? on_caller : elsewhere);
+       }});
+  for (uint64_t buffer_bytes : {4096u, 1u << 20}) {
+    SCOPED_TRACE(buffer_bytes);
+    TempDir out;
+    ExportOptions o{.dtype = DType::kBF16, .buffer_bytes = buffer_bytes};
+    o.reader.storage = reads.get();
+    auto r = ExportSafetensors(ckpt_.path(), out.File("m.safetensors"), o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    std::set<std::string> seen;
+    ExpectTensors(ParseSafetensors(out.File("m.safetensors")), DType::kBF16, "BF16", &seen);
+    EXPECT_EQ(seen.size(), cluster_->opt(0).params().size());
+  }
+  EXPECT_GT(elsewhere, 0);
+  EXPECT_EQ(on_caller, 0) << "data files read on the calling thread";
 }
 
 // An interruption (the Python module's Ctrl-C) stops the export between
