@@ -202,9 +202,11 @@ struct ReaderOptions {
 
 // Reads a checkpoint: the save latest.json names (or DIR itself when it is a
 // save directory), every rank's manifest, checked for consistency on Open.
-// Data reads verify each chunk's checksum as it arrives. Host memory:
-// queue_depth + 1 chunks per array read. Reads of different arrays may run
-// on different threads at once; one array's may not.
+// Data reads verify each chunk's checksum as it arrives. A read leaves the
+// file's next chunks in flight (up to queue_depth): a read that goes on
+// where it ended finds them read ahead. Host memory: queue_depth + 1
+// chunks per array read. Reads of different arrays may run on different
+// threads at once; one array's may not.
 class CheckpointReader {
  public:
   static Result<std::unique_ptr<CheckpointReader>> Open(const std::string& dir,

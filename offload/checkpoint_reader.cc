@@ -84,15 +84,37 @@ void ForEachArray(uint32_t n, int threads, const std::function<void(uint32_t)>& 
 
 // ---- CheckpointReader --------------------------------------------------------------
 
-// What reads one array's files: its chunk buffers and the last chunk read
-// (sub-groups and tensors share boundary chunks). One per array, so the
-// arrays can be read on threads of their own.
+// What reads one array's files: its chunk buffers, the read stream and the
+// last chunk read (sub-groups and tensors share boundary chunks). One per
+// array, so the arrays can be read on threads of their own.
+//
+// The stream: chunks [next, submitted) of `file` are in flight or read,
+// chunk c in slot c % depth. A read call keeps up to depth chunks in flight,
+// also past its end (read-ahead), so that the next call, when it goes on
+// where this one ended (the next tensor, the next sub-group), finds them
+// read or on the way instead of starting the queue again. A call elsewhere
+// drains the stream first.
 struct Lane {
   std::vector<AlignedBytes> bufs;
   std::vector<IoRequest> reqs;
+  std::vector<uint8_t> done;               // per slot: its request was reaped
+  std::vector<std::span<std::byte>> into;  // per slot: where its chunk is read
+  File* file = nullptr;                    // nullptr: no stream
+  uint64_t next = 0, submitted = 0;
   AlignedBytes cache;
   int64_t cache_rank = -1, cache_chunk = -1;
   uint64_t cache_bytes = 0;
+
+  // Waits for what the stream has in flight (its buffers are then free);
+  // the stream is empty afterwards.
+  void Drain() {
+    while (file != nullptr && file->InFlight() > 0) {
+      std::vector<IoRequest*> got(bufs.size());
+      if (!file->Reap(got, file->InFlight()).ok()) break;
+    }
+    file = nullptr;
+    next = submitted = 0;
+  }
 };
 
 struct CheckpointReader::Impl {
@@ -102,6 +124,12 @@ struct CheckpointReader::Impl {
   std::mutex mu;  // files and lanes (their contents belong to one array's reader)
   std::map<std::pair<uint32_t, uint32_t>, std::unique_ptr<File>> files;  // (rank, array)
   std::vector<std::unique_ptr<Lane>> lanes;  // per array, made at its first read
+
+  ~Impl() {
+    for (auto& lane : lanes) {
+      if (lane != nullptr) lane->Drain();  // before the files and buffers go
+    }
+  }
 
   std::string PathOf(uint32_t rank, uint32_t array) const {
     return info->save_dir + "/" + info->ranks[rank].files[array].name;
@@ -128,6 +156,8 @@ Lane& CheckpointReader::Impl::LaneOf(uint32_t array) {
     const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
     for (uint32_t i = 0; i < depth; ++i) lane->bufs.emplace_back(info->chunk_bytes);
     lane->reqs.resize(depth);
+    lane->done.resize(depth);
+    lane->into.resize(depth);
     lane->cache = AlignedBytes(info->chunk_bytes);
   }
   return *lane;
@@ -181,39 +211,48 @@ Status CheckpointReader::Impl::ReadChunks(
   const std::string path = PathOf(rank, array);
   std::vector<IoRequest>& reqs = lane.reqs;
   const uint64_t depth = lane.bufs.size();
-  std::vector<uint8_t> done(depth, 0);
-  std::vector<std::span<std::byte>> into(depth);  // where each slot's chunk is read
-  uint64_t next_submit = first;
+  const uint64_t chunks = meta.chunk_xxh3.size();  // the file's
+  if (lane.file != file || lane.next != first) lane.Drain();
+  if (lane.file == nullptr) {
+    lane.file = file;
+    lane.next = lane.submitted = first;
+  }
   Status error;
   for (uint64_t next = first; next < last && error.ok(); ++next) {
-    while (next_submit < last && next_submit - next < depth) {
-      const uint64_t slot = next_submit % depth;
-      const uint64_t len = chunk_len(next_submit);
-      std::byte* at = place && len % kFileAlign == 0 ? place(next_submit, len) : nullptr;
+    // Up to depth chunks in flight, past `last` too (into our buffers).
+    while (lane.submitted < chunks && lane.submitted - next < depth) {
+      const uint64_t c = lane.submitted;
+      const uint64_t slot = c % depth;
+      const uint64_t len = chunk_len(c);
+      std::byte* at = c < last && place && len % kFileAlign == 0 ? place(c, len) : nullptr;
       if (at != nullptr && reinterpret_cast<uintptr_t>(at) % kFileAlign != 0) at = nullptr;
-      into[slot] =
+      lane.into[slot] =
           at != nullptr ? std::span<std::byte>(at, len) : lane.bufs[slot].span().first(len);
-      reqs[slot] = IoRequest::Read(next_submit * cb, into[slot], slot);
-      done[slot] = 0;
+      reqs[slot] = IoRequest::Read(c * cb, lane.into[slot], slot);
+      lane.done[slot] = 0;
       if (Status s = file->Submit({&reqs[slot], 1}); !s.ok()) {
         error = std::move(s);
         break;
       }
-      ++next_submit;
+      ++lane.submitted;
     }
     if (!error.ok()) break;
     const uint64_t slot = next % depth;
-    while (!done[slot]) {
+    while (!lane.done[slot]) {
       std::vector<IoRequest*> got(depth);
       auto n = file->Reap(got, 1);
-      if (!n.ok()) return n.status();  // the backend broke: nothing more is reaped
-      for (size_t k = 0; k < *n; ++k) done[got[k]->user_data] = 1;
+      if (!n.ok()) {  // the backend broke: nothing more is reaped
+        lane.file = nullptr;
+        return n.status();
+      }
+      for (size_t k = 0; k < *n; ++k) lane.done[got[k]->user_data] = 1;
     }
+    lane.next = next + 1;
     if (!reqs[slot].status.ok()) {
       error = reqs[slot].status;
       break;
     }
-    std::span<const std::byte> data = into[slot];
+    std::span<const std::byte> data = lane.into[slot];
     const uint64_t h = XXH3_64bits(data.data(), data.size());
     if (h != meta.chunk_xxh3[next]) {
       error = DataLossError(fmt::format(
@@ -230,11 +269,10 @@ Status CheckpointReader::Impl::ReadChunks(
       lane.cache_bytes = data.size();
     }
   }
-  // Requests still in flight use our buffers: wait for them.
-  while (file->InFlight() > 0) {
-    std::vector<IoRequest*> got(depth);
-    if (!file->Reap(got, file->InFlight()).ok()) break;
-  }
+  // A failed call may leave chunks in flight into the caller's memory: wait
+  // for them. After a whole call only chunks past `last`, which go into our
+  // buffers, are in flight: they stay, for the next call.
+  if (!error.ok()) lane.Drain();
   return error;
 }
 
@@ -481,9 +519,11 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
       if (!result.ok()) break;
       const CheckpointFile& f = info_.ranks[r].files[a];
       XXH3_64bits_reset(state);
-      // Whole files go around the cache: a stale cached chunk would hide a
-      // change on disk.
-      impl_->LaneOf(a).cache_chunk = -1;
+      // Whole files go around the cache and the stream: a chunk read
+      // earlier would hide a change on disk.
+      Lane& lane = impl_->LaneOf(a);
+      lane.cache_chunk = -1;
+      lane.Drain();
       result = impl_->ReadChunks(r, a, 0, f.chunk_xxh3.size(),
                                  [&](uint64_t, std::span<const std::byte> data) {
                                    XXH3_64bits_update(state, data.data(), data.size());

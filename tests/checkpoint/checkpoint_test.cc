@@ -2332,5 +2332,61 @@ TEST(ReaderTest, VerifyLogsProgressAndADoneLineOnlyWhenEverythingPassed) {
   SetLogSink(std::move(previous));
 }
 
+// Reads that go on where the one before ended (the next tensor, the next
+// sub-group) find their chunks read ahead: a call leaves the next chunks in
+// flight (up to queue_depth), each chunk is read from the drive once, and a
+// bad chunk read ahead fails only the call that asks for it. A call
+// elsewhere reads what it asks for.
+TEST(ReaderTest, ConsecutiveReadsFindTheNextChunksReadAhead) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  ASSERT_NO_FATAL_FAILURE(SaveOneStepInSmallChunks(dir.path(), seed));
+  auto whole_reader = *CheckpointReader::Open(dir.path());
+  const CheckpointInfo info = whole_reader->info();
+  const uint64_t n = info.total_elems, per_chunk = 4096 / 4;
+  ASSERT_GE(n / per_chunk, 6u) << "more chunks than the queue depth (4)";
+  std::vector<float> want(n);
+  ASSERT_TRUE(whole_reader->ReadFlat(0, {0, n}, want).ok());
+
+  // Chunk by chunk through the reader's storage, counting requests.
+  std::atomic<int> submitted{0};
+  auto counting = testing::FaultStorage::Create(
+      CreatePosixStorage(),
+      {.seed = seed, .before_io = [&](IoOp op, const std::string& path, auto) {
+         if (op == IoOp::kRead && path.ends_with(".master.f32")) ++submitted;
+       }});
+  auto reader = *CheckpointReader::Open(dir.path(), {.storage = counting.get(), .queue_depth = 4});
+  std::vector<float> got(n);
+  for (uint64_t c = 0; c * per_chunk < n; ++c) {
+    const uint64_t lo = c * per_chunk, hi = std::min(n, lo + per_chunk);
+    Status s = reader->ReadFlat(0, {lo, hi}, std::span(got).subspan(lo, hi - lo));
+    ASSERT_TRUE(s.ok()) << "chunk " << c << ": " << s;
+    if (c == 0) EXPECT_EQ(submitted.load(), 4) << "the first call leaves 3 chunks in flight";
+  }
+  EXPECT_EQ(got, want);
+  const uint64_t chunks = info.ranks[0].files[0].chunk_xxh3.size();
+  EXPECT_EQ(submitted.load(), static_cast<int>(chunks)) << "each chunk read once";
+
+  // Back to the start: read again, whatever the stream held.
+  submitted = 0;
+  ASSERT_TRUE(reader->ReadFlat(0, {0, per_chunk}, std::span(got).first(per_chunk)).ok());
+  EXPECT_GE(submitted.load(), 1);
+  EXPECT_EQ(got, want);
+
+  // A corrupt chunk 3, read ahead by the calls for chunks 0 to 2, fails the
+  // call for chunk 3 alone.
+  testing::FlipBits(info.save_dir + "/" + info.ranks[0].files[0].name, 3 * 4096 + 5, 0x02);
+  reader = *CheckpointReader::Open(dir.path(), {.queue_depth = 4});
+  for (uint64_t c = 0; c < 3; ++c) {
+    Status s = reader->ReadFlat(0, {c * per_chunk, (c + 1) * per_chunk},
+                                std::span(got).subspan(c * per_chunk, per_chunk));
+    EXPECT_TRUE(s.ok()) << "chunk " << c << ": " << s;
+  }
+  Status s = reader->ReadFlat(0, {3 * per_chunk, 4 * per_chunk},
+                              std::span(got).subspan(3 * per_chunk, per_chunk));
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  ExpectMentions(s, ": chunk 3 ");
+}
+
 }  // namespace
 }  // namespace strata
