@@ -311,14 +311,14 @@ Status StateTiers::Read(uint32_t i, uint32_t array, uint64_t begin, std::span<fl
 
 Status StateTiers::ForEachArray(bool concurrent,
                                 const std::function<Status(uint32_t array)>& fn) const {
-  std::vector<Status> results(o_.arrays);
   if (!concurrent || o_.cpu == nullptr) {
-    for (uint32_t a = 0; a < o_.arrays; ++a) results[a] = fn(a);
-  } else {
-    o_.cpu->ParallelFor(o_.arrays, 1, [&](size_t begin, size_t count) {
-      for (size_t a = begin; a < begin + count; ++a) results[a] = fn(static_cast<uint32_t>(a));
-    });
+    for (uint32_t a = 0; a < o_.arrays; ++a) STRATA_RETURN_IF_ERROR(fn(a));
+    return OkStatus();
   }
+  std::vector<Status> results(o_.arrays);
+  o_.cpu->ParallelFor(o_.arrays, 1, [&](size_t begin, size_t count) {
+    for (size_t a = begin; a < begin + count; ++a) results[a] = fn(static_cast<uint32_t>(a));
+  });
   for (Status& s : results) {
     if (!s.ok()) return std::move(s);
   }

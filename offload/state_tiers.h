@@ -151,10 +151,10 @@ class StateTiers {
   Status Read(uint32_t i, uint32_t array, uint64_t begin, std::span<float> out);
   using StateFill = std::function<Status(uint32_t array, uint64_t begin, std::span<float> piece)>;
   Status Write(uint32_t i, const StateFill& fill, uint64_t piece_elems, StateWriteMode mode = {});
-  // fn(0) ... fn(arrays - 1) on the CPU optimizer's threads (in order on
-  // the calling thread without them, or when not `concurrent`): a
-  // checkpoint's arrays, whose files are independent. All run; the lowest
-  // array's error is returned.
+  // fn(0) ... fn(arrays - 1) on the CPU optimizer's threads, all of them
+  // (a checkpoint's arrays, whose files are independent); without those
+  // threads, or when not `concurrent`, in order on the calling thread until
+  // one fails. The lowest array's error is returned.
   Status ForEachArray(bool concurrent, const std::function<Status(uint32_t array)>& fn) const;
   // Changes one array in place: `update(begin, piece)` sees the committed
   // values and returns whether it changed any. One piece for host and NVMe
