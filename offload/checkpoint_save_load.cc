@@ -640,6 +640,7 @@ bool LatestMayName(Storage& storage, const std::string& dir, const std::string& 
 // This rank's data files and manifest inside `save_dir`.
 Status WriteRank(OffloadOptimizer& opt, Storage& storage, const std::string& save_dir,
                  const CheckpointInfo& info, const SaveOptions& o) {
+  NotifyCreatingDirectory(save_dir);
   STRATA_RETURN_IF_ERROR(MakeDir(save_dir));
   const uint32_t rank = static_cast<uint32_t>(opt.rank());
   const uint32_t arrays = opt.StateArrayCount();

@@ -84,6 +84,10 @@ AtomicFileListener SetAtomicFileListener(AtomicFileListener listener) {
   return listener;
 }
 
+void NotifyCreatingDirectory(const std::string& path) {
+  Notify(AtomicFileEvent::kCreatingDirectory, path);
+}
+
 Status CheckParentDirectory(const std::string& path) {
   const size_t slash = path.find_last_of('/');
   const std::string dir = slash == std::string::npos ? "."

@@ -129,6 +129,9 @@ enum class AtomicFileEvent : uint8_t {
   kCreatingTemporary,  // the temporary `path` is about to be created
   kTemporaryGone,      // the temporary `path` was renamed over its target, or removed
   kCommitted,          // the target `path` holds the new file (after kTemporaryGone)
+  // The new directory `path` is about to be made for files written here
+  // (NotifyCreatingDirectory: a checkpoint's save directory).
+  kCreatingDirectory,
 };
 using AtomicFileListener = std::function<void(AtomicFileEvent, const std::string& path)>;
 
@@ -139,6 +142,11 @@ using AtomicFileListener = std::function<void(AtomicFileEvent, const std::string
 // thread-safe where writers run on several threads, and must not use a
 // writer.
 AtomicFileListener SetAtomicFileListener(AtomicFileListener listener);
+
+// Tells the listener kCreatingDirectory: for code about to make a new
+// directory whose only content will be atomic files, so that a command can
+// remove it too when a signal ends it between the mkdir and the first file.
+void NotifyCreatingDirectory(const std::string& path);
 
 // The temporaries in `dir` that writers left when their process died
 // before removing them (SIGKILL, an out-of-memory kill, a crash): names as

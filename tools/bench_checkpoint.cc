@@ -188,7 +188,7 @@ Status RunCheckpoint(const CheckpointArgs& a) {
 
   // ---- save, verify, load ----
   // Each file a save writes, from its temporary on, the save's directory
-  // (made just before its first file), and the save lock (docs/checkpoint.md).
+  // (from just before it is made), and the save lock (docs/checkpoint.md).
   std::set<std::string> dirs = {ckpt_dir};
   cleanup.AddFile(ckpt_dir + "/strata-save.lock");
   AtomicFileListener previous =
@@ -196,6 +196,10 @@ Status RunCheckpoint(const CheckpointArgs& a) {
         std::lock_guard lock(cleanup_mu);
         if (event == AtomicFileEvent::kTemporaryGone) {
           cleanup.Keep(path);
+          return;
+        }
+        if (event == AtomicFileEvent::kCreatingDirectory) {
+          if (dirs.insert(path).second) cleanup.AddDir(path);
           return;
         }
         const std::string dir = fs::path(path).parent_path().string();

@@ -184,6 +184,8 @@ Result<ExportResult> ExportRemovingWhatASignalInterrupts(const std::string& dir,
           case AtomicFileEvent::kTemporaryGone:
             cleanup.Keep(path);
             break;
+          case AtomicFileEvent::kCreatingDirectory:  // an export makes none
+            break;
           case AtomicFileEvent::kCommitted:
             if (IsShardName(name)) {
               cleanup.AddFile(path);

@@ -2388,5 +2388,39 @@ TEST(ReaderTest, ConsecutiveReadsFindTheNextChunksReadAhead) {
   ExpectMentions(s, ": chunk 3 ");
 }
 
+// A command that removes what a signal interrupts (bench checkpoint) learns
+// of a save's directory before it exists: kCreatingDirectory comes before
+// the mkdir and before the first temporary inside it, so there is no
+// moment when the directory is there and unknown to it.
+TEST(SaveTest, TheSaveDirectoryIsAnnouncedBeforeItIsMade) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  std::mutex mu;
+  std::vector<std::pair<AtomicFileEvent, std::string>> events;
+  std::vector<bool> existed;  // per kCreatingDirectory: the path already existed
+  AtomicFileListener previous =
+      SetAtomicFileListener([&](AtomicFileEvent e, const std::string& path) {
+        std::lock_guard<std::mutex> lock(mu);
+        events.emplace_back(e, path);
+        if (e == AtomicFileEvent::kCreatingDirectory) existed.push_back(fs::exists(path));
+      });
+  Status s = c.Save(dir.path());
+  SetAtomicFileListener(std::move(previous));
+  ASSERT_TRUE(s.ok()) << s;
+  const std::string save_dir = (*CheckpointReader::Open(dir.path()))->info().save_dir;
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.front(), std::make_pair(AtomicFileEvent::kCreatingDirectory, save_dir));
+  EXPECT_EQ(existed, std::vector<bool>{false});
+  const auto first_inside = std::find_if(events.begin(), events.end(), [&](const auto& e) {
+    return e.first == AtomicFileEvent::kCreatingTemporary &&
+           fs::path(e.second).parent_path() == fs::path(save_dir);
+  });
+  EXPECT_NE(first_inside, events.end()) << "the data files are written through temporaries";
+}
+
 }  // namespace
 }  // namespace strata
