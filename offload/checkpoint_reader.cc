@@ -64,20 +64,27 @@ std::string SavesIn(const std::string& dir) {
 }
 
 // fn(0) ... fn(n - 1) on up to `threads` threads (<= 0: as many as the
-// hardware has; 1: in order on the calling thread); returns when all have.
-void ForEachArray(uint32_t n, int threads, const std::function<void(uint32_t)>& fn) {
+// hardware has), all of them; with one thread in order on the calling
+// thread until one fails. The lowest array's error (as StateTiers's
+// ForEachArray, which runs on the optimizer's threads).
+Status ForEachArray(uint32_t n, int threads, const std::function<Status(uint32_t)>& fn) {
   const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int width = std::min<int>(static_cast<int>(n), threads <= 0 ? hardware : threads);
   if (width <= 1) {
-    for (uint32_t a = 0; a < n; ++a) fn(a);
-    return;
+    for (uint32_t a = 0; a < n; ++a) STRATA_RETURN_IF_ERROR(fn(a));
+    return OkStatus();
   }
+  std::vector<Status> results(n);
   tbb::task_arena arena(width);
   arena.execute([&] {
     tbb::parallel_for(tbb::blocked_range<uint32_t>(0, n, 1), [&](const auto& r) {
-      for (uint32_t a = r.begin(); a < r.end(); ++a) fn(a);
+      for (uint32_t a = r.begin(); a < r.end(); ++a) results[a] = fn(a);
     });
   });
+  for (Status& s : results) {
+    if (!s.ok()) return std::move(s);
+  }
+  return OkStatus();
 }
 
 }  // namespace
@@ -511,10 +518,9 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
   const ReaderOptions& o = impl_->options;
   ProgressReporter progress(o.verify_what.empty() ? "verify " + info_.save_dir : o.verify_what,
                             total, ProgressUnit::kBytes, o.progress);
-  std::vector<Status> results(arrays);
   auto verify_array = [&](uint32_t a) {
     XXH3_state_t* state = XXH3_createState();
-    Status& result = results[a];
+    Status result;
     for (uint32_t r : ranks) {
       if (!result.ok()) break;
       const CheckpointFile& f = info_.ranks[r].files[a];
@@ -537,11 +543,10 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
       }
     }
     XXH3_freeState(state);
+    return result;
   };
-  ForEachArray(arrays, o.threads, verify_array);
-  for (Status& s : results) {
-    if (!s.ok()) return std::move(s).WithContext("verify checkpoint " + info_.save_dir);
-  }
+  STRATA_RETURN_IF_ERROR(ForEachArray(arrays, o.threads, verify_array)
+                             .WithContext("verify checkpoint " + info_.save_dir));
   progress.Finish();
   return OkStatus();
 }
