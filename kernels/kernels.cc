@@ -277,6 +277,16 @@ Status Cast(Device& device, StreamRef stream, ConstDeviceTensor src, DeviceTenso
                        1.0f, internal::ScaleMode::kNone);
 }
 
+Status CastOnHost(ConstDeviceTensor src, DeviceTensor dst) {
+  constexpr std::string_view kOp = "cast on host";
+  STRATA_RETURN_IF_ERROR(CheckTensor(kOp, "src", src.data, src.elems, src.dtype));
+  STRATA_RETURN_IF_ERROR(CheckTensor(kOp, "dst", dst.data, dst.elems, dst.dtype));
+  STRATA_RETURN_IF_ERROR(CheckSameLength(kOp, "src", src.elems, "dst", dst.elems));
+  internal::ConvertHost(src.data, src.dtype, dst.data, dst.dtype, dst.elems, 1.0f,
+                        internal::ScaleMode::kNone);
+  return OkStatus();
+}
+
 Status Scale(Device& device, StreamRef stream, DeviceTensor x, float scale) {
   constexpr std::string_view kOp = "scale";
   STRATA_RETURN_IF_ERROR(CheckStream(kOp, device, stream));

@@ -116,6 +116,12 @@ Status UnpackParams(Device& device, StreamRef stream, ConstDeviceTensor bucket,
 // overflow to inf); fp16 <-> bf16 goes through fp32. Lengths must match.
 Status Cast(Device& device, StreamRef stream, ConstDeviceTensor src, DeviceTensor dst);
 
+// Cast run synchronously on the calling thread, over host memory: the host
+// twin, vectorized, the same bits as Cast on any backend. For data that is
+// already on the host (a checkpoint's fp32 master weights exported as
+// bf16/fp16). InvalidArgument as Cast.
+Status CastOnHost(ConstDeviceTensor src, DeviceTensor dst);
+
 // x[i] = convert(float(x[i]) * scale), in place.
 Status Scale(Device& device, StreamRef stream, DeviceTensor x, float scale);
 

@@ -13,6 +13,7 @@
 #include <regex>
 #include <set>
 
+#include "kernels/kernels.h"
 #include "offload/checkpoint_internal.h"
 #include "runtime/atomic_file.h"
 #include "runtime/log.h"
@@ -149,8 +150,9 @@ std::string_view SafetensorsDType(DType t) {
 }
 
 // fp32 -> the export's dtype, as the bytes of `out`; returns how many finite
-// values became infinite (beyond the dtype's range).
-uint64_t Convert(std::span<const float> in, DType dtype, std::vector<std::byte>& out) {
+// values became infinite (beyond the dtype's range). The conversion is
+// kernels' vectorized host cast (dtype.h's rounding, bit for bit).
+Result<uint64_t> Convert(std::span<const float> in, DType dtype, std::vector<std::byte>& out) {
   const size_t size = DTypeSize(dtype);
   out.resize(in.size() * size);
   if (dtype == DType::kF32) {
@@ -158,14 +160,16 @@ uint64_t Convert(std::span<const float> in, DType dtype, std::vector<std::byte>&
     return 0;
   }
   auto* dst = reinterpret_cast<uint16_t*>(out.data());
-  // The infinities of both 16-bit formats: every exponent bit set, no mantissa.
+  STRATA_RETURN_IF_ERROR(
+      kernels::CastOnHost({in.data(), in.size(), DType::kF32}, {dst, in.size(), dtype}));
+  // The infinities of both 16-bit formats: every exponent bit set, no
+  // mantissa. Those of the output, less those that were already infinite.
   const uint16_t inf = dtype == DType::kBF16 ? 0x7f80 : 0x7c00;
-  uint64_t overflowed = 0;
-  for (size_t i = 0; i < in.size(); ++i) {
-    dst[i] = dtype == DType::kBF16 ? F32ToBF16(in[i]) : F32ToF16(in[i]);
-    overflowed += (dst[i] & 0x7fff) == inf && std::isfinite(in[i]) ? 1 : 0;
-  }
-  return overflowed;
+  uint64_t infinite = 0;
+  for (size_t i = 0; i < in.size(); ++i) infinite += (dst[i] & 0x7fff) == inf ? 1 : 0;
+  if (infinite == 0) return 0;
+  for (float x : in) infinite -= std::isinf(x) ? 1 : 0;
+  return infinite;
 }
 
 struct Shard {
@@ -361,7 +365,9 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
           return CancelledError(fmt::format("{}: interrupted while writing {}", op, shard.file));
         }
         if (p + 1 < parts.size()) reading = read(p + 1);
-        overflowed += Convert(buffer(p), options.dtype, converted);
+        STRATA_ASSIGN_OR_RETURN(const uint64_t beyond_range,
+                                Convert(buffer(p), options.dtype, converted));
+        overflowed += beyond_range;
         STRATA_RETURN_IF_ERROR((writer->Append(converted)).WithContext(op));
         progress.Add(converted.size());
         const uint32_t i = parts[p].tensor;

@@ -74,6 +74,9 @@ TEST_F(KernelsHostTest, CastEveryDtypePairMatchesDtypeFunctions) {
         ASSERT_TRUE(Cast(*device_, stream_, Const(src, from), Mut(dst, to)).ok());
         Sync();
         EXPECT_EQ(FirstBitDifference(dst.data(), want.data(), to, n), "");
+        std::vector<std::byte> on_host(n * DTypeSize(to), std::byte{0x5a});
+        ASSERT_TRUE(CastOnHost(Const(src, from), Mut(on_host, to)).ok());  // no stream, no sync
+        EXPECT_EQ(FirstBitDifference(on_host.data(), want.data(), to, n), "") << "CastOnHost";
       }
     }
   }
@@ -358,6 +361,13 @@ TEST_F(KernelsHostTest, BadArgumentsAreRejectedBeforeEnqueue) {
   s = Cast(*device_, stream_, {a.data(), 16, DType::kF64}, {b.data(), 16, DType::kF32});
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("fp64"));
+
+  s = CastOnHost({a.data(), 16, DType::kF32}, {b.data(), 8, DType::kBF16});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("same length"));
+  s = CastOnHost({a.data(), 16, DType::kF32}, {nullptr, 16, DType::kBF16});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("null data pointer"));
 
   s = Accumulate(*device_, stream_, {a.data(), 16, DType::kF32}, {b.data(), 8, DType::kF32});
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);

@@ -248,6 +248,38 @@ def test_an_fp16_export_says_which_values_overflow(tmp_path, caplog):
     assert not [r for r in caplog.records if "beyond" in r.getMessage()]
 
 
+def test_an_export_counts_the_finite_values_that_overflow_anywhere_in_a_tensor(tmp_path, caplog):
+    """The count is taken over the vectorized body and the tail of a long
+    tensor alike; values that were inf already, and NaNs, are not counted."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="strata")
+    w = torch.nn.Parameter(torch.zeros(1003))
+    big = torch.finfo(torch.float32).max  # finite; inf in bf16 (round to nearest even)
+    with OffloadAdam([("w", w)], lr=0.0) as opt:
+        with torch.no_grad():
+            w[3], w[500], w[1002] = 1e5, -7e4, 7e4  # beyond fp16's +-65504 only
+            w[64], w[1001] = big, -big
+            w[100], w[101], w[1000] = float("inf"), float("-inf"), float("nan")
+        opt.reload_params()
+        opt.save_checkpoint(tmp_path / "ckpt")
+    expected = {"fp16": 5, "bf16": 2}
+    for dtype, n in expected.items():
+        caplog.clear()
+        out = tmp_path / f"m-{dtype}.safetensors"
+        export_checkpoint(tmp_path / "ckpt", out, dtype=dtype)
+        warned = [r.getMessage() for r in caplog.records if "beyond" in r.getMessage()]
+        assert len(warned) == 1 and f"{n} of the 1003 values of tensor 'w'" in warned[0], warned
+        raw = out.read_bytes()
+        header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+        begin, end = header["w"]["data_offsets"]
+        data = raw[8 + struct.unpack("<Q", raw[:8])[0]:][begin:end]
+        got = torch.frombuffer(bytearray(data), dtype=torch.float16 if dtype == "fp16"
+                               else torch.bfloat16)
+        want = w.detach().to(torch.float16 if dtype == "fp16" else torch.bfloat16)
+        assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+        assert got[1000].isnan() and got.isinf().sum() == n + 2
+
+
 class Interrupted(Exception):
     pass
 
