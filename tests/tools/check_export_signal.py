@@ -55,12 +55,13 @@ def interrupt(strata, args, out, sig, sharded):
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if temporaries(out) and (not sharded or shards(out)):
-                proc.send_signal(sig)
-                break
-        except FileNotFoundError:  # a file went between listdir and its use
-            pass
+        # One listing for both: two could see a temporary in the first and, in
+        # the second, the shard it has just become, with no temporary left.
+        names = os.listdir(out) if os.path.isdir(out) else []
+        if any(".tmp-" in n for n in names) and (
+                not sharded or any(n.startswith("model-") for n in names)):
+            proc.send_signal(sig)
+            break
         time.sleep(0.001)
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
@@ -99,10 +100,19 @@ def main():
             fail(f"{sig.name}: the re-run: exit {r.returncode} {r.stderr}, {os.listdir(hf)}")
 
     # Shards left without an index (a SIGKILL'ed export): the re-run says what they are.
+    # The kill can still land between a shard's commit and the next temporary
+    # (the listing above is a moment old): then it is tried again, so that
+    # the re-run below always meets a temporary too.
     hf = os.path.join(scratch, "hf-kill")
     args = [ckpt, hf, "--max-shard-size", "16MiB"]
-    if not interrupt(strata, args, hf, signal.SIGKILL, sharded=True):
-        fail("SIGKILL: the sharded export finished before the signal")
+    for attempt in range(10):
+        shutil.rmtree(hf, ignore_errors=True)
+        if not interrupt(strata, args, hf, signal.SIGKILL, sharded=True):
+            fail("SIGKILL: the sharded export finished before the signal")
+        if temporaries(hf):
+            break
+    else:
+        fail("SIGKILL: 10 kills left no temporary behind")
     left = sorted(shards(hf))
     r = subprocess.run([strata, "export"] + args, capture_output=True, text=True)
     want = f"{hf} holds {len(left)} shard"
