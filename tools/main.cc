@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -62,6 +63,109 @@ std::string UnknownSubcommand(const CLI::App& root, int argc, char** argv) {
   return "";
 }
 
+namespace {
+
+// Edits (insert, delete, replace) between a and b.
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// Every command below `app` that runs (no subcommands of its own), with its
+// path: "strata bench step".
+void Leaves(const CLI::App& app, const std::string& path,
+            std::vector<std::pair<const CLI::App*, std::string>>& out) {
+  const auto subs = app.get_subcommands([](const CLI::App*) { return true; });
+  if (subs.empty()) out.emplace_back(&app, path);
+  for (const CLI::App* sub : subs) Leaves(*sub, path + " " + sub->get_name(), out);
+}
+
+// What to say of one argument `app` did not take: an option close to one of
+// its own names is asked about; one that other commands take names them.
+std::string Unexpected(const CLI::App& root, const CLI::App& app, const std::string& path,
+                       const std::string& arg) {
+  if (arg.rfind("--", 0) != 0 || arg.size() < 3) {
+    return fmt::format("unexpected argument '{}'", arg);
+  }
+  const std::string name = arg.substr(2, arg.find('=') - 2);
+  std::string nearest;
+  size_t best = std::max<size_t>(name.size() / 3, 1) + 1;  // at most a third of it wrong
+  for (const CLI::Option* opt : app.get_options()) {
+    for (const std::string& lname : opt->get_lnames()) {
+      if (const size_t d = EditDistance(name, lname); d < best) {
+        best = d;
+        nearest = lname;
+      }
+    }
+  }
+  if (!nearest.empty())
+    return fmt::format("unknown option --{} (did you mean --{}?)", name, nearest);
+  std::vector<std::pair<const CLI::App*, std::string>> leaves;
+  Leaves(root, "strata", leaves);
+  std::vector<std::string> takers;
+  for (const auto& [leaf, leaf_path] : leaves) {
+    if (leaf != &app && leaf->get_option_no_throw("--" + name) != nullptr) {
+      takers.push_back(leaf_path);
+    }
+  }
+  if (takers.empty()) return fmt::format("unknown option --{}", name);
+  const std::string last = takers.back();
+  takers.pop_back();
+  return fmt::format("unknown option --{} ({}{} take{} it; {} does not)", name,
+                     fmt::join(takers, ", "), takers.empty() ? last : " and " + last,
+                     takers.empty() ? "s" : "", path);
+}
+
+}  // namespace
+
+// CLI11 says a usage error without the command ("--world-size: Value 0 not
+// in range") and lists unexpected arguments backwards. This names the
+// command that refused it, the arguments in the order given, what an
+// unknown option was likely meant to be, and the help to read.
+std::string UsageError(const CLI::App& root, const CLI::ParseError& e) {
+  const CLI::App* app = &root;
+  std::string path = "strata";
+  const CLI::App* refused = nullptr;  // the first command, from the root, with leftovers
+  std::string refused_path;
+  for (;;) {
+    if (refused == nullptr && !app->remaining().empty()) {
+      refused = app;
+      refused_path = path;
+    }
+    const std::vector<CLI::App*> parsed = app->get_subcommands();
+    if (parsed.empty()) break;
+    app = parsed.front();
+    path += " " + app->get_name();
+  }
+  std::string what = e.what();
+  if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr && refused != nullptr) {
+    app = refused;
+    path = refused_path;
+    std::vector<std::string> said;
+    const std::vector<std::string> left = app->remaining();
+    for (size_t i = 0; i < left.size(); ++i) {
+      said.push_back(Unexpected(root, *app, path, left[i]));
+      // The value an unknown option was given is not an argument of its own.
+      if (left[i].rfind("--", 0) == 0 && left[i].find('=') == std::string::npos &&
+          i + 1 < left.size() && left[i + 1].rfind("-", 0) != 0) {
+        ++i;
+      }
+    }
+    what = fmt::format("{}", fmt::join(said, "; "));
+  }
+  return fmt::format("{}: {}; '{} --help' lists what it takes", path, what, path);
+}
+
 }  // namespace strata::cli
 
 int main(int argc, char** argv) {
@@ -96,7 +200,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return cli.app.exit(e);
   } catch (const CLI::ParseError& e) {
-    cli.app.exit(e);
+    std::fprintf(stderr, "%s\n", strata::cli::UsageError(cli.app, e).c_str());
     return strata::cli::kExitUsage;
   }
   return cli.exit_code;
