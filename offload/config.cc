@@ -13,6 +13,7 @@
 #include <string>
 
 #include "runtime/log.h"
+#include "runtime/spelling.h"
 #include "runtime/units.h"
 
 namespace strata {
@@ -230,21 +231,6 @@ void LogIgnoredOnce(const std::string& path) {
   LogInfo(fmt::format("config: {} is a DeepSpeed key that Strata ignores", path));
 }
 
-size_t EditDistance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
 std::string Join(std::string_view path, std::string_view key) {
   return path.empty() ? std::string(key) : fmt::format("{}.{}", path, key);
 }
@@ -303,13 +289,7 @@ Status CheckKeys(const Json& obj, std::string_view path,
       }
       continue;
     }
-    std::string_view best;
-    size_t best_dist = std::numeric_limits<size_t>::max();
-    auto consider = [&](std::string_view k) {
-      const size_t d = EditDistance(key, k);
-      if (d < best_dist) best_dist = d, best = k;
-    };
-    for (std::string_view k : known) consider(k);
+    std::vector<std::string_view> candidates(known.begin(), known.end());
     // A typo of an ignored (or refused) DeepSpeed key at this level gets the
     // same hint.
     const std::string prefix = path.empty() ? std::string() : std::string(path) + ".";
@@ -321,13 +301,14 @@ Status CheckKeys(const Json& obj, std::string_view path,
     };
     size_t ignored_here = 0;
     for (std::string_view ignored : kIgnoredKeys) {
-      if (auto rest = child(ignored)) consider(*rest), ++ignored_here;
+      if (auto rest = child(ignored)) candidates.push_back(*rest), ++ignored_here;
     }
     for (const UnsupportedKey& u : kUnsupportedKeys) {
-      if (auto rest = child(u.path)) consider(*rest);
+      if (auto rest = child(u.path)) candidates.push_back(*rest);
     }
+    const std::string_view best = NearestSpelling(key, candidates);
     std::string hint;
-    if (!best.empty() && best_dist <= std::max<size_t>(2, key.size() / 3)) {
+    if (!best.empty()) {
       hint = fmt::format(" (did you mean {}?)", best);
     } else if (ignored_here > 0) {
       // Listing Strata's keys alone would read as "the DeepSpeed keys that are

@@ -1,7 +1,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -9,6 +8,7 @@
 #include <vector>
 
 #include "runtime/build_info.h"
+#include "runtime/spelling.h"
 #include "tools/cli.h"
 
 namespace strata::cli {
@@ -65,22 +65,6 @@ std::string UnknownSubcommand(const CLI::App& root, int argc, char** argv) {
 
 namespace {
 
-// Edits (insert, delete, replace) between a and b.
-size_t EditDistance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1] ? 1 : 0)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
 // Every command below `app` that runs (no subcommands of its own), with its
 // path: "strata bench step".
 void Leaves(const CLI::App& app, const std::string& path,
@@ -98,18 +82,13 @@ std::string Unexpected(const CLI::App& root, const CLI::App& app, const std::str
     return fmt::format("unexpected argument '{}'", arg);
   }
   const std::string name = arg.substr(2, arg.find('=') - 2);
-  std::string nearest;
-  size_t best = std::max<size_t>(name.size() / 3, 1) + 1;  // at most a third of it wrong
+  std::vector<std::string_view> names;
   for (const CLI::Option* opt : app.get_options()) {
-    for (const std::string& lname : opt->get_lnames()) {
-      if (const size_t d = EditDistance(name, lname); d < best) {
-        best = d;
-        nearest = lname;
-      }
-    }
+    for (const std::string& lname : opt->get_lnames()) names.push_back(lname);
   }
-  if (!nearest.empty())
+  if (const std::string_view nearest = NearestSpelling(name, names); !nearest.empty()) {
     return fmt::format("unknown option --{} (did you mean --{}?)", name, nearest);
+  }
   std::vector<std::pair<const CLI::App*, std::string>> leaves;
   Leaves(root, "strata", leaves);
   std::vector<std::string> takers;
