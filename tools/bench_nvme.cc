@@ -362,7 +362,11 @@ Result<double> RunFio(const FioCommand& cmd, const std::string& op) {
 Status RunBenchNvme(const NvmeArgs& a) {
   std::vector<std::string> dirs = a.paths;
   if (dirs.empty()) dirs.push_back(a.dir);
-  if (dirs.empty() || dirs[0].empty()) return InvalidArgumentError("give --dir or --paths");
+  if (dirs.empty() || dirs[0].empty())
+    return InvalidArgumentError(
+        "no drive to measure: give --dir DIR (a directory on the drive, e.g. where "
+        "nvme_path will point) or --paths DIR1,DIR2 (several drives, striped as the engine "
+        "stripes them)");
   const char* option = a.paths.empty() ? "--dir" : "--paths";
   std::vector<std::pair<dev_t, ino_t>> seen;
   for (size_t i = 0; i < dirs.size(); ++i) {
