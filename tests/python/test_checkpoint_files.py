@@ -175,8 +175,12 @@ def test_an_export_directory_holds_one_layout(tmp_path, first, then):
         assert torch.equal(merged[name], p.detach()), name
 
 
-def read_safetensors(path):
-    """name -> tensor, by the safetensors spec (the package is not installed on CI)."""
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_safetensors(path, dtype="F32"):
+    """name -> tensor, by the safetensors spec (the package is not installed on CI);
+    every tensor must be of `dtype`."""
     raw = open(path, "rb").read()
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
@@ -184,10 +188,10 @@ def read_safetensors(path):
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        assert t["dtype"] == "F32"
+        assert t["dtype"] == dtype
         b, e = t["data_offsets"]
         out[name] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]),
-                                     dtype=torch.float32).reshape(t["shape"])
+                                     dtype=SAFETENSORS_DTYPES[dtype]).reshape(t["shape"])
     return out
 
 
@@ -269,13 +273,8 @@ def test_an_export_counts_the_finite_values_that_overflow_anywhere_in_a_tensor(t
         export_checkpoint(tmp_path / "ckpt", out, dtype=dtype)
         warned = [r.getMessage() for r in caplog.records if "beyond" in r.getMessage()]
         assert len(warned) == 1 and f"{n} of the 1003 values of tensor 'w'" in warned[0], warned
-        raw = out.read_bytes()
-        header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
-        begin, end = header["w"]["data_offsets"]
-        data = raw[8 + struct.unpack("<Q", raw[:8])[0]:][begin:end]
-        got = torch.frombuffer(bytearray(data), dtype=torch.float16 if dtype == "fp16"
-                               else torch.bfloat16)
-        want = w.detach().to(torch.float16 if dtype == "fp16" else torch.bfloat16)
+        got = read_safetensors(out, {"fp16": "F16", "bf16": "BF16"}[dtype])["w"]
+        want = w.detach().to(got.dtype)
         assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
         assert got[1000].isnan() and got.isinf().sum() == n + 2
 
