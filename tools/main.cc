@@ -5,6 +5,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "runtime/build_info.h"
@@ -65,6 +67,22 @@ std::string UnknownSubcommand(const CLI::App& root, int argc, char** argv) {
 
 namespace {
 
+// The options of the bench commands that set a config key: a command that
+// lacks one but takes --config reads it from there.
+constexpr std::pair<std::string_view, std::string_view> kOptionConfigKeys[] = {
+    {"host-budget", "strata.host_budget"},
+    {"device-budget", "strata.device_budget"},
+    {"gpu-fraction", "strata.gpu_fraction"},
+    {"threads", "strata.threads"},
+    {"grad", "strata.grad_dtype"},
+    {"offload", "zero_optimization.offload_optimizer.device"},
+    {"nvme-dir", "zero_optimization.offload_optimizer.nvme_path"},
+    {"buffer-count", "zero_optimization.offload_optimizer.buffer_count"},
+    {"sub-group", "zero_optimization.sub_group_size"},
+    {"block", "aio.block_size"},
+    {"queue-depth", "aio.queue_depth"},
+};
+
 // Every command below `app` that runs (no subcommands of its own), with its
 // path: "strata bench step".
 void Leaves(const CLI::App& app, const std::string& path,
@@ -97,12 +115,25 @@ std::string Unexpected(const CLI::App& root, const CLI::App& app, const std::str
       takers.push_back(leaf_path);
     }
   }
-  if (takers.empty()) return fmt::format("unknown option --{}", name);
-  const std::string last = takers.back();
-  takers.pop_back();
-  return fmt::format("unknown option --{} ({}{} take{} it; {} does not)", name,
-                     fmt::join(takers, ", "), takers.empty() ? last : " and " + last,
-                     takers.empty() ? "s" : "", path);
+  // A command that reads a config file takes the setting there.
+  std::string_view key;
+  if (app.get_option_no_throw("--config") != nullptr) {
+    for (const auto& [option, config_key] : kOptionConfigKeys) {
+      if (option == name) key = config_key;
+    }
+  }
+  if (takers.empty() && key.empty()) return fmt::format("unknown option --{}", name);
+  std::string said;
+  if (!takers.empty()) {
+    const std::string last = takers.back();
+    takers.pop_back();
+    said = fmt::format("{}{} take{} {}", fmt::join(takers, ", "),
+                       takers.empty() ? last : " and " + last, takers.empty() ? "s" : "",
+                       key.empty() ? "it" : "the option");
+  }
+  if (key.empty()) return fmt::format("unknown option --{} ({}; {} does not)", name, said, path);
+  return fmt::format("unknown option --{} ({} reads it from --config, as {}{}{})", name, path, key,
+                     said.empty() ? "" : "; ", said);
 }
 
 }  // namespace
