@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ import torch
 
 import strata
 from strata.torch import OffloadAdam, export_checkpoint, state_dict_from_checkpoint
+
+from safetensors_file import read_safetensors
 
 SAVE_NAME = re.compile(r"step-\d{10}-[0-9a-f]{12}")
 
@@ -170,29 +171,9 @@ def test_an_export_directory_holds_one_layout(tmp_path, first, then):
     merged = {}
     for f in files:
         if f.endswith(".safetensors"):
-            merged.update(read_safetensors(f))
+            merged.update(read_safetensors(f, "F32"))
     for name, p in model.named_parameters():
         assert torch.equal(merged[name], p.detach()), name
-
-
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def read_safetensors(path, dtype="F32"):
-    """name -> tensor, by the safetensors spec (the package is not installed on CI);
-    every tensor must be of `dtype`."""
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        assert t["dtype"] == dtype
-        b, e = t["data_offsets"]
-        out[name] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]),
-                                     dtype=SAFETENSORS_DTYPES[dtype]).reshape(t["shape"])
-    return out
 
 
 def test_unnamed_params_load_loudly_and_buffers_stay_the_models(tmp_path):

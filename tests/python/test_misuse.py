@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import struct
 import threading
 import warnings
 
@@ -15,6 +14,8 @@ import torch
 
 import strata
 from strata.torch import OffloadAdam, StrataError, export_checkpoint, state_dict_from_checkpoint
+
+from safetensors_file import NAMES, read_safetensors
 
 ATOL, RTOL = 2e-6, 1e-5
 
@@ -493,23 +494,6 @@ def test_state_dict_dir_keeps_state_dicts_small_and_resumes_exactly(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
-def read_safetensors(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = t["data_offsets"]
-        data = bytearray(raw[8 + n + b:8 + n + e])
-        x = torch.frombuffer(data, dtype=dtypes[t["dtype"]]) if e > b else \
-            torch.zeros(0, dtype=dtypes[t["dtype"]])
-        out[name] = x.reshape(t["shape"])
-    return header, out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_export_loads_into_the_model(tmp_path, dtype):
     model = Net()
@@ -518,7 +502,7 @@ def test_export_loads_into_the_model(tmp_path, dtype):
     opt.save_checkpoint(tmp_path / "ckpt")
     files = export_checkpoint(tmp_path / "ckpt", tmp_path / "model.safetensors", dtype=dtype)
     assert files == [str(tmp_path / "model.safetensors")]
-    _, tensors = read_safetensors(files[0])
+    tensors = read_safetensors(files[0], NAMES[dtype])
     other = Net(dtype)
     other.load_state_dict(tensors)  # strict: every name and shape matches
     for a, b in zip(other.parameters(), model.parameters()):
@@ -542,7 +526,7 @@ def test_sharded_export_has_a_hugging_face_index(tmp_path):
     assert files[-1] == str(tmp_path / "hf" / "model.safetensors.index.json")
     merged = {}
     for f in files[:-1]:
-        merged.update(read_safetensors(f)[1])
+        merged.update(read_safetensors(f, "F32"))
     assert set(index["weight_map"]) == set(merged) == {n for n, _ in model.named_parameters()}
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in merged.values())
     Net().load_state_dict(merged)
