@@ -1479,13 +1479,18 @@ Result<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   std::unique_ptr<OffloadOptimizer> opt(new OffloadOptimizer(std::move(impl)));
-  STRATA_RETURN_IF_ERROR(opt->impl_->Init(context, groups));
-  // What Create freed (the rate probe's buffers) goes back to the GPU, for
-  // torch. Not a failure of Create: every rank's Create has succeeded by
-  // now, and they fail or succeed together.
-  if (Status s = context.device->ReleaseCachedMemory(); !s.ok()) {
-    LogWarning(fmt::format("create offload optimizer: {}", s.ToString()));
+  const Status made = opt->impl_->Init(context, groups);
+  if (!made.ok()) opt.reset();  // its buffers, before the cache goes back
+  // What Create freed (the rate probe's buffers; everything it allocated
+  // when it failed) goes back to the GPU, for torch and for a later Create
+  // on the same device. Not a failure of Create: the ranks' Creates have
+  // succeeded or failed together by now.
+  if (context.device != nullptr) {
+    if (Status s = context.device->ReleaseCachedMemory(); !s.ok() && made.ok()) {
+      LogWarning(fmt::format("create offload optimizer: {}", s.ToString()));
+    }
   }
+  STRATA_RETURN_IF_ERROR(made);
   return opt;
 }
 

@@ -279,8 +279,9 @@ class Device {
   // DeviceBuffers) back to the driver, so other allocators in the process
   // (torch's) can have it; buffers still alive are untouched. Waits for the
   // frees already enqueued. The engine calls it at the end of Create (the
-  // rate probe's temporary buffers). A no-op where nothing is cached (the
-  // host device, and CUDA without memory pools).
+  // rate probe's temporary buffers; after a failed Create, all it
+  // allocated). A no-op where nothing is cached (the host device, and CUDA
+  // without memory pools).
   virtual Status ReleaseCachedMemory() { return OkStatus(); }
 
  protected:

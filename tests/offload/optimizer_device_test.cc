@@ -21,7 +21,7 @@
 // "backward"; a ZeroGrad / write / Step loop on the trainer's own stream and
 // on the "no stream" default (the legacy default stream on CUDA) with no host
 // synchronization between them; a NaN skipping an fp16 step; the NVMe tier
-// in a real temporary directory.
+// in a real temporary directory; a failed Create's device memory (CUDA).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -40,7 +40,9 @@
 #include "offload/optimizer.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
+#include "runtime/testing/fault_storage.h"
 #include "runtime/testing/test_util.h"
+#include "runtime/units.h"
 #include "tests/offload/optimizer_test_util.h"
 #include "tests/offload/test_seed.h"
 
@@ -49,6 +51,9 @@
 #endif
 #ifndef STRATA_TEST_GPU
 #define STRATA_TEST_GPU 0
+#endif
+#if STRATA_TEST_GPU
+#include <cuda_runtime_api.h>
 #endif
 static_assert((std::string_view(STRATA_TEST_BACKEND) == "cuda") == (STRATA_TEST_GPU != 0),
               "STRATA_TEST_GPU=1 goes with STRATA_TEST_BACKEND=\"cuda\"");
@@ -768,6 +773,58 @@ TEST_P(EngineOnDeviceNvme, RealDirectoryMatchesTheReference) {
 }
 
 STRATA_INSTANTIATE(EngineOnDeviceNvme, kPlacements, PlacementName);
+
+// ---- 8: a failed Create gives its device memory back -----------------------
+
+#if STRATA_TEST_GPU
+size_t FreeDeviceBytes() {
+  size_t free_bytes = 0, total_bytes = 0;
+  EXPECT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+  return free_bytes;
+}
+#endif
+
+// A Create that fails once it has allocated (its initial NVMe state cannot
+// be written) frees its buffers and then hands the allocator's cache back to
+// the driver, as a Create that works does with the rate probe's buffers: a
+// trainer that keeps the device (torch, a retried Create) finds the memory
+// free. On CUDA the engine's pool kept it cached until the device was
+// destroyed.
+class EngineOnDeviceCreate : public EngineOnDevice, public ::testing::WithParamInterface<double> {};
+
+TEST_P(EngineOnDeviceCreate, AFailedCreateLeavesNoDeviceMemoryCached) {
+  // With gpu_fraction 0.5, half the sub-groups keep their 12 bytes of state
+  // per element in device memory: 384 MiB on CUDA, far above the driver's
+  // granularity.
+  const uint64_t elems = STRATA_TEST_GPU ? uint64_t{64} << 20 : uint64_t{1} << 20;
+  testing::TestModel model(*device_, {elems / 2, elems / 2}, {0, 0}, DType::kBF16, DType::kBF16);
+  OffloadConfig config = MakeConfig(ClippedBf16("failed create", GetParam()));
+  config.device = OffloadDevice::kNvme;
+  config.nvme_paths = {"/mem/failed-create"};
+  config.sub_group_elems = elems / 8;
+  ASSERT_TRUE(device_->Synchronize().ok());
+#if STRATA_TEST_GPU
+  const size_t free_before = FreeDeviceBytes();
+#endif
+  auto storage = testing::FaultStorage::Create(CreateMemStorage(), {.write_eio_one_in = 1});
+  Stream engine = NewStream();
+  auto opt = OffloadOptimizer::Create(
+      {.device = device_.get(), .storage = storage.get(), .stream = engine}, config,
+      model.Groups(std::vector<GroupHyper>{{}}));
+  ASSERT_FALSE(opt.ok()) << "every NVMe write fails; Create should have too";
+  EXPECT_EQ(opt.status().code(), StatusCode::kInternal) << opt.status();
+#if STRATA_TEST_GPU
+  const size_t free_after = FreeDeviceBytes();
+  EXPECT_GT(free_after + (size_t{64} << 20), free_before)
+      << "the failed Create left " << FormatBytes(free_before - free_after)
+      << " of device memory cached (free before: " << FormatBytes(free_before) << ")";
+#else
+  GTEST_SKIP() << "the host device caches no freed memory; the memory check runs on CUDA "
+                  "(offload_optimizer_device_gpu_test), the Create's failure was checked here";
+#endif
+}
+
+STRATA_INSTANTIATE(EngineOnDeviceCreate, ::testing::Values(0.5), PlacementName);
 
 }  // namespace
 }  // namespace strata
