@@ -966,9 +966,9 @@ class OffloadAdam(torch.optim.Optimizer):
         # Whether the params hold values the engine gave them (a step or a load) rather
         # than the trainer's own (load_state_dict keeps the trainer's: see there).
         self._published = False
-        # (differing, total) elements at a first load_state_dict: see _note_load_mismatch.
-        self._load_mismatch = None
-        self._wrote_since_built = False
+        # Params whose own values a load_state_dict kept without comparing them with the
+        # loaded master weights: the next step compares them (see load_state_dict).
+        self._deferred = []
         # The step trace: steps kept by trace= (recording since construction), and
         # whether a trace() block records now.
         self._trace_steps = trace_steps
@@ -1135,6 +1135,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """The params as they are now are what the engine holds."""
         self._versions = [r.param._version for r in self._reg]
         self._published = True
+        self._deferred = []
 
     @torch.no_grad()
     def _adopt(self, indices):
@@ -1144,10 +1145,18 @@ class OffloadAdam(torch.optim.Optimizer):
         (a version bump without a change costs a read of the master weights, no
         precision)."""
         # The engine compares them in place (pinned DRAM, the NVMe extent buffer, device
-        # state in pieces), a million elements at a time: no copy of the state.
-        if indices:
-            with self._on_current_stream():
-                self._engine.reload_params(list(indices))
+        # state in pieces), a million elements at a time: no copy of the state. Returns
+        # how many elements of this rank's shard it took.
+        if not indices:
+            return 0
+        with self._on_current_stream():
+            return self._engine.reload_params(list(indices))
+
+    def _shard_elems(self, indices):
+        """How many elements of params `indices` lie in this rank's shard."""
+        layout, bounds = self._engine.layout(), self._engine.sub_groups()
+        return sum(max(0, min(end, layout[k][0] + layout[k][1]) - max(begin, layout[k][0]))
+                   for k in indices for begin, end in bounds)
 
     @staticmethod
     def _overlaps(begin, end, indices, layout):
@@ -1179,16 +1188,6 @@ class OffloadAdam(torch.optim.Optimizer):
                     master[differ] = value[differ].to(torch.float32)
                     changed += count
         return changed
-
-    def _note_load_mismatch(self, differing):
-        """At the first load (the optimizer has not written the params yet), params
-        that differ from the loaded master weights in most elements are a model not
-        loaded yet, or not at all. step() warns if none was written by then: training
-        goes on from the model's own weights (as with torch.optim), not the saved ones."""
-        total = sum(r.param.numel() for r in self._reg)
-        if (not self._published and not self._wrote_since_built and total > 0
-                and differing * 2 > total):
-            self._load_mismatch = (differing, total)
 
     def _rebind(self, moved):
         """Re-registers the params in `moved` at their new storage (and grad buffer), in
@@ -1426,9 +1425,16 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_handed_grads()
         moved = self._check_params("step")
         written = self._written(moved)
-        if self._load_mismatch is not None:
-            if not written:
-                differing, total = self._load_mismatch
+        # The params a load kept as they were, now compared with its master weights: a
+        # model loaded since (a consistent resume) matches them and keeps their fp32
+        # precision; one never loaded goes on from its own weights, as with torch.optim.
+        untouched = sorted(set(self._deferred) - set(written))
+        if written or untouched:
+            self._state_version += 1
+            differing, total = self._adopt(untouched), self._shard_elems(untouched)
+            self._adopt(written)
+            self._mark_versions()
+            if differing * 2 > total > 0:
                 warnings.warn(
                     f"OffloadAdam.step: the model's params differed from the loaded "
                     f"state_dict's master weights in {differing} of {total} elements, and "
@@ -1436,11 +1442,6 @@ class OffloadAdam(torch.optim.Optimizer):
                     "as with torch.optim. To resume the saved weights, load the model's "
                     "state_dict too (before or after the optimizer's), or load_checkpoint()",
                     stacklevel=_outside_stacklevel())
-            self._load_mismatch = None
-        if written:
-            self._state_version += 1
-            self._adopt(written)
-            self._mark_versions()
         self._sync_hypers()
         no_grad = []
         for k, (r, buf) in enumerate(zip(self._reg, self._grad_bufs)):
@@ -1507,7 +1508,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._refuse_if_failed("reload_params")
         self._refuse_if_comm_failed("reload_params")
         moved = self._check_params("reload_params")
-        indices = set(self._written(moved))
+        # With those a load kept as they were: they hold the trainer's values too.
+        indices = set(self._written(moved)) | set(self._deferred)
         if params is None:
             indices.update(range(len(self._reg)))
         else:
@@ -1610,12 +1612,14 @@ class OffloadAdam(torch.optim.Optimizer):
 
         The params: as with torch.optim, whatever the model holds is where the next
         step starts. A param the trainer wrote since the optimizer last wrote it (a
-        step or a load; before the first, every param: model.load_state_dict(W)
-        before or after building the optimizer, an in-place write, a new .data) keeps
-        its values, which become the master weights where they differ from the loaded
-        ones in the param's dtype; the other elements keep the loaded fp32 master.
-        A param the trainer left alone since a step or load takes the loaded master
-        weights (written into it at once: a rollback of the optimizer rolls the
+        step or a load; model.load_state_dict(W) before or after building the
+        optimizer, an in-place write, a new .data) keeps its values, which become the
+        master weights where they differ from the loaded ones in the param's dtype; the
+        other elements keep the loaded fp32 master. Before the optimizer has written
+        the params, the others keep their values too, compared with the loaded master
+        at the next step (a model.load_state_dict in between is then a consistent
+        resume). A param the trainer left alone since a step or load takes the loaded
+        master weights (written into it at once: a rollback of the optimizer rolls the
         weights back too). So the order of the loads does not matter, and a
         consistent resume keeps the fp32 master of bf16/fp16 params bitwise."""
         try:
@@ -1624,22 +1628,23 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError("OffloadAdam.load_state_dict: not an optimizer state_dict (no "
                              "'state' and 'param_groups')")
         self._state_version += 1
+        kept = []
         if isinstance(state, dict) and "strata" in state:
             self._refuse_if_comm_failed("load_state_dict")
             self._refuse_mid_hand_over("load_state_dict")
             # Before anything is loaded: which params hold the trainer's values. Those it
-            # wrote since the engine last wrote them (their version counter moved, or
-            # their storage was replaced: re-registered here); all of them before the
-            # first step or load (the values the optimizer was built over are the
-            # trainer's, such as a model.load_state_dict before building it).
+            # wrote since the engine last wrote them or took them (their version counter
+            # moved, or their storage was replaced: re-registered here) are compared
+            # with the loaded master now. Before the engine has written the params (no
+            # step or load that wrote them yet) the others are the trainer's too (the
+            # values the optimizer was built over, perhaps a model.load_state_dict before
+            # building it): they keep their values, unwritten, and the next step
+            # compares them with the loaded master. A model.load_state_dict between this
+            # load and that step then finds the master it was saved with, fp32 intact.
             moved = self._check_params("load_state_dict")
             written = self._written(moved)
-            # Params written since construction: a model loaded after building the
-            # optimizer (not a model left as it was built: _note_load_mismatch).
-            self._wrote_since_built = bool(written)
-            if not self._published:
-                written = list(range(len(self._reg)))
-            self._load_strata_state(state["strata"], saved_groups, written)
+            kept = [] if self._published else sorted(set(range(len(self._reg))) - set(written))
+            self._load_strata_state(state["strata"], saved_groups, written, kept)
         else:
             self._check_groups_match(saved_groups)
             self._load_torch_adam_state(state, saved_groups)
@@ -1649,6 +1654,9 @@ class OffloadAdam(torch.optim.Optimizer):
                     g[k] = v
         self._sync_hypers()
         self._mark_versions()
+        if kept:  # not written by this load: still the trainer's values
+            self._published = False
+            self._deferred = kept
 
     def _check_groups_match(self, saved_groups):
         if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(
@@ -1661,9 +1669,11 @@ class OffloadAdam(torch.optim.Optimizer):
             _check_hyper(f"load_state_dict: param_groups[{gi}]: ", g.get("lr"), g.get("betas"),
                          g.get("eps"), g.get("weight_decay"))
 
-    def _load_strata_state(self, s, saved_groups, written):
+    def _load_strata_state(self, s, saved_groups, written, kept):
         """Loads an OffloadAdam state_dict; the params in `written` (indices) keep their
-        values (load_state_dict)."""
+        values, which become the master where they differ from it, and those in `kept`
+        keep them as they are (load_state_dict). With `kept`, no param is written from
+        the loaded master: the engine had not written them yet."""
         bad = "OffloadAdam.load_state_dict: "
         if not isinstance(s, dict) or s.get("version") != _STATE_DICT_VERSION:
             raise ValueError(f"{bad}version {s.get('version') if isinstance(s, dict) else s!r}; "
@@ -1693,17 +1703,17 @@ class OffloadAdam(torch.optim.Optimizer):
                              "another update rule; build the optimizer as the saved one was")
         self._check_groups_match(saved_groups)
         if s.get("kind") == "checkpoint":
-            # The load writes every param from the checkpoint: the written ones whose
-            # values differ from it are kept aside, put back, and adopted.
-            kept = self._values_differing_from(s["checkpoint"], written)
-            self._note_load_mismatch(sum(v.numel() for v in kept.values()))
+            # The load writes every param from the checkpoint: the written and kept
+            # ones whose values differ from it are set aside and put back, and the
+            # written ones adopted.
+            aside = self._values_differing_from(s["checkpoint"], sorted(set(written) | set(kept)))
             self.load_checkpoint(s["checkpoint"])
-            if kept:
+            if aside:
                 with torch.no_grad():
-                    for k, value in kept.items():
+                    for k, value in aside.items():
                         param = self._reg[k].param
                         param.copy_(value.view_as(param))
-                self._adopt(sorted(kept))
+                self._adopt([k for k in sorted(aside) if k in set(written)])
             return
         sub_groups = [tuple(x) for x in self._engine.sub_groups()]
         n = self._engine.state_array_count
@@ -1738,7 +1748,6 @@ class OffloadAdam(torch.optim.Optimizer):
         self._engine.check_counters(step, scaler)
         # Everything holds: write. Only an IO error can stop it now.
         layout = self._engine.layout()
-        differing = 0
         try:
             for i, (t, (begin, end)) in enumerate(zip(arrays, sub_groups)):
                 t = t.detach().to(device="cpu").contiguous()
@@ -1746,17 +1755,19 @@ class OffloadAdam(torch.optim.Optimizer):
                     # The params the trainer wrote win where they differ (a copy: the
                     # caller's state_dict stays as it was).
                     t = t.clone()
-                    differing += self._adopt_into(t, begin, end, written, layout)
+                    self._adopt_into(t, begin, end, written, layout)
                 self._engine.write_state(i, t.data_ptr(), t.numel())
             self._engine.restore_counters(step, scaler)
         except StrataError as e:
             raise StrataError(f"{e}\nOffloadAdam.load_state_dict: the state is partly "
                               "written; load it again (or load a checkpoint)") from e
-        self._note_load_mismatch(differing)
         # Every param follows the master weights now (the written ones keep their
         # values exactly; a step that failed part way had written some already). A
-        # collective with several ranks, as the checkpoint kind's load.
-        self._run("upload_params")
+        # collective with several ranks, as the checkpoint kind's load. Before the
+        # engine has written the params (the same on every rank) every param is the
+        # trainer's, written or kept: nothing to write.
+        if self._published:
+            self._run("upload_params")
 
     @torch.no_grad()
     def _values_differing_from(self, directory, indices):

@@ -553,6 +553,26 @@ def test_a_bf16_load_keeps_the_fp32_master_where_the_model_holds_it_rounded(kind
     train_bf16(fresh, fresh_opt, 3)
     assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), first))
 
+    # The same the other way round: a new optimizer over a fresh model loads its
+    # state first, the model's comes next. The load kept the fresh weights
+    # unwritten; the step compares them with the loaded master only then, once
+    # the model holds it rounded. (The fresh weights became the master at the
+    # load, and the model's load then brought back only the bf16 values.)
+    torch.manual_seed(2)
+    late = torch.nn.Linear(16, 4).to(torch.bfloat16)
+    fresh_weights = [p.detach().clone() for p in late.parameters()]
+    late_opt = OffloadAdam(late.parameters(), lr=1e-2, weight_decay=0.1,
+                           **state_dict_kind(kind, tmp_path / "late"))
+    late_opt.load_state_dict(saved_opt)
+    assert all(torch.equal(p, q) for p, q in zip(late.parameters(), fresh_weights)), \
+        "the load wrote into the fresh model's params"
+    late.load_state_dict(saved_model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_bf16(late, late_opt, 3)
+    assert not [w for w in caught if "were not written since" in str(w.message)]
+    assert all(torch.equal(p, q) for p, q in zip(late.parameters(), first))
+
     model.load_state_dict(saved_model)
     with torch.no_grad():
         model.weight[0].zero_()  # pruned after the save
