@@ -140,6 +140,45 @@ Status ReadIndex(const std::string& path, ModelTensors& m) {
 
 // One tensor per line: its element count or its shape (4096x4096), as the
 // last word of the line, so "name 4096x4096" works too.
+bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\r'; }
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && IsSpace(s.front())) s.remove_prefix(1);
+  while (!s.empty() && IsSpace(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+// The dimensions of a size as a list line writes it: an element count
+// (16777216) or a shape whose dimensions are separated by x, a comma or
+// spaces (4096x4096, 4096,4096, 4096 x 4096, 4096, 4096), perhaps in the
+// brackets Python prints ((4096, 4096), [4096, 4096]). Empty when it is none
+// of those.
+std::vector<uint64_t> ParseSize(std::string_view s) {
+  s = Trim(s);
+  if (s.size() >= 2 &&
+      ((s.front() == '(' && s.back() == ')') || (s.front() == '[' && s.back() == ']'))) {
+    s = Trim(s.substr(1, s.size() - 2));
+    if (!s.empty() && s.back() == ',') s = Trim(s.substr(0, s.size() - 1));  // (4096,)
+  }
+  std::vector<uint64_t> dims;
+  while (true) {
+    size_t n = 0;
+    uint64_t d = 0;
+    for (; n < s.size() && IsDigit(s[n]); ++n) {
+      if (n == 19) return {};  // over 10^19: no tensor is that large
+      d = d * 10 + static_cast<uint64_t>(s[n] - '0');
+    }
+    if (n == 0) return {};
+    dims.push_back(d);
+    s = Trim(s.substr(n));
+    if (s.empty()) return dims;
+    if (s.front() == 'x' || s.front() == ',') s = Trim(s.substr(1));
+  }
+}
+
+// One tensor per line: an optional name (a first word that does not start
+// with a digit or a bracket), then its size; `#` starts a comment.
 Status ReadList(const std::string& path, ModelTensors& m) {
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(path));
   if (text.find('\0') != std::string::npos) {
@@ -150,29 +189,25 @@ Status ReadList(const std::string& path, ModelTensors& m) {
   std::string line;
   for (int number = 1; std::getline(lines, line); ++number) {
     if (const size_t hash = line.find('#'); hash != std::string::npos) line.resize(hash);
-    std::istringstream words(line);
-    std::string word, last;
-    while (words >> word) last = word;
-    if (last.empty()) continue;
+    std::string_view size = Trim(line);
+    if (size.empty()) continue;
+    if (!IsDigit(size.front()) && size.front() != '(' && size.front() != '[') {
+      size_t end = 0;
+      while (end < size.size() && !IsSpace(size[end])) ++end;
+      size = Trim(size.substr(end));  // after the name
+    }
+    const std::vector<uint64_t> dims = ParseSize(size);
     const std::string where = fmt::format("{}:{}", path, number);
-    std::vector<uint64_t> dims;
-    std::string_view rest = last;
-    while (true) {
-      const size_t x = rest.find_first_of("x,");
-      const std::string_view dim = rest.substr(0, x);
-      uint64_t d = 0;
-      const bool digits = !dim.empty() && std::all_of(dim.begin(), dim.end(),
-                                                      [](char c) { return c >= '0' && c <= '9'; });
-      if (!digits || dim.size() > 19) {
-        return InvalidArgumentError(fmt::format(
-            "{}: '{}' is not a tensor size; write an element count (16777216) or a shape "
-            "(4096x4096), one tensor per line",
-            where, last));
-      }
-      for (char c : dim) d = d * 10 + static_cast<uint64_t>(c - '0');
-      dims.push_back(d);
-      if (x == std::string_view::npos) break;
-      rest = rest.substr(x + 1);
+    if (size.empty()) {
+      return InvalidArgumentError(
+          fmt::format("{}: '{}' names no size; write 'name 4096x4096', one tensor per line", where,
+                      Trim(line)));
+    }
+    if (dims.empty()) {
+      return InvalidArgumentError(fmt::format(
+          "{}: '{}' is not a tensor size; write an element count (16777216) or a shape "
+          "(4096x4096, 4096,4096 or (4096, 4096)), after an optional name, one tensor per line",
+          where, size));
     }
     STRATA_ASSIGN_OR_RETURN(uint64_t elems, Product(dims, where));
     STRATA_RETURN_IF_ERROR(AddTensor(m, elems, where));

@@ -320,12 +320,14 @@ void AddPlanCommand(Cli& cli) {
       ->check(CLI::ExistingFile);
   CLI::Option* params = cmd->add_option("--params", args->params,
                                          "model parameters, e.g. 7B or 350M (as one tensor)");
-  CLI::Option* model = cmd->add_option(
-      "--model", args->model_path,
-      "the model's own tensors, laid out as the engine will: a .safetensors file, its "
-      "*.safetensors.index.json, a directory with them, or a text file with one size per line "
-      "(16777216 or 4096x4096)")
-      ->check(CLI::ExistingPath);
+  CLI::Option* model =
+      cmd->add_option(
+             "--model", args->model_path,
+             "the model's own tensors, laid out as the engine will: a .safetensors file, its "
+             "*.safetensors.index.json, a directory with them, or a text file with one size per "
+             "line "
+             "(16777216, 4096x4096 or (4096, 4096), after an optional name)")
+          ->check(CLI::ExistingPath);
   params->excludes(model);
   model->excludes(params);
   cmd->add_option("--world-size", args->world_size, "data-parallel ranks")

@@ -92,7 +92,12 @@ def main():
     with open(listing, "w") as f:
         f.write("# name shape\nh.0.w 1000x1500\n\nh.1.w 1000,1500  # comma too\n1500000\n"
                 "h.3.w 1500x1000\nh.bias_free 0\n")
-    for given in (index, sharded, listing):
+    # Shapes as Python prints them, with spaces (each line was read as its last
+    # number alone: 1500 elements for "1000, 1500").
+    spaced = os.path.join(scratch, "spaced.txt")
+    with open(spaced, "w") as f:
+        f.write("h.0.w 1000 x 1500\nh.1.w (1000, 1500)\n[1500000]\nh.3.w 1500, 1000\n")
+    for given in (index, sharded, listing, spaced):
         got = plan_json(strata, config, "--model", given)
         if (got["model"]["tensors"], got["model"]["padded_elems"]) != (4, 6000128) or \
                 got["plan"] != own["plan"]:
@@ -118,6 +123,12 @@ def main():
     with open(bad_line, "w") as f:
         f.write("4096x4096\nwte 4096xabc\n")
     refused(["--model", bad_line], "bad.txt:2", "'4096xabc' is not a tensor size")
+    with open(bad_line, "w") as f:
+        f.write("wte 4096x4096\nwte two 4096\n")  # one name, then the size
+    refused(["--model", bad_line], "bad.txt:2", "'two 4096' is not a tensor size")
+    with open(bad_line, "w") as f:
+        f.write("wte\n")
+    refused(["--model", bad_line], "bad.txt:1", "'wte' names no size")
     empty = os.path.join(scratch, "empty.txt")
     with open(empty, "w") as f:
         f.write("# nothing\n0\n")
