@@ -133,6 +133,27 @@ StateStore::~StateStore() {
   }
 }
 
+Result<std::vector<std::unique_ptr<StorageLock>>> LockStateDirectories(
+    Storage& storage, std::span<const std::string> paths, uint32_t rank) {
+  std::vector<std::unique_ptr<StorageLock>> locks;
+  for (const std::string& dir : paths) {
+    const std::string lock = dir + "/strata-rank" + std::to_string(rank) + ".lock";
+    auto held = storage.Lock(lock);
+    if (!held.ok() && LockHeldByAnother(held.status())) {
+      return FailedPreconditionError(
+          "open state store: " + std::string(held.status().message()) +
+          "; another optimizer keeps rank " + std::to_string(rank) + "'s state in " + dir +
+          " (another run, a second optimizer of this process, or the directory listed "
+          "twice in nvme_path): give each optimizer its own nvme_path directory, or stop the "
+          "other one");
+    }
+    // A lock file that cannot be made: its errno and the fix, no holder.
+    if (!held.ok()) return held.status().WithContext("open state store");
+    locks.push_back(std::move(held).value());
+  }
+  return locks;
+}
+
 Status StateStore::Init(Storage& storage) {
   storage_ = &storage;
   const uint32_t num_paths = static_cast<uint32_t>(options_.paths.size());
@@ -153,21 +174,7 @@ Status StateStore::Init(Storage& storage) {
   data_offset_ = RoundUp(kSuperblockBytes, options_.block_bytes);
   committed_.assign(options_.num_extents, 0);
   busy_.assign(options_.num_extents, 0);
-  for (const std::string& dir : options_.paths) {
-    const std::string lock = dir + "/strata-rank" + std::to_string(options_.rank) + ".lock";
-    auto held = storage.Lock(lock);
-    if (!held.ok() && LockHeldByAnother(held.status())) {
-      return FailedPreconditionError(
-          "open state store: " + std::string(held.status().message()) +
-          "; another optimizer keeps rank " + std::to_string(options_.rank) + "'s state in " +
-          dir + " (another run, a second optimizer of this process, or the directory listed "
-          "twice in nvme_path): give each optimizer its own nvme_path directory, or stop the "
-          "other one");
-    }
-    // A lock file that cannot be made: its errno and the fix, no holder.
-    if (!held.ok()) return held.status().WithContext("open state store");
-    locks_.push_back(std::move(held).value());
-  }
+  STRATA_ASSIGN_OR_RETURN(locks_, LockStateDirectories(storage, options_.paths, options_.rank));
   const uint64_t file_bytes =
       data_offset_ + 2 * uint64_t{options_.num_extents} * per_file_slot_bytes_;
   for (uint32_t f = 0; f < num_paths; ++f) {

@@ -109,6 +109,14 @@ struct StateStoreOptions {
   std::function<void(size_t n, const std::function<void(size_t, size_t)>& body)> parallel_for;
 };
 
+// Locks `strata-rank<rank>.lock` in each directory, as a store does while it
+// lives: FailedPrecondition naming the holder when another optimizer keeps
+// that rank's state there; the errno and the fix when a lock file cannot be
+// made. For an optimizer whose plan puts no state on NVMe: its nvme_path is
+// still its own.
+Result<std::vector<std::unique_ptr<StorageLock>>> LockStateDirectories(
+    Storage& storage, std::span<const std::string> paths, uint32_t rank);
+
 enum class PayloadCheck : uint8_t { kStore, kCaller };
 
 class StateStore {

@@ -57,7 +57,10 @@ Status StateTiers::Init() {
   }
   STRATA_ASSIGN_OR_RETURN(std::vector<PinnedBuffer> dram, AllocatePinned(dev, dram_bytes));
   for (size_t k = 0; k < in_dram.size(); ++k) host_[in_dram[k]] = std::move(dram[k]);
-  if (nvme_order_.empty()) return OkStatus();
+  // With no state on NVMe, nvme_path is still this optimizer's while it
+  // lives (made, and locked as a store locks it): a second optimizer on it
+  // fails whatever either plan puts there.
+  if (nvme_order_.empty() && o_.config->device != OffloadDevice::kNvme) return OkStatus();
   Storage* storage = o_.storage;
   if (storage == nullptr) {
     // The engine's own storage is the filesystem: missing nvme_path folders
@@ -69,6 +72,10 @@ Status StateTiers::Init() {
     storage = owned_storage_.get();
   }
   const OffloadConfig& c = *o_.config;
+  if (nvme_order_.empty()) {
+    STRATA_ASSIGN_OR_RETURN(dir_locks_, LockStateDirectories(*storage, c.nvme_paths, o_.rank));
+    return OkStatus();
+  }
   STRATA_ASSIGN_OR_RETURN(store_,
                           StateStore::Create(*storage, {.paths = c.nvme_paths,
                                                         .rank = o_.rank,

@@ -209,6 +209,7 @@ class StateTiers {
   std::vector<uint64_t> device_offset_;  // per device sub-group: elems before it
   std::vector<PinnedBuffer> buffers_;
   std::unique_ptr<Storage> owned_storage_;
+  std::vector<std::unique_ptr<StorageLock>> dir_locks_;  // nvme_path, when no state is there
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<IoPump> io_;
   std::vector<std::future<Status>> reads_;   // per extent

@@ -259,10 +259,15 @@ def test_a_torch_adamw_state_dict_loads_and_training_continues_alike():
 
 # ---- Two optimizers on one nvme_path -------------------------------------------------
 
-def test_two_optimizers_on_one_nvme_path_are_refused_naming_it(tmp_path):
+# A host budget that holds all the state: no byte on NVMe, the directory still its own.
+@pytest.mark.parametrize("budget", [None, "64MiB"], ids=["state_on_nvme", "state_in_dram"])
+def test_two_optimizers_on_one_nvme_path_are_refused_naming_it(tmp_path, budget):
     kw = nvme(tmp_path)
+    if budget is not None:
+        kw["host_budget"] = budget
     g_model, d_model = Net(), Net()
     gen = OffloadAdam(g_model.parameters(), lr=1e-2, **kw)
+    assert (gen.plan()["nvme_sub_groups"] > 0) == (budget is None)
     train(g_model, gen, 1)
     before = [p.detach().clone() for p in g_model.parameters()]
     with pytest.raises(strata.StrataError, match=rf"(?s){kw['nvme_path']}/strata-rank0.lock: "
