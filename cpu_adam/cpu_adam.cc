@@ -219,7 +219,10 @@ Result<std::unique_ptr<CpuAdam>> CpuAdam::Create(const CpuAdamOptions& options) 
         options.threads, kMaxThreads));
   }
   auto impl = std::make_unique<Impl>();
-  impl->threads = options.threads > 0 ? options.threads : tbb::info::default_concurrency();
+  // More than the process may run on would not run: oneTBB caps an arena's
+  // workers there (and warns on stderr). threads() says what runs.
+  impl->threads = std::min(options.threads > 0 ? options.threads : tbb::info::default_concurrency(),
+                           tbb::info::default_concurrency());
   impl->threads = std::max(1, impl->threads);
   impl->arena.initialize(impl->threads);
   return std::unique_ptr<CpuAdam>(new CpuAdam(std::move(impl)));

@@ -193,7 +193,7 @@ std::string_view CpuAdamTargetName();
 // ---- Multi-threaded ---------------------------------------------------------
 
 struct CpuAdamOptions {
-  int threads = 0;  // <= 0: every hardware thread
+  int threads = 0;  // <= 0: every hardware thread this process may use; never more
 };
 
 // Runs the kernels above over a oneTBB task arena. Move-only through
@@ -206,6 +206,8 @@ class CpuAdam {
   CpuAdam(const CpuAdam&) = delete;
   CpuAdam& operator=(const CpuAdam&) = delete;
 
+  // The threads it runs: options.threads, at most the hardware threads this
+  // process may use (oneTBB's arena has no more).
   int threads() const;
 
   Status Step(const AdamHyper& hyper, const AdamState& state, GradView grad, OutView out);

@@ -533,6 +533,15 @@ Status OffloadOptimizer::Impl::Init(const EngineContext& context,
                           "machine; strata.threads sets it)",
                           rank, config.threads, cpus.usable, per_node));
     }
+  } else if (const CpuInfo cpus = ProbeCpus();
+             cpus.usable > 0 && static_cast<uint32_t>(config.threads) > cpus.usable) {
+    // oneTBB gives an arena no more threads than the process may run on
+    // (and warns on stderr when asked for more): say so once, in our words.
+    LogWarning(
+        fmt::format("rank {}: strata.threads = {} is more than the {} cores this process "
+                    "may use; the CPU optimizer runs {} threads",
+                    rank, config.threads, cpus.usable, cpus.usable));
+    config.threads = static_cast<int>(cpus.usable);
   }
   // A GPU this build has no kernel image for is refused here, not inside the
   // first step.

@@ -618,13 +618,22 @@ MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32
     const bool blocked =
         d.kind == PathKind::kNotDirectory ||
         (d.kind == PathKind::kMissing && !d.writable.ok() && d.writable_errno == 0);
+    // A filesystem of no blocks at all (/proc, /sys) holds no state file:
+    // named as such, not as a disk with 0 B free.
+    Status where = blocked ? d.writable : OkStatus();
+    if (where.ok() && d.total_bytes == 0) {
+      where = FailedPreconditionError(fmt::format(
+          "{}: {} is on {}, a filesystem that holds no files (0 B in all)", path,
+          d.probed_path == path ? std::string("it") : d.probed_path,
+          d.filesystem.empty() ? std::string("a filesystem of unknown type") : d.filesystem));
+    }
     // The state file's name is offload/state_store.h's on-disk layout.
     m.nvme.push_back(
         {.path = path,
          .device_id = d.device_id,
          .free_bytes = d.free_bytes,
          .reclaimable_bytes = FileAllocatedBytes(fmt::format("{}/strata-rank{}.state", path, rank)),
-         .not_a_directory = blocked ? d.writable : OkStatus()});
+         .not_a_directory = std::move(where)});
   }
   return m;
 }

@@ -142,7 +142,8 @@ struct NvmePathSpace {
   uint64_t reclaimable_bytes = 0;  // this rank's old state file there, replaced on create
   // OK, or why no directory can be there: the path exists and is not a
   // directory, or its nearest existing ancestor is not one (so it cannot be
-  // created). A plan with state on NVMe is refused with it.
+  // created), or it is on a filesystem of no blocks (/proc). A plan with
+  // state on NVMe is refused with it.
   Status not_a_directory{};
 };
 

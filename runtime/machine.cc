@@ -69,6 +69,10 @@ std::string FilesystemName(int64_t magic) {
     case 0xF2F52010: return "f2fs";
     case 0x65735546: return "fuse";
     case 0x858458F6: return "ramfs";
+    case 0x9FA0:
+      return "proc";
+    case 0x62656572:
+      return "sysfs";
     default: return fmt::format("0x{:x}", static_cast<uint64_t>(magic));
   }
 }

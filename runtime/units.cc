@@ -100,7 +100,8 @@ Result<uint64_t> ParseCount(std::string_view text) {
     m = 1e12;
   } else {
     return InvalidArgumentError("parse count '" + std::string(text) + "': unknown suffix '" +
-                                split.written_suffix + "' (use K, M, B or G, T)");
+                                split.written_suffix +
+                                "' (use K = 1e3, M = 1e6, B or G = 1e9, T = 1e12)");
   }
   return Scale(text, split.value, m, "count");
 }

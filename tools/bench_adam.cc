@@ -216,7 +216,7 @@ void AddBenchAdamCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "Threads (0: every hardware thread)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 4096));
+      ->check(Within(0, 4096));
   cmd->add_option("--grad", o->grad, "Gradient dtype")
       ->capture_default_str()
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
@@ -225,10 +225,10 @@ void AddBenchAdamCommand(Cli& cli) {
       ->check(CLI::IsMember({"bf16", "fp16", "fp32", "none"}));
   cmd->add_option("--warmup", o->warmup, "Untimed steps first")
       ->capture_default_str()
-      ->check(CLI::Range(0, 100));
+      ->check(Within(0, 100));
   cmd->add_option("--steps", o->steps, "Timed steps (each also times the baseline)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
+      ->check(Within(1, 1000));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout");
   cmd->callback(
       [&cli, o] { RunAction(cli, "bench adam", OutputOf(o->json), [o] { return Run(*o); }); });

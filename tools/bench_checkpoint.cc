@@ -341,10 +341,10 @@ void AddBenchCheckpointCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "Rounds of save, verify, load")
       ->capture_default_str()
-      ->check(CLI::Range(1, 100));
+      ->check(Within(1, 100));
   cmd->add_option("--threads", a->threads, "CPU optimizer threads (0: every hardware thread)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 4096));
+      ->check(Within(0, 4096));
   cmd->add_flag("--json", a->json, "Print one JSON object on stdout");
   cmd->callback([&cli, a] {
     RunAction(cli, "bench checkpoint", OutputOf(a->json), [a] { return RunCheckpoint(*a); });

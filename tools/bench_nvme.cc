@@ -678,7 +678,7 @@ void AddBenchNvmeCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_option("--qd", args->qd, "Requests in flight per file")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1024));
+      ->check(Within(1, 1024));
   cmd->add_option("--op", args->op, "read or write")
       ->capture_default_str()
       ->check(CLI::IsMember({"read", "write"}));
@@ -693,7 +693,7 @@ void AddBenchNvmeCommand(Cli& cli) {
       ->check(CLI::IsMember({"thp", "plain", "pinned"}));
   cmd->add_option("--repeat", args->repeat, "Runs of each (best is reported)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 100));
+      ->check(Within(1, 100));
   cmd->add_option("--order", args->order,
                   "With --vs-fio: alternate (strata first in odd runs, fio first in even runs), "
                   "strata-first or fio-first")

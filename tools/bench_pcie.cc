@@ -414,15 +414,15 @@ void AddBenchPcieCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_option("--repeats", o->repeats, "Best of this many measurements")
       ->capture_default_str()
-      ->check(CLI::Range(1, 100));
+      ->check(Within(1, 100));
   cmd->add_option("--engine-params", o->engine_params,
                   "Params of the engine measurement (0: skip it)")
       ->capture_default_str();
   cmd->add_option("--link-gbps", o->link_gbps,
                   "Host device only: modelled link rate per direction, GB/s (0: unlimited)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(Within(0.0, 1e6));
   cmd->add_option("--latency-us", o->latency_us, "Host device only: modelled latency per copy")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(Within(0.0, 1e6));
   cmd->add_flag("--json", o->json, "Print one JSON object on stdout");
   cmd->callback(
       [&cli, o] { RunAction(cli, "bench pcie", OutputOf(o->json), [o] { return Run(*o); }); });

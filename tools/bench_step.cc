@@ -1217,7 +1217,7 @@ void AddBenchStepCommand(Cli& cli) {
       ->capture_default_str();
   cmd->add_option("--tensors", a->tensors, "Tensors the params are split into")
       ->capture_default_str()
-      ->check(CLI::Range(1u, 1u << 20));
+      ->check(Within(1u, 1u << 20));
   cmd->add_option("--offload", a->offload,
                   "Where the state may go: nvme (DRAM, the rest on NVMe) or cpu (DRAM only)")
       ->capture_default_str()
@@ -1240,21 +1240,21 @@ void AddBenchStepCommand(Cli& cli) {
                   "temporary directory under /var/tmp; files removed afterwards)");
   cmd->add_option("--ranks", a->ranks, "Ranks (local communicator, one thread per rank)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(Within(1, 64));
   cmd->add_option("--steps", a->steps, "Timed rounds; each runs an overlapped and a serial step")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
+      ->check(Within(1, 1000));
   cmd->add_option("--warmup", a->warmup, "Untimed rounds first")
       ->capture_default_str()
-      ->check(CLI::Range(0, 100));
+      ->check(Within(0, 100));
   cmd->add_option("--sub-group", a->sub_group, "Sub-group size in elements (sub_group_size), or auto (the planner's choice)")
       ->capture_default_str();
   cmd->add_option("--buffer-count", a->buffer_count, "Pipeline depth (buffer_count)")
       ->capture_default_str()
-      ->check(CLI::Range(1u, 64u));
+      ->check(Within(1u, 64u));
   cmd->add_option("--threads", a->threads, "CPU optimizer threads (0: every hardware thread)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 4096));
+      ->check(Within(0, 4096));
   cmd->add_option("--grad", a->grad, "Gradient dtype handed to the engine")
       ->capture_default_str()
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
@@ -1264,7 +1264,7 @@ void AddBenchStepCommand(Cli& cli) {
   cmd->add_option("--block", a->block, "NVMe IO size (aio.block_size)")->capture_default_str();
   cmd->add_option("--queue-depth", a->queue_depth, "NVMe requests in flight (aio.queue_depth)")
       ->capture_default_str()
-      ->check(CLI::Range(1u, 4096u));
+      ->check(Within(1u, 4096u));
   cmd->add_option("--pcie-rate", a->pcie_rate,
                   "Model a PCIe link: H2D and D2H each capped at this many bytes/s, e.g. 12G "
                   "(0: memcpy speed)")

@@ -5,11 +5,14 @@
 // command line was wrong (CLI11 prints what and where).
 #pragma once
 
-#include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
+#include <charconv>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <type_traits>
 
 #include "runtime/status.h"
 
@@ -71,6 +74,31 @@ inline std::string ShellQuote(const std::string& s) {
   std::string out = "'";
   for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
   return out + "'";
+}
+
+// CLI::Range with a message that says what is wrong: "--ranks: abc is not a
+// whole number: give one from 1 to 64", "--ranks: 99 is out of range: give a
+// whole number from 1 to 64" (CLI::Range calls both "not in range").
+template <typename T>
+CLI::Validator Within(T lo, T hi) {
+  const std::string range = fmt::format("from {} to {}", lo, hi);
+  const std::string kind = std::is_integral_v<T> ? "a whole number" : "a number";
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        T v{};
+        const char* end = text.data() + text.size();
+        const auto [stop, ec] = std::from_chars(text.data(), end, v);
+        const bool negative = std::is_unsigned_v<T> && !text.empty() && text[0] == '-';
+        if (ec == std::errc::result_out_of_range || negative ||
+            (ec == std::errc() && stop == end && (v < lo || v > hi))) {
+          return fmt::format("{} is out of range: give {} {}", text, kind, range);
+        }
+        if (ec != std::errc() || stop != end) {
+          return fmt::format("{} is not {}: give one {}", text, kind, range);
+        }
+        return std::string();
+      },
+      fmt::format("in [{} - {}]", lo, hi));
 }
 
 // The whole text of a config file; NotFound naming it when it cannot be read.

@@ -331,11 +331,11 @@ void AddPlanCommand(Cli& cli) {
   params->excludes(model);
   model->excludes(params);
   cmd->add_option("--world-size", args->world_size, "data-parallel ranks")
-      ->check(CLI::Range(1u, 1u << 16));  // the planner's limit
+      ->check(Within(1u, 1u << 16));  // the planner's limit
   cmd->add_option("--rank", args->rank, "the rank to plan for");
   cmd->add_option("--ranks-per-node", args->ranks_per_node,
                   "ranks sharing this machine's memory (default: $LOCAL_WORLD_SIZE, else 1)")
-      ->check(CLI::Range(1u, 65536u));
+      ->check(Within(1u, 65536u));
   cmd->add_flag("--no-preflight", args->no_preflight,
                 "do not check the plan against this machine (plan for another one)");
   cmd->add_option("--probe-drive", args->probe_drive,

@@ -175,7 +175,9 @@ def _is_count(value):
 def _check_hyper(where, lr, betas, eps, weight_decay):
     """ValueError naming the field unless the hyperparameters are finite and in range."""
     try:
-        b1, b2 = (float(b) for b in betas)
+        if isinstance(betas, (str, bytes)):
+            raise TypeError("text")
+        b1, b2 = betas
     except (TypeError, ValueError):
         raise ValueError(f"OffloadAdam: {where}betas={betas!r}; give two numbers in [0, 1)")
     rules = [("lr", lr, lambda v: v >= 0, "finite and >= 0"),
@@ -185,9 +187,12 @@ def _check_hyper(where, lr, betas, eps, weight_decay):
              ("weight_decay", weight_decay, lambda v: v >= 0, "finite and >= 0")]
     for field, value, ok, allowed in rules:
         try:
+            if isinstance(value, (str, bytes)):  # float("0.1") would take text
+                raise TypeError("text")
             v = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"OffloadAdam: {where}{field} is {value!r}; it must be {allowed}")
+            raise ValueError(f"OffloadAdam: {where}{field} is {value!r}; it must be a number, "
+                             f"{allowed}")
         if not (math.isfinite(v) and ok(v)):
             raise ValueError(f"OffloadAdam: {where}{field} is {value}; it must be {allowed}")
 
@@ -215,6 +220,8 @@ def _check_unique(groups):
 
 def _number(where, key, value):
     try:
+        if isinstance(value, (str, bytes)):  # float("0.1") would take text
+            raise TypeError("text")
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"OffloadAdam: {where}{key} is {value!r}; it must be a number") from None
@@ -735,6 +742,8 @@ class OffloadAdam(torch.optim.Optimizer):
                              "value or None")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         params, self._names = _split_names(params)
+        # Before torch.optim's own check, which only warns about a repeated tensor.
+        _check_unique(params if params and isinstance(params[0], dict) else [{"params": params}])
         super().__init__(params, defaults)
         for gi, g in enumerate(self.param_groups):
             _check_hyper(f"param_groups[{gi}]: ", g["lr"], g["betas"], g["eps"],
@@ -746,7 +755,6 @@ class OffloadAdam(torch.optim.Optimizer):
         tensors = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not tensors:
             raise ValueError("OffloadAdam: no param requires grad; nothing to optimize")
-        _check_unique(self.param_groups)
         devices = sorted({str(p.device) for p in tensors})
         if len(devices) != 1:
             raise ValueError(f"OffloadAdam: params on more than one device ({', '.join(devices)}); "
@@ -813,6 +821,12 @@ class OffloadAdam(torch.optim.Optimizer):
         bad = _non_finite(base)
         if bad:
             raise ValueError(f"OffloadAdam: config {bad}; every number must be finite")
+        device_cfg = base["zero_optimization"].get("offload_optimizer", {}).get("device")
+        if nvme_path and device_cfg != "nvme":
+            warnings.warn(f"OffloadAdam: nvme_path is given but the state is offloaded to "
+                          f"{device_cfg!r}: nothing is written there; pass offload='nvme' to "
+                          "keep there the state that host_budget leaves out of DRAM",
+                          stacklevel=_outside_stacklevel())
         self._config = base
         # The engine reads and writes the tensors as the config's dtypes: they must agree.
         want = _PARAM_DTYPES[self._dtype] or "fp32"
@@ -942,6 +956,15 @@ class OffloadAdam(torch.optim.Optimizer):
                                           groups, comm, stream)
         except StrataError as e:
             if "held by this process" not in str(e):
+                # The engine names config keys; say which argument set the one it names.
+                user_strata = config.get("strata") if isinstance(config.get("strata"), dict) else {}
+                named = [f"{key} is the {arg}= argument ({value!r})"
+                         for key, arg, value in (("strata.host_budget", "host_budget", host_budget),
+                                                 ("strata.device_budget", "device_budget",
+                                                  device_budget))
+                         if value is not None and key in str(e) and arg not in user_strata]
+                if named:
+                    raise type(e)(f"{e}\nOffloadAdam: {'; '.join(named)}") from e
                 raise
             survived = (" (it survived a garbage collection, so a scheduler or another "
                         "object still refers to it: `del optimizer` alone does not free it)"
@@ -989,6 +1012,11 @@ class OffloadAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _hyper_of(group, where=""):
+        missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in group]
+        if missing:
+            raise ValueError(f"OffloadAdam: {where}has no {', '.join(missing)}; every param "
+                             "group needs lr, betas, eps and weight_decay: set it back (its "
+                             "default is in optimizer.defaults)")
         betas = group["betas"]
         if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) \
                 or len(betas) != 2:
@@ -1464,12 +1492,14 @@ class OffloadAdam(torch.optim.Optimizer):
             self._warned_no_grad = True
             names = ", ".join(self._reg[k].describe(k) for k in no_grad[:3])
             more = f" and {len(no_grad) - 3} more" if len(no_grad) > 3 else ""
+            one = len(no_grad) == 1
+            it, its = ("it", "its") if one else ("them", "their")
             warnings.warn(
                 f"OffloadAdam.step: {names}{more} got no gradient (.grad is None). OffloadAdam "
-                "steps it as with a zero gradient, as every step steps every param: its Adam "
-                "moments decay, the update they still make moves it, and weight decay "
-                "applies; torch.optim skips it. Freeze params that never train "
-                "(requires_grad=False) before building the optimizer. Warned once",
+                f"steps {it} as with a zero gradient, as every step steps every param: {its} "
+                f"Adam moments decay, the update they still make {'moves' if one else 'move'} "
+                f"{it}, and weight decay applies; torch.optim skips {it}. Freeze params that "
+                "never train (requires_grad=False) before building the optimizer. Warned once",
                 stacklevel=_outside_stacklevel())
         self._state_version += 1
         self._published = True  # the params are the master weights (adopted above)

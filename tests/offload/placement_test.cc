@@ -747,15 +747,20 @@ TEST(PreflightTest, AnNvmePathThatIsNotADirectoryIsRefused) {
           .string();
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/file") << "x";
-  const std::vector<std::string> paths = {dir, dir + "/file", dir + "/file/sub", dir + "/new"};
+  // /proc: a filesystem of no blocks, once read as a disk with "0 B free".
+  const std::vector<std::string> paths = {dir, dir + "/file", dir + "/file/sub", dir + "/new",
+                                          "/proc/strata-none"};
   MachineLimits m = ProbeMachineLimits(paths, 0, 1);
-  ASSERT_EQ(m.nvme.size(), 4u);
+  ASSERT_EQ(m.nvme.size(), 5u);
   EXPECT_TRUE(m.nvme[0].not_a_directory.ok()) << m.nvme[0].not_a_directory;
   EXPECT_TRUE(Contains(m.nvme[1].not_a_directory.message(), "exists and is not a directory"))
       << m.nvme[1].not_a_directory;
   EXPECT_TRUE(Contains(m.nvme[2].not_a_directory.message(), "is not a directory"))
       << m.nvme[2].not_a_directory;
   EXPECT_TRUE(m.nvme[3].not_a_directory.ok()) << "a missing directory is created";
+  EXPECT_TRUE(Contains(m.nvme[4].not_a_directory.message(),
+                       "/proc/strata-none: /proc is on proc, a filesystem that holds no files"))
+      << m.nvme[4].not_a_directory;
   std::filesystem::remove_all(dir);
 }
 

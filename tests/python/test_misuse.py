@@ -296,6 +296,9 @@ def test_bad_numbers_are_named():
         ({"lr": float("inf")}, "lr is inf"),
         ({"lr": float("nan")}, "lr is nan"),
         ({"eps": 0.0}, "eps is 0.0; it must be finite and > 0"),
+        # Text is no number, though float() reads it (torch.optim refuses it too).
+        ({"lr": "0.1"}, "lr is '0.1'; it must be a number"),
+        ({"betas": (0.9, "0.99")}, r"betas\[1\] is '0.99'; it must be a number"),
         ({"betas": (0.9, 1.0)}, r"betas\[1\] is 1.0"),
         ({"weight_decay": -0.1}, "weight_decay is -0.1"),
         ({"max_grad_norm": float("inf")}, "max_grad_norm=inf"),
@@ -313,6 +316,52 @@ def test_bad_numbers_are_named():
     w.grad = torch.ones(4)
     with pytest.raises(ValueError, match=r"param_groups\[0\]: eps is nan"):
         opt.step()
+    opt.param_groups[0]["eps"] = "1e-8"
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: eps is '1e-8'; it must be a number"):
+        opt.step()
+    # A key taken out of a group: named, not a bare KeyError.
+    opt.param_groups[0]["eps"] = 1e-8
+    del opt.param_groups[0]["weight_decay"]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: has no weight_decay; every param "
+                                         r"group needs lr, betas, eps and weight_decay"):
+        opt.step()
+    opt.param_groups[0]["weight_decay"] = 0.0
+    opt.step()
+
+
+def test_engine_errors_name_the_argument_that_set_the_key():
+    w = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(strata.InvalidArgumentError,
+                       match=r'(?s)strata.host_budget = "lots".*\nOffloadAdam: strata.host_budget '
+                             r"is the host_budget= argument \('lots'\)"):
+        OffloadAdam([w], host_budget="lots")
+    # Set in config, the key is what the user wrote: no argument is named.
+    with pytest.raises(strata.InvalidArgumentError) as e:
+        OffloadAdam([w], config={"strata": {"host_budget": "lots"}})
+    assert "argument" not in str(e.value)
+
+
+def test_nvme_path_without_nvme_offload_warns(tmp_path):
+    w = torch.nn.Parameter(torch.randn(4))
+    with pytest.warns(UserWarning, match=r"nvme_path is given but the state is offloaded to "
+                                         r"'cpu': nothing is written there; pass offload='nvme'"):
+        OffloadAdam([w], nvme_path=str(tmp_path)).close()
+    assert os.listdir(tmp_path) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the config's device is nvme: no warning
+        OffloadAdam([w], nvme_path=str(tmp_path), config={
+            "zero_optimization": {"offload_optimizer": {"device": "nvme"}}}).close()
+
+
+def test_more_threads_than_cores_run_on_the_cores_and_say_so(capfd):
+    cores = len(os.sched_getaffinity(0))
+    w = torch.nn.Parameter(torch.randn(4))
+    opt = OffloadAdam([w], threads=cores + 8)
+    w.grad = torch.ones(4)
+    opt.step()
+    assert opt.engine_config["strata"]["threads"] == cores
+    err = capfd.readouterr().err
+    assert "TBB Warning" not in err  # oneTBB's own complaint, once printed on stderr
 
 
 def test_duplicate_nvme_paths_get_their_own_message(tmp_path):
@@ -654,9 +703,11 @@ def test_what_torch_would_accept_and_offloadadam_cannot_run_is_refused():
     w, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(TypeError, match="iterable of Tensors"):
         OffloadAdam(w)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is the same tensor "
-                                         r"as param_groups\[0\]\['params'\]\[0\]"):
-        OffloadAdam([w, w])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's own duplicate warning comes too late to show
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is the same "
+                                             r"tensor as param_groups\[0\]\['params'\]\[0\]"):
+            OffloadAdam([w, w])
     for flag in ("amsgrad", "maximize"):
         with pytest.raises(ValueError, match=rf"param_groups\[0\] has {flag}=True"):
             OffloadAdam([{"params": [w], flag: True}])
