@@ -121,10 +121,13 @@ Status RemoveStale(Storage& storage, const std::vector<std::string>& stale, std:
 // FailedPrecondition when `out` is the checkpoint directory or inside it:
 // an export must never replace what it reads (latest.json, a manifest).
 Status CheckOutsideCheckpoint(const std::string& dir, const std::string& out, std::string_view op) {
+  if (dir.empty()) return OkStatus();  // the reader names it: no directory
+  // Absolute first: weakly_canonical leaves a relative path whose first
+  // part does not exist ("model.safetensors" in the checkpoint) relative.
   std::error_code ec;
-  const fs::path root = fs::weakly_canonical(dir, ec);
+  const fs::path root = fs::weakly_canonical(fs::absolute(dir, ec), ec);
   if (ec) return OkStatus();  // the reader reports a missing checkpoint
-  const fs::path target = fs::weakly_canonical(out, ec);
+  const fs::path target = fs::weakly_canonical(fs::absolute(out, ec), ec);
   if (ec) return ErrnoError(ec.value(), fmt::format("{}: resolve {}", op, out));
   const std::string r = root.string(), t = target.string();
   if (t == r || (t.size() > r.size() && t.compare(0, r.size(), r) == 0 && t[r.size()] == '/')) {
@@ -305,9 +308,12 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   ProgressReporter progress(
       fmt::format("export {}", fs::path(shards.front().file).parent_path().string()), total_bytes,
       ProgressUnit::kBytes);
-  // A failure (or an interruption) leaves nothing of this export: the file
-  // being written goes with its writer, and the shards committed before it,
-  // which no index names, are removed here.
+  // Each shard is sealed as it is written and all are committed (renamed
+  // over their targets) only once every one is: a failure (or an
+  // interruption) while writing leaves nothing of this export and every
+  // file of an earlier one as it was (the sealed temporaries go with their
+  // writers).
+  std::vector<std::unique_ptr<AtomicFileWriter>> sealed;
   Status written = [&]() -> Status {
     for (const Shard& shard : shards) {
       nlohmann::ordered_json header;
@@ -380,26 +386,28 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
         }
         overflowed = 0;
       }
-      STRATA_RETURN_IF_ERROR((writer->Commit()).WithContext(op));
-      result.files.push_back(shard.file);
+      STRATA_RETURN_IF_ERROR((writer->Seal()).WithContext(op));
+      sealed.push_back(std::move(writer));
       result.tensor_bytes += shard.bytes;
       result.tensors += shard.tensors.size();
     }
     return OkStatus();
   }();
-  if (!written.ok()) {
-    std::vector<std::string> kept;
-    for (const std::string& file : result.files) {
-      if (!storage.storage->Remove(file).ok()) kept.push_back(file);
+  if (!written.ok()) return written;
+  // Renames only: a failure here is the filesystem's, and the shards
+  // renamed before it have replaced their targets.
+  for (const auto& writer : sealed) {
+    if (Status s = writer->Commit(); !s.ok()) {
+      if (result.files.empty()) return std::move(s).WithContext(op);
+      return Status(
+          s.code(),
+          fmt::format("{}: {}; {} shard(s) were already in place ({}): the export in "
+                      "{} is not whole, export again",
+                      op, s.message(), result.files.size(), fmt::join(result.files, ", "), out));
     }
-    if (result.files.empty()) return written;
-    return Status(written.code(),
-                  kept.empty()
-                      ? fmt::format("{}; the {} shard(s) written before it were removed",
-                                    written.message(), result.files.size())
-                      : fmt::format("{}; {} shard(s) written before it could not be removed: {}",
-                                    written.message(), kept.size(), fmt::join(kept, ", ")));
+    result.files.push_back(writer->path());
   }
+  sealed.clear();
   progress.Finish();
   STRATA_RETURN_IF_ERROR(RemoveStale(*storage.storage, stale, op));
   result.removed = std::move(stale);

@@ -202,12 +202,13 @@ AtomicFileWriter::~AtomicFileWriter() {
 }
 
 void AtomicFileWriter::Abandon() {
-  if (file_) {
+  if (file_ || sealed_) {
     Drain().IgnoreError();
     file_.reset();
     storage_->Remove(temp_path_).IgnoreError();
     Notify(AtomicFileEvent::kTemporaryGone, temp_path_);
   }
+  sealed_ = false;
   committed_ = false;
 }
 
@@ -279,7 +280,8 @@ Status AtomicFileWriter::Drain() {
   return OkStatus();
 }
 
-Status AtomicFileWriter::Commit() {
+Status AtomicFileWriter::Seal() {
+  if (sealed_) return OkStatus();
   if (!file_) return error_.ok() ? FailedPreconditionError("write " + path_ + ": committed") : error_;
   Status s = error_;
   if (s.ok() && cur_ >= 0 && fill_ > 0) s = Flush();
@@ -289,19 +291,27 @@ Status AtomicFileWriter::Commit() {
     s = file_->Resize(file_bytes()).WithContext("write " + path_);
   }
   if (s.ok()) s = file_->Sync().WithContext("write " + path_ + ": fsync " + temp_path_);
-  if (s.ok()) s = CheckOutputPath(path_, options_.existing);  // nothing appeared meanwhile
-  if (s.ok()) {
-    file_.reset();
-    s = storage_->Rename(temp_path_, path_);
-    if (s.ok()) {
-      committed_ = true;
-      Notify(AtomicFileEvent::kTemporaryGone, temp_path_);
-      Notify(AtomicFileEvent::kCommitted, path_);
-      return OkStatus();
-    }
-    storage_->Remove(temp_path_).IgnoreError();
-    Notify(AtomicFileEvent::kTemporaryGone, temp_path_);
+  if (!s.ok()) {
+    Abandon();
     return error_ = s;
+  }
+  file_.reset();
+  chunks_.clear();
+  free_.clear();
+  sealed_ = true;
+  return OkStatus();
+}
+
+Status AtomicFileWriter::Commit() {
+  STRATA_RETURN_IF_ERROR(Seal());
+  Status s = CheckOutputPath(path_, options_.existing);  // nothing appeared meanwhile
+  if (s.ok()) s = storage_->Rename(temp_path_, path_);
+  if (s.ok()) {
+    sealed_ = false;
+    committed_ = true;
+    Notify(AtomicFileEvent::kTemporaryGone, temp_path_);
+    Notify(AtomicFileEvent::kCommitted, path_);
+    return OkStatus();
   }
   Abandon();
   return error_ = s;

@@ -92,7 +92,14 @@ class AtomicFileWriter {
   // before was. An error of `fill` fails the writer, as an IO error does.
   using Fill = std::function<Status(std::span<std::byte>)>;
   Status AppendFilled(uint64_t bytes, const Fill& fill);
-  // Durable and visible under path() when OK; on failure nothing is left.
+  // Durable under temp_path() and not yet visible; the file handle and the
+  // chunks are let go. For files that must replace their targets together
+  // (an export's shards): seal each as it is written, then commit them all,
+  // so a failure while writing any leaves every target as it was. On
+  // failure nothing is left.
+  Status Seal();
+  // Durable and visible under path() when OK (seals first when not sealed);
+  // on failure nothing is left.
   Status Commit();
 
   const std::string& path() const { return path_; }
@@ -121,6 +128,7 @@ class AtomicFileWriter {
   uint64_t appended_ = 0;
   uint64_t align_ = 1;
   Status error_;
+  bool sealed_ = false;  // temp_path() is whole and durable; file_ is closed
   bool committed_ = false;
 };
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -353,6 +354,15 @@ TEST_F(ExportShapedTest, HarmfulOutputsAreRefusedBeforeAnyByteIsWritten) {
       ExpectMentions(r.status(), "inside the checkpoint directory");
     }
   }
+  // A bare file name from inside the save (the working directory): it was
+  // once resolved as a relative path outside every checkpoint, and written.
+  const fs::path cwd = fs::current_path();
+  fs::current_path(save_dir);
+  auto bare = ExportSafetensors(ckpt_.path(), "m.safetensors");
+  fs::current_path(cwd);
+  EXPECT_EQ(bare.status().code(), StatusCode::kFailedPrecondition) << bare.status();
+  ExpectMentions(bare.status(), "inside the checkpoint directory");
+  EXPECT_FALSE(fs::exists(save_dir + "/m.safetensors"));
   EXPECT_EQ(ReadAll(latest), latest_before);
   ASSERT_TRUE(cluster_->Load(ckpt_.path()).ok()) << "the checkpoint is intact";
 
@@ -443,7 +453,8 @@ TEST_F(ExportShapedTest, TheCheckpointIsReadAheadOnAThreadOfItsOwn) {
 
 // An interruption (the Python module's Ctrl-C) stops the export between
 // buffers with Cancelled, and nothing of it is left: neither the file being
-// written nor the shards committed before it, which no index names.
+// written nor the shards sealed before it (none is renamed into place
+// before all are written).
 TEST_F(ExportShapedTest, AnInterruptedExportLeavesNothing) {
   int polls = 0;
   const ExportOptions sharded = {.max_shard_bytes = 8192,
@@ -464,9 +475,53 @@ TEST_F(ExportShapedTest, AnInterruptedExportLeavesNothing) {
     auto r = ExportSafetensors(ckpt_.path(), out.File("hf"), o);
     EXPECT_EQ(r.status().code(), StatusCode::kCancelled) << r.status();
     ExpectMentions(r.status(), "interrupted while writing " + out.File("hf/model-0000"));
-    if (at > 1) ExpectMentions(r.status(), "written before it were removed");
     EXPECT_EQ(Names(out.File("hf")), std::vector<std::string>{}) << r.status();
   }
+}
+
+// A forced export over an earlier one of the same layout that fails part
+// way leaves every file of the earlier one as
+// it was: shards were once renamed into place one by one, so a failure at
+// the third had replaced the first two and the index named a mix.
+TEST_F(ExportShapedTest, AFailedForcedExportLeavesTheEarlierOneWhole) {
+  TempDir out;
+  const std::string hf = out.File("hf");
+  ASSERT_TRUE(ExportSafetensors(ckpt_.path(), hf, {.max_shard_bytes = 8192}).ok());
+  // The earlier export holds other weights: the model trained on since.
+  ASSERT_TRUE(cluster_->Train(seed_ + 1, 1).ok());
+  TempDir later;
+  ASSERT_TRUE(cluster_->Save(later.path(), {.shapes = shapes_}).ok());
+  std::map<std::string, std::string> before;
+  for (const std::string& name : Names(hf)) before[name] = ReadAll(hf + "/" + name);
+  ASSERT_GE(before.size(), 4u) << "three shards or more, and the index";
+  auto unchanged = [&](const Status& s) {
+    std::map<std::string, std::string> now;
+    for (const std::string& name : Names(hf)) now[name] = ReadAll(hf + "/" + name);
+    EXPECT_TRUE(now == before) << s;
+  };
+  ExportOptions o{
+      .max_shard_bytes = 8192, .existing = ExistingFile::kReplace, .buffer_bytes = 4096};
+  int polls = 0;
+  o.interrupted = [&] { return ++polls < 0; };
+  {
+    TempDir dry;
+    ASSERT_TRUE(ExportSafetensors(later.path(), dry.File("hf"), o).ok());
+  }
+  const int total = polls;
+  for (int at : {total / 2, total}) {
+    SCOPED_TRACE(at);
+    polls = 0;
+    o.interrupted = [&] { return ++polls == at; };
+    auto r = ExportSafetensors(later.path(), hf, o);
+    EXPECT_EQ(r.status().code(), StatusCode::kCancelled) << r.status();
+    unchanged(r.status());
+  }
+  // Once it succeeds, the shards are the new ones.
+  o.interrupted = nullptr;
+  ASSERT_TRUE(ExportSafetensors(later.path(), hf, o).ok());
+  size_t changed = 0;
+  for (const auto& [name, bytes] : before) changed += ReadAll(hf + "/" + name) != bytes ? 1 : 0;
+  EXPECT_GT(changed, 1u);
 }
 
 // An export killed part way (SIGKILL, an out-of-memory kill) leaves its

@@ -190,6 +190,49 @@ TEST(AtomicFileTest, AnAbandonedWriterLeavesTheOldFileAndNoTemporary) {
   EXPECT_EQ(Names(dir.path()), std::vector<std::string>{"latest.json"});
 }
 
+// Seal makes the temporary whole and durable and lets go of the file and
+// the chunks, without touching the target: dropped, the temporary goes and
+// the old file stays; committed, it is renamed into place. Appending after
+// a seal is refused. Files that must replace their targets together (an
+// export's shards) are sealed one by one and committed once all are.
+TEST(AtomicFileTest, ASealedWriterTouchesNoTargetUntilItsCommit) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  const std::string a = dir.File("a"), b = dir.File("b");
+  ASSERT_TRUE(WriteFileAtomically(*storage, a, "old a").ok());
+  ASSERT_TRUE(WriteFileAtomically(*storage, b, "old b").ok());
+  const std::string data = Pattern(3 << 20, 2);
+  {
+    auto w = AtomicFileWriter::Create(*storage, a);
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Append(data).ok());
+    ASSERT_TRUE((*w)->Seal().ok());
+    ASSERT_TRUE((*w)->Seal().ok()) << "twice: nothing more";
+    EXPECT_EQ(ReadAll((*w)->temp_path()), data);
+    EXPECT_EQ(ReadAll(a), "old a");
+    EXPECT_EQ((*w)->Append("x").code(), StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(ReadAll(a), "old a");
+  EXPECT_EQ(Names(dir.path()), (std::vector<std::string>{"a", "b"}));
+
+  std::vector<std::unique_ptr<AtomicFileWriter>> sealed;
+  for (const std::string& path : {a, b}) {
+    auto w = AtomicFileWriter::Create(*storage, path);
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Append(path + data).ok());
+    ASSERT_TRUE((*w)->Seal().ok());
+    sealed.push_back(std::move(*w));
+  }
+  EXPECT_EQ(ReadAll(a), "old a");
+  EXPECT_EQ(ReadAll(b), "old b");
+  for (auto& w : sealed) ASSERT_TRUE(w->Commit().ok());
+  EXPECT_EQ(sealed[0]->Commit().code(), StatusCode::kFailedPrecondition) << "committed";
+  sealed.clear();
+  EXPECT_EQ(ReadAll(a), a + data);
+  EXPECT_EQ(ReadAll(b), b + data);
+  EXPECT_EQ(Names(dir.path()), (std::vector<std::string>{"a", "b"}));
+}
+
 // Every kind of write fault: the call that sees it fails, naming the file;
 // the target keeps its old content and no temporary file is left.
 TEST(AtomicFileTest, FaultsFailTheWriteAndLeaveTheOldFileAndNoTemporary) {

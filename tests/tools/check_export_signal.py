@@ -2,9 +2,9 @@
 temporary (`.NAME.tmp-PID-N`, as large as its target, once left behind by
 every interruption), and in a sharded export no shards without their index
 (a re-run refused them as existing files without saying what they were); the
-re-run then succeeds. Shards that an export left for another reason (SIGKILL)
-are named as an unfinished export in the re-run's error, with the temporary
-nothing removed.
+re-run then succeeds. A sharded export renames its shards into place only
+once all are written, so one killed part way (SIGKILL) leaves temporaries
+only, never a shard; the re-run removes them, saying so, and succeeds.
     check_export_signal.py <strata binary> <scratch dir>
 Needs the Python module (PYTHONPATH) and torch to make the checkpoint."""
 import os
@@ -50,16 +50,13 @@ def shards(out):
 
 def interrupt(strata, args, out, sig, sharded):
     """Runs `strata export ARGS`, sends `sig` once a temporary is being written (and, when
-    `sharded`, a shard is done). Returns True when it landed mid-export."""
+    `sharded`, a shard is done: its temporary is sealed, the next one is being written).
+    Returns True when it landed mid-export."""
     proc = subprocess.Popen([strata, "export"] + args, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
-        # One listing for both: two could see a temporary in the first and, in
-        # the second, the shard it has just become, with no temporary left.
-        names = os.listdir(out) if os.path.isdir(out) else []
-        if any(".tmp-" in n for n in names) and (
-                not sharded or any(n.startswith("model-") for n in names)):
+        if len(temporaries(out)) >= (2 if sharded else 1):
             proc.send_signal(sig)
             break
         time.sleep(0.001)
@@ -99,34 +96,21 @@ def main():
         if r.returncode != 0 or INDEX not in os.listdir(hf) or temporaries(hf):
             fail(f"{sig.name}: the re-run: exit {r.returncode} {r.stderr}, {os.listdir(hf)}")
 
-    # Shards left without an index (a SIGKILL'ed export): the re-run says what they are.
-    # The kill can still land between a shard's commit and the next temporary
-    # (the listing above is a moment old): then it is tried again, so that
-    # the re-run below always meets a temporary too.
+    # A SIGKILL'ed sharded export: its sealed shards are temporaries still, none is
+    # in place; the re-run (no --force needed) removes them, saying so (an info line).
     hf = os.path.join(scratch, "hf-kill")
     args = [ckpt, hf, "--max-shard-size", "16MiB"]
-    for attempt in range(10):
-        shutil.rmtree(hf, ignore_errors=True)
-        if not interrupt(strata, args, hf, signal.SIGKILL, sharded=True):
-            fail("SIGKILL: the sharded export finished before the signal")
-        if temporaries(hf):
-            break
-    else:
-        fail("SIGKILL: 10 kills left no temporary behind")
-    left = sorted(shards(hf))
-    r = subprocess.run([strata, "export"] + args, capture_output=True, text=True)
-    want = f"{hf} holds {len(left)} shard"
-    if r.returncode != 1 or want not in r.stderr or \
-            "interrupted or failed before it wrote its index; --force replaces them" not in r.stderr \
-            or "--force replaces them and removes its hidden temporaries (.model-" not in r.stderr:
-        fail(f"re-run over the shards of a killed export: exit {r.returncode}, stderr "
-             f"{r.stderr!r}, want {want!r}")
-    # --force replaces them and removes the temporaries, saying so (an info line).
-    r = subprocess.run([strata, "export"] + args + ["--force"], capture_output=True, text=True,
+    if not interrupt(strata, args, hf, signal.SIGKILL, sharded=True):
+        fail("SIGKILL: the sharded export finished before the signal")
+    left = temporaries(hf)
+    if shards(hf) or len(left) < 2:
+        fail(f"SIGKILL: want two temporaries or more and no shard, left {sorted(os.listdir(hf))}")
+    r = subprocess.run([strata, "export"] + args, capture_output=True, text=True,
                        env=dict(os.environ, STRATA_LOG="info"))
     if r.returncode != 0 or INDEX not in os.listdir(hf) or temporaries(hf) or \
+            f"removed {len(left)} temporary file(s)" not in r.stderr or \
             "that exports killed part way left: " + hf + "/.model-" not in r.stderr:
-        fail(f"--force over the shards of a killed export: exit {r.returncode} {r.stderr}, "
+        fail(f"re-run over a killed export: exit {r.returncode} {r.stderr}, "
              f"left {sorted(os.listdir(hf))}")
     shutil.rmtree(scratch, ignore_errors=True)
     print("check_export_signal: ok")
