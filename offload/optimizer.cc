@@ -388,6 +388,7 @@ struct OffloadOptimizer::Impl {
   // A param reported ready twice in one micro-step: Step and ReduceGradients
   // refuse (naming it) until ZeroGrad.
   std::string ready_twice;
+  bool warned_dropped = false;          // ZeroGrad dropped handed-over micro-steps (warned once)
   std::optional<StepDecision> pending;  // a step that failed part way (StepState::kFailed)
   Status failure;                       // its error
   std::vector<uint8_t> done;            // per sub-group, for the pending step
@@ -1633,7 +1634,10 @@ Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
   return OkStatus();
 }
 
-Status OffloadOptimizer::ZeroGrad() {
+Status OffloadOptimizer::ZeroGrad() { return ZeroGrads(/*keep_handed_over=*/false); }
+Status OffloadOptimizer::ZeroGradTensors() { return ZeroGrads(/*keep_handed_over=*/true); }
+
+Status OffloadOptimizer::ZeroGrads(bool keep_handed_over) {
   Impl& m = *impl_;
   Device& dev = *m.device;
   // The engine's streams may still read the grad tensors (hand-over) or
@@ -1651,9 +1655,19 @@ Status OffloadOptimizer::ZeroGrad() {
         kernels::PackGrads(dev, m.user_stream, {}, {p.grad, p.elems, m.config.grad_dtype}));
   }
   // Grads handed over and not consumed are dropped, except those of a
-  // failed step awaiting retry (kept by the gradient path).
-  if (!m.pending) {
+  // failed step awaiting retry (kept by the gradient path) and, for
+  // ZeroGradTensors, the micro-steps that ReduceGradients summed.
+  if (!m.pending && !keep_handed_over) {
     STRATA_RETURN_IF_ERROR(dev.StreamSynchronize(m.grad_stream));
+    if (m.grads->micro_steps() > 0 && !m.warned_dropped) {
+      m.warned_dropped = true;
+      LogWarning(fmt::format(
+          "zero grad: dropped the gradients of {} micro-step(s) handed over by "
+          "ReduceGradients and not yet taken by a Step; to clear the grad tensors between "
+          "micro-steps and keep the sum, call ZeroGradTensors() (C: "
+          "strata_optimizer_zero_grad_tensors). Warned once",
+          m.grads->micro_steps()));
+    }
     m.grads->Consume();
   } else {
     m.grads->ResetMicroStep();

@@ -39,7 +39,9 @@
 // sub-groups' statistics (several ranks: pack, reduce-scatter, D2H) start
 // while backward goes on; it is optional. ReduceGradients() ends a
 // micro-step of gradient accumulation: the grads are added, exactly, into an
-// fp32 host buffer, and the trainer may then reuse the grad tensors. With
+// fp32 host buffer, and the trainer may then reuse the grad tensors (a
+// backward that adds into them clears them with ZeroGradTensors(), which
+// keeps the sum; ZeroGrad() drops it). With
 // accumulation call it after every micro-step, the last one included; Step()
 // then takes the sum (a Step() after micro-steps handed over this way does
 // not read the grad tensors again). A param reported twice in one micro-step
@@ -247,8 +249,14 @@ class OffloadOptimizer {
   // The error of the failed step; OK while kReady.
   const Status& step_failure() const;
   // Zeroes the registered grad tensors (on context.stream) and drops
-  // gradients handed over but not yet consumed by a Step.
+  // gradients handed over but not yet consumed by a Step (warned once when
+  // ReduceGradients had summed some: a loop that clears its grads between
+  // micro-steps wants ZeroGradTensors).
   Status ZeroGrad();
+  // Zeroes the registered grad tensors only: the micro-steps ReduceGradients
+  // summed stay for the next Step. For a backward that adds into the grad
+  // tensors, between micro-steps of accumulation.
+  Status ZeroGradTensors();
 
   // Takes effect at the next Step(); a failed step awaiting retry may be
   // retried in either mode. For benchmarks and diagnosis.
@@ -411,6 +419,7 @@ class OffloadOptimizer {
  private:
   struct Impl;
   explicit OffloadOptimizer(std::unique_ptr<Impl> impl);
+  Status ZeroGrads(bool keep_handed_over);
   std::unique_ptr<Impl> impl_;
 };
 

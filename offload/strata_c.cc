@@ -313,6 +313,12 @@ int strata_optimizer_zero_grad(strata_optimizer* opt) {
                    [&] { return HostSync(*opt, opt->opt->ZeroGrad()); });
 }
 
+int strata_optimizer_zero_grad_tensors(strata_optimizer* opt) {
+  if (opt == nullptr) return ReportNull("strata_optimizer_zero_grad_tensors", "opt");
+  return Exclusive(opt, "strata_optimizer_zero_grad_tensors",
+                   [&] { return HostSync(*opt, opt->opt->ZeroGradTensors()); });
+}
+
 double strata_optimizer_loss_scale(const strata_optimizer* opt) {
   return opt == nullptr ? 1.0 : opt->Read().loss_scale;
 }

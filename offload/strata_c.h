@@ -181,8 +181,13 @@ int strata_optimizer_reduce_gradients(strata_optimizer* opt);
  * the params are written. */
 int strata_optimizer_step(strata_optimizer* opt);
 /* Zeroes the grad tensors (as step orders its writes) and drops gradients
- * not yet consumed. */
+ * not yet consumed: micro-steps handed over by reduce_gradients too (warned
+ * once). */
 int strata_optimizer_zero_grad(strata_optimizer* opt);
+/* Zeroes the grad tensors only: the micro-steps reduce_gradients handed over
+ * stay for the next step. Between micro-steps of accumulation, when backward
+ * adds into the grad tensors. */
+int strata_optimizer_zero_grad_tensors(strata_optimizer* opt);
 
 /* The loss multiplier for the next backward (1 unless fp16 loss scaling). */
 double strata_optimizer_loss_scale(const strata_optimizer* opt);

@@ -1229,6 +1229,59 @@ TEST(EngineGradients, AccumulationOverTheOptimizersThreadsMatchesBitwise) {
   }
 }
 
+// A backward that adds into the grad tensors clears them between
+// micro-steps: ZeroGradTensors keeps what ReduceGradients summed, ZeroGrad
+// drops it, warning once (a C trainer's natural loop once stepped on zeros
+// with no word).
+TEST(EngineGradients, ZeroGradTensorsKeepsTheSumAndZeroGradDropsItWarningOnce) {
+  const uint64_t seed = TestSeed();
+  std::mt19937_64 rng(seed);
+  auto device = *CreateHostDevice();
+  Case c{.max_grad_norm = 1.0};
+  OffloadConfig config = MakeConfig(c);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  auto master = model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, nullptr, config, model);
+  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  testing::LogCapture log(LogLevel::kWarning);
+  auto step_on = [&](const std::vector<std::vector<float>>& sum) {
+    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
+    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(*opt, model, ref);
+  };
+  std::vector<std::vector<float>> sum;
+  for (int micro = 0; micro < 2; ++micro) {
+    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    ASSERT_TRUE(opt->ReduceGradients().ok());
+    ASSERT_TRUE(opt->ZeroGradTensors().ok());
+    ASSERT_TRUE(device->Synchronize().ok());
+    for (size_t t = 0; t < model.size(); ++t) {
+      const std::vector<uint8_t> bytes = model.GradBytes(t);
+      EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t{0}),
+                static_cast<ptrdiff_t>(bytes.size()))
+          << "tensor " << t;
+    }
+  }
+  ASSERT_TRUE(opt->Step().ok());
+  EXPECT_EQ(opt->last_step().micro_steps, 2u);
+  step_on(sum);
+  EXPECT_TRUE(log.Find(LogLevel::kWarning, "zero grad").empty());
+
+  for (int round = 0; round < 2; ++round) {
+    model.SetGrads(model.RandomGrads(rng, 0.5f));
+    ASSERT_TRUE(opt->ReduceGradients().ok());
+    ASSERT_TRUE(opt->ZeroGrad().ok());  // dropped: the step takes the next grads alone
+    sum.clear();
+    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    ASSERT_TRUE(opt->Step().ok());
+    EXPECT_EQ(opt->last_step().micro_steps, 1u);
+    step_on(sum);
+  }
+  const auto warned = log.Find(LogLevel::kWarning, "zero grad: dropped the gradients of 1 ");
+  ASSERT_EQ(warned.size(), 1u) << "warned once";
+  EXPECT_NE(warned[0].find("call ZeroGradTensors()"), std::string::npos) << warned[0];
+}
+
 // Accumulation keeps the device sub-groups' sums in fp32 device memory the
 // plan does not hold: beyond device_budget the first ReduceGradients is
 // refused before it reads anything (it used to exceed the budget by a third),

@@ -736,6 +736,42 @@ static void AccumulationReadsEachMicroStep(strata_device* dev) {
   free(g);
 }
 
+/* A backward that adds into the grad tensors: zero_grad_tensors clears them
+ * between micro-steps and keeps what reduce_gradients summed (1 + 2 = 3 per
+ * element); zero_grad drops it, so the step takes the grad tensors alone. */
+static void AccumulationWithABackwardThatAdds(strata_device* dev) {
+  enum { kN = 4096 };
+  float* w = calloc(kN, sizeof(float));
+  float* g = calloc(kN, sizeof(float));
+  strata_param p = {"w", w, g, kN, 0};
+  strata_optimizer* opt = NULL;
+  CHECK_OK(
+      strata_optimizer_create(dev, NULL, NULL, "{\"gradient_clipping\": 0}", &p, 1, NULL, 1, &opt));
+  strata_step_stats st;
+  for (int k = 0; k < 2; ++k) {
+    for (int i = 0; i < kN; ++i) g[i] += (float)(k + 1);
+    CHECK_OK(strata_optimizer_reduce_gradients(opt));
+    CHECK_OK(strata_optimizer_zero_grad_tensors(opt));
+    EXPECT(g[0] == 0.0f && g[kN - 1] == 0.0f);
+  }
+  CHECK_OK(strata_optimizer_step(opt));
+  CHECK_OK(strata_optimizer_last_step(opt, &st, sizeof st));
+  EXPECT(st.micro_steps == 2);
+  EXPECT(fabs(st.grad_norm / sqrt((double)kN) - 3.0) < 1e-6);
+  for (int i = 0; i < kN; ++i) g[i] += 1.0f;
+  CHECK_OK(strata_optimizer_reduce_gradients(opt));
+  CHECK_OK(strata_optimizer_zero_grad(opt));
+  for (int i = 0; i < kN; ++i) g[i] = 5.0f;
+  CHECK_OK(strata_optimizer_step(opt));
+  CHECK_OK(strata_optimizer_last_step(opt, &st, sizeof st));
+  EXPECT(st.micro_steps == 1);
+  EXPECT(fabs(st.grad_norm / sqrt((double)kN) - 5.0) < 1e-6);
+  EXPECT(strata_optimizer_zero_grad_tensors(NULL) == STRATA_INVALID_ARGUMENT);
+  strata_optimizer_free(opt);
+  free(w);
+  free(g);
+}
+
 /* strata_step_stats as a caller built against an older header knew it: the
  * fields up to h2d_bytes. */
 typedef struct {
@@ -839,6 +875,7 @@ int main(void) {
 
   Errors(dev);
   AccumulationReadsEachMicroStep(dev);
+  AccumulationWithABackwardThatAdds(dev);
   TwoThreads(dev);
   MonitorThread(dev);
   Logging(dev);
