@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "offload/checkpoint_internal.h"
+#include "runtime/json_parse.h"
 
 namespace strata {
 namespace checkpoint_internal {
@@ -290,7 +291,7 @@ json LatestJson(const CheckpointInfo& info, const std::vector<std::string>& hist
 }
 
 std::optional<Latest> ParseLatest(const std::string& text) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  json j = ParseJsonBounded<json>(text);
   if (j.is_discarded() || !j.is_object() || !j.contains("checkpoint") ||
       !j["checkpoint"].is_string()) {
     return std::nullopt;

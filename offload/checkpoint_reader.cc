@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "offload/checkpoint_internal.h"
+#include "runtime/json_parse.h"
 
 namespace strata {
 
@@ -378,13 +379,18 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
           path, r == 0 ? "" : fmt::format(" (the save has {} ranks)", info.world_size)));
     }
     STRATA_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(storage, path));
-    json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    bool too_deep = false;
+    json j = ParseJsonBounded<json>(text, &too_deep);
     auto bad = [&](std::string_view why) {
       return DataLossError(fmt::format(
           "open checkpoint: {} is not a valid manifest ({}): restore it from a copy or load "
           "an earlier checkpoint",
           path, why));
     };
+    if (too_deep) {
+      return bad(
+          fmt::format("nested deeper than {} levels; a manifest nests a few", kMaxJsonDepth));
+    }
     if (j.is_discarded() || !j.is_object()) return bad("not JSON; truncated or overwritten?");
     if (!j.contains("format") || j["format"] != kCheckpointFormatName ||
         !j.contains("format_version") || !j["format_version"].is_number_integer()) {

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
@@ -20,6 +21,7 @@
 #include "offload/checkpoint_internal.h"
 #include "runtime/device.h"
 #include "runtime/file_lock.h"
+#include "runtime/json_parse.h"
 #include "runtime/log.h"
 
 namespace strata {
@@ -375,7 +377,9 @@ std::optional<OwnSave> StrataSave(const fs::path& p) {
     present[file] = fs::file_size(e.path(), size_ec);
     if (std::regex_match(file, kManifestName)) {
       std::ifstream in(e.path());
-      const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+      const std::string text((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      const json j = ParseJsonBounded<json>(text);
       // value() throws on a member of another type: compare as JSON instead.
       if (!j.is_object() || !j.contains("format") ||
           j["format"] != std::string(kCheckpointFormatName) || !j.contains("save_id") ||

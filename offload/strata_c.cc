@@ -22,6 +22,7 @@
 #include "offload/optimizer.h"
 #include "runtime/comm.h"
 #include "runtime/device.h"
+#include "runtime/json_parse.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
 #include "runtime/trace.h"
@@ -542,7 +543,13 @@ int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,
   return Exclusive(opt, kFn, [&]() -> Status {
     nlohmann::json other = nlohmann::json::object();
     if (other_data_json != nullptr) {
-      other = nlohmann::json::parse(other_data_json, nullptr, /*allow_exceptions=*/false);
+      bool too_deep = false;
+      other = strata::ParseJsonBounded<nlohmann::json>(other_data_json, &too_deep);
+      if (too_deep) {
+        return strata::InvalidArgumentError(
+            fmt::format("{}: other_data_json nests deeper than {} levels; give a flatter object",
+                        kFn, strata::kMaxJsonDepth));
+      }
       if (other.is_discarded()) {
         return strata::InvalidArgumentError(
             fmt::format("{}: other_data_json is not valid JSON ('{}'); give a JSON object or NULL",

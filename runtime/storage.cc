@@ -232,11 +232,34 @@ bool ODirectRefusedByEnv() {
   const char* v = std::getenv("STRATA_O_DIRECT_REFUSE");
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
+
+// FailedPrecondition unless `mode` is a regular file's or a block device's.
+Status CheckFileType(const std::string& path, mode_t mode) {
+  if (S_ISREG(mode) || S_ISBLK(mode)) return OkStatus();
+  const char* kind = S_ISFIFO(mode)   ? "FIFO"
+                     : S_ISSOCK(mode) ? "socket"
+                     : S_ISCHR(mode)  ? "character device"
+                     : S_ISDIR(mode)  ? "directory"
+                                      : "special file";
+  return FailedPreconditionError("open " + path + ": not a regular file (a " + kind +
+                                 "); Strata reads and writes regular files (or a block "
+                                 "device): put the file back, or give another path");
+}
 }  // namespace
 
 Result<OpenedFd> OpenBlockFd(const std::string& path, const FileOptions& options) {
   STRATA_RETURN_IF_ERROR(ValidateOpenOptions(path, options));
-  int flags = (options.access == FileAccess::kReadOnly ? O_RDONLY : O_RDWR) | O_CLOEXEC;
+  // Checked before open too: O_DIRECT on a FIFO fails with EINVAL, which
+  // would read as the filesystem refusing it.
+  if (struct stat pre; ::stat(path.c_str(), &pre) == 0) {
+    STRATA_RETURN_IF_ERROR(CheckFileType(path, pre.st_mode));
+  }
+  // O_NONBLOCK: a FIFO in a file's place (a checkpoint file replaced by
+  // `mkfifo`) would block open() until a writer came; with it, open returns
+  // and the type check below refuses it. Regular files and block devices
+  // ignore the flag; it is cleared all the same.
+  int flags =
+      (options.access == FileAccess::kReadOnly ? O_RDONLY : O_RDWR) | O_CLOEXEC | O_NONBLOCK;
   if (options.create == FileCreate::kCreate) flags |= O_CREAT;
   const bool want_direct = options.direct != DirectIo::kOff;
   int fd = -1;
@@ -270,7 +293,10 @@ Result<OpenedFd> OpenBlockFd(const std::string& path, const FileOptions& options
   }
   OpenedFd out{Fd(fd), mode, want_direct ? kDirectIoAlignment : 1};
   struct stat st;
-  if (want_direct && ::fstat(fd, &st) == 0 && S_ISBLK(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) return ErrnoError(errno, "open " + path + ": fstat");
+  STRATA_RETURN_IF_ERROR(CheckFileType(path, st.st_mode));
+  if (const int fl = ::fcntl(fd, F_GETFL); fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  if (want_direct && S_ISBLK(st.st_mode)) {
     int logical = 0;
     if (::ioctl(fd, BLKSSZGET, &logical) == 0 &&
         static_cast<uint64_t>(logical) > out.alignment_bytes) {

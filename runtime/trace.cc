@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/atomic_file.h"
+#include "runtime/json_parse.h"
 #include "runtime/storage.h"
 #include "runtime/units.h"
 
@@ -106,7 +107,13 @@ uint64_t TraceRecorder::dropped() const {
 }
 
 Result<std::string> TraceRecorder::ChromeTraceJson(std::string_view other_data_json) const {
-  nlohmann::json other = nlohmann::json::parse(other_data_json, nullptr, /*allow_exceptions=*/false);
+  bool too_deep = false;
+  nlohmann::json other = ParseJsonBounded<nlohmann::json>(other_data_json, &too_deep);
+  if (too_deep) {
+    return InvalidArgumentError(fmt::format(
+        "write chrome trace: the other data nests deeper than {} levels; give a flatter object",
+        kMaxJsonDepth));
+  }
   if (!other.is_object()) {
     return InvalidArgumentError(fmt::format(
         "write chrome trace: the other data must be a JSON object, got '{}'", other_data_json));

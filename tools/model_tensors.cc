@@ -12,6 +12,8 @@
 #include <sstream>
 #include <string_view>
 
+#include "runtime/json_parse.h"
+
 namespace strata::cli {
 namespace {
 
@@ -87,7 +89,7 @@ Status ReadSafetensors(const std::string& path, ModelTensors& m) {
   if (!in.read(header.data(), static_cast<std::streamsize>(header.size()))) {
     return not_safetensors("its header is cut short");
   }
-  ordered_json j = ordered_json::parse(header, nullptr, /*allow_exceptions=*/false);
+  ordered_json j = ParseJsonBounded<ordered_json>(header);
   if (!j.is_object()) return not_safetensors("its header is not a JSON object");
   for (const auto& [name, t] : j.items()) {
     if (name == "__metadata__") continue;
@@ -113,7 +115,7 @@ Status ReadSafetensors(const std::string& path, ModelTensors& m) {
 // Every file the index's weight_map names, in the order they first appear.
 Status ReadIndex(const std::string& path, ModelTensors& m) {
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(path));
-  ordered_json j = ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  ordered_json j = ParseJsonBounded<ordered_json>(text);
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
     return InvalidArgumentError(fmt::format(
         "{}: not a safetensors index (a JSON object with a \"weight_map\" of tensor name -> "

@@ -626,6 +626,23 @@ TEST_F(BadInputTest, EditedManifestFailsItsChecksum) {
   ExpectMentions(s, "manifest_xxh3");
 }
 
+// A manifest with a value nested 100,000 deep (crafted): nlohmann parses it,
+// but copying and dump() recurse per level, and the checksum overflowed the
+// stack (SIGSEGV in load, inspect and export). Refused as DataLoss instead.
+TEST_F(BadInputTest, AManifestNestedTooDeepIsDataLossNotACrash) {
+  const std::string f = File("rank00000.json");
+  const std::vector<char> bytes = ReadAll(f);
+  std::string text(bytes.begin(), bytes.end());
+  const size_t brace = text.find('{');
+  ASSERT_NE(brace, std::string::npos);
+  const int depth = 100000;
+  text.insert(brace + 1, "\"x\": " + std::string(depth, '[') + std::string(depth, ']') + ", ");
+  std::ofstream(f) << text;
+  Status s = LoadExpectingFailure(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  ExpectMentions(s, "rank00000.json is not a valid manifest (nested deeper than 64 levels");
+}
+
 TEST_F(BadInputTest, NewerFormatVersionIsFailedPrecondition) {
   const std::string f = File("rank00000.json");
   nlohmann::json j = nlohmann::json::parse(ReadAll(f));

@@ -238,6 +238,12 @@ TEST(Trace, ChromeJsonHasARankProcessATrackThreadSlicesAndCounters) {
 
   auto bad = t->ChromeTraceJson("[1, 2]");
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << bad.status();
+  // Nested 100,000 deep: refused, not a stack overflow in the writer's dump().
+  const std::string deep = "{\"a\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  auto too_deep = t->ChromeTraceJson(deep);
+  EXPECT_EQ(too_deep.status().code(), StatusCode::kInvalidArgument) << too_deep.status();
+  EXPECT_NE(too_deep.status().message().find("nests deeper than 64 levels"), std::string::npos)
+      << too_deep.status();
 }
 
 TEST(Trace, WritesTheFileOrSaysWhereItCouldNot) {

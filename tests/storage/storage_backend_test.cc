@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -84,6 +85,35 @@ TEST(StorageFallback, ODirectRefusedFallsBackToBufferedAndStillChecksAlignment) 
     EXPECT_NE(strict.status().message().find("O_DIRECT"), std::string_view::npos);
   }
   ::unsetenv("STRATA_O_DIRECT_REFUSE");
+}
+
+// A FIFO, a socket or a directory where a file should be (a checkpoint file
+// replaced by `mkfifo`): refused at once naming what it is; open() used to
+// wait on the FIFO for a writer forever (`strata inspect` hung).
+TEST(StorageFileType, OnlyRegularFilesAndBlockDevicesOpenAndAFifoIsNotWaitedOn) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  ASSERT_EQ(::mkfifo(dir.File("fifo").c_str(), 0600), 0);
+  std::filesystem::create_directory(dir.File("sub"));
+  std::vector<std::unique_ptr<Storage>> storages;
+  storages.push_back(CreatePosixStorage());
+  if (auto u = CreateUringStorage(SqPoll::kOff); u.ok()) storages.push_back(std::move(u).value());
+  for (auto& storage : storages) {
+    SCOPED_TRACE(std::string(storage->name()));
+    for (auto [name, kind] : {std::pair{"fifo", "a FIFO"}, std::pair{"sub", "a directory"}}) {
+      for (FileAccess access : {FileAccess::kReadOnly, FileAccess::kReadWrite}) {
+        for (DirectIo direct : {DirectIo::kOff, DirectIo::kAuto}) {
+          auto f = storage->Open(dir.File(name), {.direct = direct, .access = access});
+          EXPECT_EQ(f.status().code(), StatusCode::kFailedPrecondition) << f.status();
+          EXPECT_NE(f.status().message().find(dir.File(name) + ": not a regular file (" + kind),
+                    std::string_view::npos)
+              << f.status();
+        }
+      }
+    }
+    auto regular = storage->Open(dir.File("file"), {.create = FileCreate::kCreate});
+    EXPECT_TRUE(regular.ok()) << regular.status();
+  }
 }
 
 TEST(StorageFallback, TmpfsWorksWhateverItSaysToODirect) {
