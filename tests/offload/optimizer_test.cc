@@ -353,7 +353,8 @@ TEST(EnginePlan, TheAutoFractionProbeFitsTheShardAndTheDeviceBudget) {
   }
 }
 
-// A forked child (a DataLoader worker) that destroys the optimizer and the
+// A forked child (a DataLoader worker) is refused every call that would
+// wait on the parent's threads; one that destroys the optimizer and the
 // device it inherited returns at once (the destructors joined threads the
 // child does not have, and blocked for ever), and leaves the parent's state
 // file and lock alone: the parent steps on, bitwise, and a new optimizer can
@@ -392,6 +393,17 @@ TEST(EngineNvme, AForkedChildThatDropsTheOptimizerNeitherHangsNorTouchesTheParen
   ASSERT_GE(child, 0);
   if (child == 0) {
     ::alarm(20);  // a hang ends the child with SIGALRM, which the parent sees
+    // A call that would wait on the parent's threads is refused at once (a
+    // step in the child used to hang).
+    OffloadOptimizer& o = **opt;
+    for (Status s : {o.Step(), o.ReduceGradients(), o.ZeroGrad(),
+                     o.ReadStateInOrder(
+                         [](uint32_t, uint32_t, std::span<const float>) { return OkStatus(); })}) {
+      if (s.code() != StatusCode::kFailedPrecondition ||
+          s.message().find("this is a child it forked") == std::string_view::npos) {
+        ::_exit(2);
+      }
+    }
     opt->reset();
     device.reset();
     char c;
