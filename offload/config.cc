@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -1121,6 +1122,21 @@ Status ValidateConfig(const OffloadConfig& c) {
                                 ".device is \"nvme\" but nvme_path is not set; set "
                                 "nvme_path to a directory on an NVMe drive, or use "
                                 "device \"cpu\"");
+  }
+  // No shell reads a config: "~/nvme" would make a directory named "~"
+  // under the working directory, on whatever drive that is.
+  for (const std::string& path : c.nvme_paths) {
+    if (!path.empty() && path[0] == '~') {
+      const char* home = std::getenv("HOME");
+      return InvalidArgumentError(fmt::format(
+          "{}.nvme_path: '{}' starts with ~, which nothing expands here (no shell reads the "
+          "config): give the whole path{}, or write ./{} for a directory named so",
+          off, path,
+          home != nullptr && (path == "~" || path.rfind("~/", 0) == 0)
+              ? fmt::format(" ({}{})", home, path.substr(1))
+              : std::string(),
+          path));
+    }
   }
   // The same directory twice would stripe one file onto itself. Spellings
   // that differ ("/a" and "/a/", or a symlink) meet the state store's lock.

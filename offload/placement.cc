@@ -613,11 +613,13 @@ MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32
       m.nvme.clear();
       return m;
     }
-    // Not a directory, and none can be made there (permissions are left to
-    // the engine: with its own Storage the paths need not be real).
+    // Not a directory, none can be made there, or on a read-only mount
+    // (permissions are left to the engine: with its own Storage the paths
+    // need not be real, and a fake one under / is not this user's to write).
     const bool blocked =
         d.kind == PathKind::kNotDirectory ||
-        (d.kind == PathKind::kMissing && !d.writable.ok() && d.writable_errno == 0);
+        (d.kind == PathKind::kMissing && !d.writable.ok() && d.writable_errno == 0) ||
+        (!d.writable.ok() && d.writable_errno == EROFS);
     // A filesystem of no blocks at all (/proc, /sys) holds no state file:
     // named as such, not as a disk with 0 B free.
     Status where = blocked ? d.writable : OkStatus();

@@ -395,6 +395,11 @@ TEST(ConfigTest, ValidateCrossFieldChecks) {
       {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme",
             "nvme_path": ["/a", "/b", "/a/"]}}})",
        "nvme_path: '/a/' is listed twice (entries 0 and 2)"},
+      // No shell expands it: a directory named "~" under the working directory.
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme",
+            "nvme_path": ["/a", "~/nvme"]}}})",
+       "nvme_path: '~/nvme' starts with ~, which nothing expands here (no shell reads the "
+       "config): give the whole path ("},
   };
   for (const Case& c : cases) {
     Result<OffloadConfig> cfg = ParseConfigJson(c.json);
