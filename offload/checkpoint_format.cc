@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "offload/checkpoint_internal.h"
+#include "offload/config.h"
 #include "runtime/json_parse.h"
 
 namespace strata {
@@ -124,6 +125,47 @@ json SealedManifestJson(const CheckpointInfo& info, const RankManifest& rank) {
   return j;
 }
 
+namespace {
+
+// An integer as T. nlohmann's get<> converts what it finds: 2^64 - 1 read
+// as int64 was -1 ("step -1 is negative"), 3.5 read as an integer 3.
+// InvalidArgument naming `what` for a non-integer or one out of T's range.
+template <typename T>
+Result<T> IntegerOf(const json& v, std::string_view what) {
+  if (!v.is_number_integer()) {
+    return InvalidArgumentError(fmt::format("{} is {}, not an integer", what, v.dump()));
+  }
+  constexpr uint64_t kMax = static_cast<uint64_t>(std::numeric_limits<T>::max());
+  if (v.is_number_unsigned()) {
+    if (const uint64_t u = v.get<uint64_t>(); u <= kMax) return static_cast<T>(u);
+  } else if (const int64_t i = v.get<int64_t>();
+             i >= 0 ? static_cast<uint64_t>(i) <= kMax : std::is_signed_v<T>) {
+    return static_cast<T>(i);
+  }
+  return InvalidArgumentError(fmt::format("{} is {}, out of the range {}..{}", what, v.dump(),
+                                          std::numeric_limits<T>::min(), kMax));
+}
+
+// A member: a missing key throws nlohmann's out_of_range, as for any member.
+template <typename T>
+Result<T> IntegerAt(const json& object, const char* key) {
+  return IntegerOf<T>(object.at(key), key);
+}
+
+Result<std::vector<uint64_t>> SizesAt(const json& object, const char* key) {
+  const json& list = object.at(key);
+  if (!list.is_array()) return InvalidArgumentError(fmt::format("{} is not a list", key));
+  std::vector<uint64_t> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    STRATA_ASSIGN_OR_RETURN(uint64_t v,
+                            IntegerOf<uint64_t>(list[i], fmt::format("{}[{}]", key, i)));
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+
 // Throws nlohmann's exceptions on missing keys and wrong types; the caller
 // turns them into DataLoss.
 Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
@@ -135,8 +177,8 @@ Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
                     Hex(sealed), Hex(ManifestHash(j))));
   }
   info.save_id = j.at("save_id").get<std::string>();
-  info.world_size = j.at("world_size").get<uint32_t>();
-  info.step = j.at("step").get<int64_t>();
+  STRATA_ASSIGN_OR_RETURN(info.world_size, IntegerAt<uint32_t>(j, "world_size"));
+  STRATA_ASSIGN_OR_RETURN(info.step, IntegerAt<int64_t>(j, "step"));
   info.optimizer = j.at("optimizer").get<std::string>();
   if (j.at("state_dtype").get<std::string>() != "f32") {
     return InvalidArgumentError("state_dtype is " + j.at("state_dtype").get<std::string>() +
@@ -145,18 +187,19 @@ Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
   info.param_dtype = j.at("param_dtype").get<std::string>();
   info.arrays = j.at("arrays").get<std::vector<std::string>>();
   const json& l = j.at("layout");
-  info.align_elems = l.at("align_elems").get<uint64_t>();
-  info.total_elems = l.at("total_elems").get<uint64_t>();
-  info.shard_elems = l.at("shard_elems").get<uint64_t>();
-  info.tensor_elems = l.at("tensor_elems").get<uint64_t>();
+  STRATA_ASSIGN_OR_RETURN(info.align_elems, IntegerAt<uint64_t>(l, "align_elems"));
+  STRATA_ASSIGN_OR_RETURN(info.total_elems, IntegerAt<uint64_t>(l, "total_elems"));
+  STRATA_ASSIGN_OR_RETURN(info.shard_elems, IntegerAt<uint64_t>(l, "shard_elems"));
+  STRATA_ASSIGN_OR_RETURN(info.tensor_elems, IntegerAt<uint64_t>(l, "tensor_elems"));
   info.tensors.clear();
   for (const json& t : j.at("tensors")) {
-    CheckpointTensor ct{.name = t.at("name").get<std::string>(),
-                        .group = t.at("group").get<uint32_t>(),
-                        .offset_elems = t.at("offset_elems").get<uint64_t>(),
-                        .elems = t.at("elems").get<uint64_t>(),
-                        .shape = std::nullopt};
-    if (t.contains("shape")) ct.shape = t.at("shape").get<std::vector<uint64_t>>();
+    CheckpointTensor ct{.name = t.at("name").get<std::string>()};
+    STRATA_ASSIGN_OR_RETURN(ct.group, IntegerAt<uint32_t>(t, "group"));
+    STRATA_ASSIGN_OR_RETURN(ct.offset_elems, IntegerAt<uint64_t>(t, "offset_elems"));
+    STRATA_ASSIGN_OR_RETURN(ct.elems, IntegerAt<uint64_t>(t, "elems"));
+    if (t.contains("shape")) {
+      STRATA_ASSIGN_OR_RETURN(ct.shape, SizesAt(t, "shape"));
+    }
     info.tensors.push_back(std::move(ct));
   }
   info.groups.clear();
@@ -168,24 +211,26 @@ Status ParseManifest(const json& j, CheckpointInfo& info, RankManifest& rank) {
                            .weight_decay = g.at("weight_decay").get<double>()});
   }
   const json& s = j.at("loss_scaler");
-  info.scaler = {.scale = s.at("scale").get<double>(),
-                 .iteration = s.at("iteration").get<int64_t>(),
-                 .last_overflow_iteration = s.at("last_overflow_iteration").get<int64_t>(),
-                 .hysteresis_left = s.at("hysteresis_left").get<uint32_t>()};
-  info.chunk_bytes = j.at("chunk_bytes").get<uint64_t>();
+  info.scaler = {.scale = s.at("scale").get<double>()};
+  STRATA_ASSIGN_OR_RETURN(info.scaler.iteration, IntegerAt<int64_t>(s, "iteration"));
+  STRATA_ASSIGN_OR_RETURN(info.scaler.last_overflow_iteration,
+                          IntegerAt<int64_t>(s, "last_overflow_iteration"));
+  STRATA_ASSIGN_OR_RETURN(info.scaler.hysteresis_left, IntegerAt<uint32_t>(s, "hysteresis_left"));
+  STRATA_ASSIGN_OR_RETURN(info.chunk_bytes, IntegerAt<uint64_t>(j, "chunk_bytes"));
   if (j.at("checksum").get<std::string>() != "xxh3-64") {
     return InvalidArgumentError("checksum is " + j.at("checksum").get<std::string>() +
                                 "; this build knows xxh3-64");
   }
-  rank.rank = j.at("rank").get<uint32_t>();
-  rank.shard = {j.at("shard").at("begin").get<uint64_t>(), j.at("shard").at("end").get<uint64_t>()};
+  STRATA_ASSIGN_OR_RETURN(rank.rank, IntegerAt<uint32_t>(j, "rank"));
+  STRATA_ASSIGN_OR_RETURN(rank.shard.begin, IntegerAt<uint64_t>(j.at("shard"), "begin"));
+  STRATA_ASSIGN_OR_RETURN(rank.shard.end, IntegerAt<uint64_t>(j.at("shard"), "end"));
   rank.files.clear();
   for (const json& f : j.at("files")) {
     CheckpointFile cf;
     cf.array = f.at("array").get<std::string>();
     cf.name = f.at("name").get<std::string>();
-    cf.payload_bytes = f.at("payload_bytes").get<uint64_t>();
-    cf.file_bytes = f.at("file_bytes").get<uint64_t>();
+    STRATA_ASSIGN_OR_RETURN(cf.payload_bytes, IntegerAt<uint64_t>(f, "payload_bytes"));
+    STRATA_ASSIGN_OR_RETURN(cf.file_bytes, IntegerAt<uint64_t>(f, "file_bytes"));
     STRATA_ASSIGN_OR_RETURN(cf.xxh3, ParseHex(f.at("xxh3").get<std::string>()));
     for (const json& c : f.at("chunks_xxh3")) {
       STRATA_ASSIGN_OR_RETURN(uint64_t h, ParseHex(c.get<std::string>()));
@@ -209,6 +254,20 @@ Status ValidateCommon(const CheckpointInfo& info) {
   }
   if (info.arrays.empty() || info.arrays[0] != "master") {
     return InvalidArgumentError("arrays must start with \"master\"");
+  }
+  bool known = false;
+  for (auto t : {OptimizerType::kAdam, OptimizerType::kAdamW, OptimizerType::kAdagrad,
+                 OptimizerType::kLion}) {
+    known |= info.optimizer == OptimizerTypeName(t);
+  }
+  if (!known) {
+    return InvalidArgumentError(
+        fmt::format("optimizer is '{}'; a save holds the state of Adam, AdamW, Adagrad or Lion",
+                    info.optimizer));
+  }
+  if (info.param_dtype != "fp32" && info.param_dtype != "bf16" && info.param_dtype != "fp16") {
+    return InvalidArgumentError(fmt::format(
+        "param_dtype is '{}'; a save's params are fp32, bf16 or fp16", info.param_dtype));
   }
   if (info.step < 0) return InvalidArgumentError(fmt::format("step {} is negative", info.step));
   // The tensors: a layout the sizes give, shapes that match the sizes.

@@ -63,6 +63,18 @@ Result<FlatLayout> PlanFlatLayout(std::span<const TensorSpec> tensors,
   return layout;
 }
 
+std::string PaddingWarning(const FlatLayout& layout) {
+  const uint64_t padding = layout.total_elems - layout.tensor_elems;
+  if (padding <= layout.tensor_elems || padding < (uint64_t{16} << 20)) return {};
+  return fmt::format(
+      "the flat layout pads {} tensors of {} elems to {} elems ({:.1f}x; align_elems {}, "
+      "world size {}): every padding element takes the state's bytes too; lower "
+      "strata.align_elems (default 64)",
+      layout.tensors.size(), layout.tensor_elems, layout.total_elems,
+      static_cast<double>(layout.total_elems) / static_cast<double>(layout.tensor_elems),
+      layout.align_elems, layout.world_size);
+}
+
 Result<ElemRange> ShardRange(const FlatLayout& layout, uint32_t rank) {
   if (rank >= layout.world_size) {
     return OutOfRangeError(fmt::format("shard of rank {}: world_size is {}; ranks are 0..{}", rank,

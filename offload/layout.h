@@ -91,6 +91,12 @@ struct TensorPiece {
 Result<FlatLayout> PlanFlatLayout(std::span<const TensorSpec> tensors,
                                   const FlatLayoutOptions& options);
 
+// A warning when the padding takes more than the tensors and at least 16 Mi
+// elements (every element of it costs the state's bytes: 12-16 B): an
+// align_elems far above the tensors' sizes (1 Mi for one-element tensors
+// planned gigabytes of pinned memory with no word). Empty otherwise.
+std::string PaddingWarning(const FlatLayout& layout);
+
 // The contiguous shard of `rank`: [rank x shard_elems, (rank + 1) x shard_elems).
 // OutOfRange when rank >= world_size.
 Result<ElemRange> ShardRange(const FlatLayout& layout, uint32_t rank);

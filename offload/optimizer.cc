@@ -706,6 +706,7 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       static_cast<uint32_t>(rank),
       RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world)));
   STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
+  if (std::string w = PaddingWarning(layout); !w.empty()) plan.warnings.push_back(std::move(w));
   for (const std::string& w : plan.warnings) LogWarning(fmt::format("rank {}: {}", rank, w));
   LogInfo(fmt::format(
       "rank {}/{}: {} tensors, {} elems ({} in the shard, {} sub-groups of {}{})\n{}", rank, world,

@@ -1211,7 +1211,9 @@ void AddBenchStepCommand(Cli& cli) {
       "Whole OffloadOptimizer steps: stage times against the machine's bound (link, CPU "
       "stream, drive, and the step's work together, measured in the same run)");
   cmd->add_option("--config", a->config_path,
-                  "DeepSpeed-style JSON config to start from (the options below override it)")
+                  "DeepSpeed-style JSON config to start from: the options below given on the "
+                  "command line override it; their defaults apply only without --config (a key "
+                  "the file leaves out takes the engine's default)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--params", a->params, "Parameters of the model (64M, 1.5B, ...)")
       ->capture_default_str();

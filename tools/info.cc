@@ -314,6 +314,14 @@ Status RunInfo(const InfoArgs& args) {
                           "or a path that does not exist yet (the engine creates it)"});
       continue;
     }
+    if (d.total_bytes == 0) {  // /proc, /sys: what the engine's preflight refuses
+      problems.push_back(
+          {"error",
+           fmt::format("{} is on {}, a filesystem that holds no files (0 B in all)", dir,
+                       d.filesystem.empty() ? "an unknown filesystem" : d.filesystem),
+           "give a directory on the NVMe drive"});
+      continue;
+    }
     // Who cannot write here, and what to do about it.
     const std::string user = CurrentUser();
     auto write_fix = [&](const std::string& where) {
@@ -524,7 +532,12 @@ void AddInfoCommand(Cli& cli) {
       "info", "Check this build and machine: backends, SIMD, memory and pinning, devices, "
               "versions, NVMe directories, Python environments, problems and fixes");
   cmd->add_option("--nvme-dir", args->nvme_dirs,
-                  "a directory meant for nvme_path: free space, O_DIRECT, io_uring (repeatable)");
+                  "a directory meant for nvme_path: free space, O_DIRECT, io_uring (repeatable)")
+      ->check(CLI::Validator(
+          [](std::string& s) {
+            return s.empty() ? std::string("an empty path; give a directory") : "";
+          },
+          "DIR"));
   cmd->add_option("--pin-test", args->pin_test,
                   "bytes to mlock as the pinning test (at most half of the available memory)")
       ->capture_default_str();

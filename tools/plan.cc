@@ -223,8 +223,9 @@ Status RunPlan(const PlanArgs& args) {
   // The drive measured: its rates join the config's (strata.rates) in the
   // plan's per-step estimate.
   std::optional<DriveRates> drive;
-  if (!args.probe_drive.empty() && plan.nvme_sub_groups > 0) {
-    STRATA_ASSIGN_OR_RETURN(const uint64_t probe_bytes, ParseBytes(args.probe_drive));
+  // --probe-drive 0: no probe, as --drive-probe 0 in bench step (it probed one block).
+  const uint64_t probe_bytes = args.probe_drive.empty() ? 0 : *ParseBytes(args.probe_drive);
+  if (probe_bytes > 0 && plan.nvme_sub_groups > 0) {
     ProbeDirs probe_dirs;
     STRATA_ASSIGN_OR_RETURN(const size_t made, probe_dirs.Make(config.nvme_paths));
     std::fprintf(stderr, "plan: measuring the drive under %s (%s%s) ...\n",
@@ -241,6 +242,7 @@ Status RunPlan(const PlanArgs& args) {
     inputs.rates.nvme_write_bytes_per_sec = drive->write_bytes_per_sec;
     STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
   }
+  if (std::string w = PaddingWarning(layout); !w.empty()) plan.warnings.push_back(std::move(w));
   const StepEstimate& e = plan.estimate;
   // Both ways at the rate of reads and writes at once (what a step asks).
   const double ranks = std::max<uint32_t>(inputs.machine.ranks_per_node, 1);
@@ -290,7 +292,7 @@ Status RunPlan(const PlanArgs& args) {
         FormatRate(drive->mixed_bytes_per_sec).c_str(),
         FormatSeconds(std::min(e.nvme, nvme_mixed_sec)).c_str(),
         FormatSeconds(std::max(e.nvme, nvme_mixed_sec)).c_str());
-  } else if (!args.probe_drive.empty()) {
+  } else if (probe_bytes > 0) {
     std::printf("nvme per step: nothing on NVMe in this plan\n");
   }
   if (args.no_preflight) {
@@ -341,7 +343,7 @@ void AddPlanCommand(Cli& cli) {
   cmd->add_option("--probe-drive", args->probe_drive,
                   "measure the drive under the config's nvme_path with this many bytes (e.g. "
                   "2GiB: at least a few GiB where a cache may hold a small file) and print the "
-                  "expected NVMe time per step");
+                  "expected NVMe time per step; 0: no probe");
   cmd->add_flag("--json", args->json, "print one JSON object");
   cmd->callback([&cli, args] {
     RunAction(cli, "plan", OutputOf(args->json), [args] { return RunPlan(*args); });

@@ -147,6 +147,20 @@ TEST(ValidatorTest, ReadersRefuseWhatLoadRefusesNamingTheField) {
       {"hysteresis_left 0", [](nlohmann::json& j) { j["loss_scaler"]["hysteresis_left"] = 0; }},
       {"scale -1", [](nlohmann::json& j) { j["loss_scaler"]["scale"] = -1.0; }},
       {"step -3 is negative", [](nlohmann::json& j) { j["step"] = -3; }},
+      // Read as int64 it was -1 ("step -1 is negative"); 3.5 was read as 3.
+      {"step is 18446744073709551615, out of the range",
+       [](nlohmann::json& j) { j["step"] = UINT64_MAX; }},
+      {"step is 3.5, not an integer", [](nlohmann::json& j) { j["step"] = 3.5; }},
+      {"hysteresis_left is -1, out of the range",
+       [](nlohmann::json& j) { j["loss_scaler"]["hysteresis_left"] = -1; }},
+      {"shape[1] is 2.5, not an integer",
+       [](nlohmann::json& j) {
+         for (auto& t : j["tensors"]) {
+           if (t["elems"] == 1000) t["shape"] = {400, 2.5};
+         }
+       }},
+      {"optimizer is 'SGD'", [](nlohmann::json& j) { j["optimizer"] = "SGD"; }},
+      {"param_dtype is 'int8'", [](nlohmann::json& j) { j["param_dtype"] = "int8"; }},
       {"has shape [3, 3] but 1000 elems",
        [](nlohmann::json& j) {
          for (auto& t : j["tensors"]) {

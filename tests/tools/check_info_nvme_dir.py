@@ -63,6 +63,17 @@ def main():
     if p["severity"] != "error" or f"{file} is not a directory" not in p["what"]:
         fail(f"a path under a file: {p}")
 
+    # /proc holds no files: an error, as the engine's preflight refuses it (it read as
+    # warnings about O_DIRECT and io_uring).
+    j = info([], strata, ["/proc", "/proc/strata-none"])
+    for path in ("/proc", "/proc/strata-none"):
+        p = problem_about(j, path)
+        if p["severity"] != "error" or "is on proc, a filesystem that holds no files" not in \
+                p["what"]:
+            fail(f"{path}: {p}")
+    if any("O_DIRECT" in q["what"] or "io_uring" in q["what"] for q in j["problems"]):
+        fail(f"/proc reported as an O_DIRECT or io_uring problem: {j['problems']}")
+
     # A directory this user cannot write, and one that cannot be made in it.
     locked = os.path.join(scratch, "locked")
     os.makedirs(locked)
