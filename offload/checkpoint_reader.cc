@@ -300,6 +300,11 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const std::stri
   info.root = dir;
   namespace fs = std::filesystem;
   std::error_code ec;
+  if (dir.empty()) {
+    return InvalidArgumentError(
+        "open checkpoint '': the checkpoint directory is empty; give the directory given to "
+        "Save");
+  }
   STRATA_ASSIGN_OR_RETURN(const bool exists, Present(dir, "open checkpoint " + dir));
   if (!exists) {
     return NotFoundError(fmt::format(

@@ -846,6 +846,9 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   const std::string op = fmt::format("save checkpoint {} (rank {}, step {})",
                                      dir.empty() ? "''" : dir, opt.rank(), opt.step_count());
   const std::string nothing_written = op + ": nothing was written";
+  // Before the collective and the save lock: a forked child would wait on
+  // the parent's threads, or take its lock.
+  STRATA_RETURN_IF_ERROR(opt.CheckNotForked(nothing_written));
   STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
   // This rank's own checks. Their outcome rides in the agreement below, so a
   // rank that refuses never leaves the others waiting in a collective.
@@ -907,16 +910,20 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
       }
       lock = std::move(l).value();
       // Publishing replaces latest.json by a rename, which a directory there
-      // refuses: found out only after every rank wrote its part.
+      // refuses, and never writes over a symbolic link (AtomicFileWriter):
+      // found out only after every rank wrote its part.
       const std::string latest = JoinPath(dir, kLatest);
       std::error_code ec;
       const fs::file_type type = fs::symlink_status(latest, ec).type();
-      if (type != fs::file_type::not_found && type != fs::file_type::regular &&
-          !(type == fs::file_type::symlink && fs::is_regular_file(latest, ec))) {
+      if (type != fs::file_type::not_found && type != fs::file_type::regular) {
         return FailedPreconditionError(fmt::format(
             "{} is {}, not the file Save writes (it names the current save, and each save "
-            "replaces it): move it away, or save into another directory",
-            latest, type == fs::file_type::directory ? "a directory" : "not a regular file"));
+            "replaces it): move it away{}, or save into another directory",
+            latest,
+            type == fs::file_type::directory ? "a directory"
+            : type == fs::file_type::symlink ? "a symbolic link"
+                                             : "not a regular file",
+            type == fs::file_type::symlink ? " (or put the file it points to in its place)" : ""));
       }
       return OkStatus();
     }();
@@ -1010,8 +1017,9 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
 Status LoadCheckpoint(OffloadOptimizer& opt, const std::string& dir, const LoadOptions& o) {
   const std::string op =
       fmt::format("load checkpoint {} (rank {})", dir.empty() ? "''" : dir, opt.rank());
-  STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
   const std::string nothing_loaded = op + ": nothing was loaded";
+  STRATA_RETURN_IF_ERROR(opt.CheckNotForked(nothing_loaded));
+  STRATA_ASSIGN_OR_RETURN(Collective coll, Collective::Create(opt));
   // A state that Create wrote from the params, on every rank, loses nothing
   // when a failed load overwrites it: ResetStateFromParams writes it again.
   // Its load reads each file once, every chunk checked as it arrives. Any

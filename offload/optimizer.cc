@@ -704,7 +704,8 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       inputs.nvme == NvmeTier::kAvailable ? std::span<const std::string>(config.nvme_paths)
                                           : std::span<const std::string>(),
       static_cast<uint32_t>(rank),
-      RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world)));
+      RanksPerNode(comm != nullptr ? comm->backend() : "", static_cast<uint32_t>(world)),
+      /*real_paths=*/storage == nullptr);
   STRATA_ASSIGN_OR_RETURN(plan, PlanPlacement(inputs));
   if (std::string w = PaddingWarning(layout); !w.empty()) plan.warnings.push_back(std::move(w));
   for (const std::string& w : plan.warnings) LogWarning(fmt::format("rank {}: {}", rank, w));
@@ -1651,6 +1652,8 @@ Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
   m.map.Rebind(m.params);
   return OkStatus();
 }
+
+Status OffloadOptimizer::CheckNotForked(std::string_view op) const { return impl_->InCreator(op); }
 
 Status OffloadOptimizer::ZeroGrad() { return ZeroGrads(/*keep_handed_over=*/false); }
 Status OffloadOptimizer::ZeroGradTensors() { return ZeroGrads(/*keep_handed_over=*/true); }

@@ -87,6 +87,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "offload/config.h"
@@ -248,6 +249,12 @@ class OffloadOptimizer {
   StepState step_state() const;
   // The error of the failed step; OK while kReady.
   const Status& step_failure() const;
+  // FailedPrecondition in a child this process forked (a DataLoader
+  // worker): the engine's threads stayed in the parent, and a call that
+  // waits on them would wait for ever. The calls that do check it first;
+  // callers that build on them (save, load, the trace) check it before
+  // anything of theirs.
+  Status CheckNotForked(std::string_view op) const;
   // Zeroes the registered grad tensors (on context.stream) and drops
   // gradients handed over but not yet consumed by a Step (warned once when
   // ReduceGradients had summed some: a loop that clears its grads between

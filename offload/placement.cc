@@ -130,15 +130,17 @@ Status Preflight(const PlacementInputs& in, PlacementPlan& plan) {
         FormatBytes(pinned), FormatBytes(m.memlock_bytes)));
   }
   plan.nvme_file_bytes = NvmeFileBytes(plan, in.block_bytes, std::max<size_t>(m.nvme.size(), 1));
-  if (plan.nvme_file_bytes == 0 || m.nvme.empty()) return OkStatus();
+  // The engine makes and locks every nvme_path of device "nvme", state on
+  // NVMe or not.
   for (const NvmePathSpace& p : m.nvme) {
-    if (!p.not_a_directory.ok()) {
+    if (in.nvme == NvmeTier::kAvailable && !p.not_a_directory.ok()) {
       return FailedPreconditionError(fmt::format(
           "{}: zero_optimization.offload_optimizer.nvme_path {}; give a directory for the "
           "state files (a path that does not exist yet is created)",
           kOp, p.not_a_directory.message()));
     }
   }
+  if (plan.nvme_file_bytes == 0 || m.nvme.empty()) return OkStatus();
   // Paths on one filesystem share its free space. The other ranks of this
   // machine write a file each too, under the same nvme_path or on drives of
   // their own (/nvme{local_rank}): this rank cannot tell which, so its own
@@ -597,7 +599,7 @@ Result<PlacementPlan> PlanPlacement(const PlacementInputs& inputs) {
 }
 
 MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32_t rank,
-                                 uint32_t ranks_per_node) {
+                                 uint32_t ranks_per_node, bool real_paths) {
   MachineLimits m;
   m.ranks_per_node = std::max<uint32_t>(ranks_per_node, 1);
   if (Result<HostMemory> mem = ProbeHostMemory(); mem.ok()) {
@@ -619,15 +621,15 @@ MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32
     const bool blocked =
         d.kind == PathKind::kNotDirectory ||
         (d.kind == PathKind::kMissing && !d.writable.ok() && d.writable_errno == 0) ||
-        (!d.writable.ok() && d.writable_errno == EROFS);
-    // A filesystem of no blocks at all (/proc, /sys) holds no state file:
-    // named as such, not as a disk with 0 B free.
+        (real_paths && !d.writable.ok() && d.writable_errno == EROFS);
+    // /proc and /sys hold no state file: named as such, not as a disk with
+    // 0 B free (tmpfs and ramfs without a size report 0 blocks too, and do
+    // hold files).
     Status where = blocked ? d.writable : OkStatus();
-    if (where.ok() && d.total_bytes == 0) {
-      where = FailedPreconditionError(fmt::format(
-          "{}: {} is on {}, a filesystem that holds no files (0 B in all)", path,
-          d.probed_path == path ? std::string("it") : d.probed_path,
-          d.filesystem.empty() ? std::string("a filesystem of unknown type") : d.filesystem));
+    if (where.ok() && real_paths && (d.filesystem == "proc" || d.filesystem == "sysfs")) {
+      where = FailedPreconditionError(
+          fmt::format("{}: {} is on {}, a filesystem that holds no files", path,
+                      d.probed_path == path ? std::string("it") : d.probed_path, d.filesystem));
     }
     // The state file's name is offload/state_store.h's on-disk layout.
     m.nvme.push_back(

@@ -142,8 +142,9 @@ struct NvmePathSpace {
   uint64_t reclaimable_bytes = 0;  // this rank's old state file there, replaced on create
   // OK, or why no directory can be there: the path exists and is not a
   // directory, or its nearest existing ancestor is not one (so it cannot be
-  // created), or it is on a filesystem of no blocks (/proc). A plan with
-  // state on NVMe is refused with it.
+  // created), or it is on a read-only mount or on /proc or /sys. A plan
+  // with device "nvme" is refused with it, state on NVMe or not (the
+  // engine makes and locks nvme_path either way).
   Status not_a_directory{};
 };
 
@@ -275,9 +276,11 @@ std::string FormatPlan(const PlacementPlan& plan);
 // free space (of the nearest existing ancestor when the directory is yet to
 // be created) and the size of this rank's old state file. Reads
 // /proc/meminfo, getrlimit and statvfs; fields it cannot read stay 0 (not
-// checked).
+// checked). `real_paths` false (an engine given its own Storage, whose paths
+// need not exist): a read-only or block-less filesystem under them is not
+// held against them.
 MachineLimits ProbeMachineLimits(std::span<const std::string> nvme_paths, uint32_t rank,
-                                 uint32_t ranks_per_node);
+                                 uint32_t ranks_per_node, bool real_paths = true);
 
 // Ranks that share this machine: all of them for the in-process
 // communicator ("local"), else LOCAL_WORLD_SIZE from the environment (set by

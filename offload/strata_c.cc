@@ -524,6 +524,7 @@ int strata_optimizer_trace_enable(strata_optimizer* opt, int steps) {
       return strata::InvalidArgumentError(fmt::format(
           "{}: steps is {}; give the number of steps to keep (> 0) or 0 to stop", kFn, steps));
     }
+    STRATA_RETURN_IF_ERROR(opt->opt->CheckNotForked(kFn));
     strata::TraceRecorder& trace = *opt->trace;
     trace.SetEnabled(false);
     // No engine thread may record while the ring is resized.

@@ -6,11 +6,39 @@
 // the stack there. Files and arguments Strata reads nest a few levels.
 #pragma once
 
+#include <algorithm>
 #include <string_view>
 
 namespace strata {
 
 inline constexpr int kMaxJsonDepth = 64;
+
+// The deepest nesting of arrays and objects in `text`, brackets inside
+// strings not counted: one linear pass (a parser callback would do, but
+// nlohmann's callback parser rescans the parent after every object closes,
+// quadratic in an array of objects).
+inline int JsonNesting(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
 
 // Json::parse(text) without exceptions; a discarded value when the text is
 // not JSON, or when it nests deeper than `max_depth` (then *too_deep is set,
@@ -18,17 +46,10 @@ inline constexpr int kMaxJsonDepth = 64;
 template <typename Json>
 Json ParseJsonBounded(std::string_view text, bool* too_deep = nullptr,
                       int max_depth = kMaxJsonDepth) {
-  bool deep = false;
-  Json j = Json::parse(
-      text.begin(), text.end(),
-      [&](int depth, typename Json::parse_event_t, Json&) {
-        if (depth <= max_depth) return true;
-        deep = true;
-        return false;  // not kept: the deep part is never built
-      },
-      /*allow_exceptions=*/false);
+  const bool deep = JsonNesting(text) > max_depth;
   if (too_deep != nullptr) *too_deep = deep;
-  return deep ? Json(Json::value_t::discarded) : j;
+  if (deep) return Json(Json::value_t::discarded);
+  return Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
 }
 
 }  // namespace strata

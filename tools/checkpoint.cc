@@ -164,11 +164,13 @@ bool IsShardName(const std::string& name) {
 }
 
 // Runs an export so that a signal (Ctrl-C, kill, a closed terminal) removes
-// what it leaves unfinished: the temporary being written (as large as its
-// target, and hidden) and the shards already written, which are no export
-// without their index (the next export would refuse them as existing
-// files). Once the index is written the shards stay. A failure keeps them
-// (the error says what failed); the re-run's error then says what they are.
+// what it leaves unfinished: the temporaries (the one being written and the
+// sealed shards, as large as their targets, and hidden) and, in the short
+// window where the sealed shards are renamed into place, the shards already
+// renamed, which are no export without their index (the next export would
+// refuse them as existing files). Once the index is written the shards
+// stay. A failure keeps them (the error says what failed); the re-run's
+// error then says what they are.
 Result<ExportResult> ExportRemovingWhatASignalInterrupts(const std::string& dir,
                                                          const std::string& out,
                                                          const ExportOptions& options) {

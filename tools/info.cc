@@ -314,11 +314,9 @@ Status RunInfo(const InfoArgs& args) {
                           "or a path that does not exist yet (the engine creates it)"});
       continue;
     }
-    if (d.total_bytes == 0) {  // /proc, /sys: what the engine's preflight refuses
+    if (d.filesystem == "proc" || d.filesystem == "sysfs") {  // as the preflight refuses
       problems.push_back(
-          {"error",
-           fmt::format("{} is on {}, a filesystem that holds no files (0 B in all)", dir,
-                       d.filesystem.empty() ? "an unknown filesystem" : d.filesystem),
+          {"error", fmt::format("{} is on {}, a filesystem that holds no files", dir, d.filesystem),
            "give a directory on the NVMe drive"});
       continue;
     }

@@ -89,7 +89,11 @@ Status ReadSafetensors(const std::string& path, ModelTensors& m) {
   if (!in.read(header.data(), static_cast<std::streamsize>(header.size()))) {
     return not_safetensors("its header is cut short");
   }
-  ordered_json j = ParseJsonBounded<ordered_json>(header);
+  bool too_deep = false;
+  ordered_json j = ParseJsonBounded<ordered_json>(header, &too_deep);
+  if (too_deep) {
+    return not_safetensors(fmt::format("its header nests deeper than {} levels", kMaxJsonDepth));
+  }
   if (!j.is_object()) return not_safetensors("its header is not a JSON object");
   for (const auto& [name, t] : j.items()) {
     if (name == "__metadata__") continue;
@@ -115,7 +119,12 @@ Status ReadSafetensors(const std::string& path, ModelTensors& m) {
 // Every file the index's weight_map names, in the order they first appear.
 Status ReadIndex(const std::string& path, ModelTensors& m) {
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(path));
-  ordered_json j = ParseJsonBounded<ordered_json>(text);
+  bool too_deep = false;
+  ordered_json j = ParseJsonBounded<ordered_json>(text, &too_deep);
+  if (too_deep) {
+    return InvalidArgumentError(fmt::format(
+        "{}: nests deeper than {} levels; not a safetensors index", path, kMaxJsonDepth));
+  }
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
     return InvalidArgumentError(fmt::format(
         "{}: not a safetensors index (a JSON object with a \"weight_map\" of tensor name -> "

@@ -474,6 +474,11 @@ TEST_F(BadInputTest, NoCheckpointIsNotFound) {
   s = LoadExpectingFailure(empty.File("a.safetensors"));
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s;
   ExpectMentions(s, "a.safetensors: not a directory");
+  // The readers (inspect, export, state_dict_from_checkpoint) name an empty
+  // directory as such (they said "open checkpoint : no such directory").
+  auto reader = CheckpointReader::Open("");
+  EXPECT_EQ(reader.status().code(), StatusCode::kInvalidArgument) << reader.status();
+  ExpectMentions(reader.status(), "open checkpoint '': the checkpoint directory is empty");
 }
 
 TEST_F(BadInputTest, MissingDataFileIsNotFoundNamingIt) {
@@ -523,6 +528,24 @@ TEST_F(BadInputTest, LatestJsonThatIsADirectoryIsNamedByLoadAndSave) {
   ExpectMentions(s, latest + " is a directory, not the file Save writes");
   ExpectMentions(s, "nothing was written");
   EXPECT_EQ(s.message().find("complete and kept"), std::string::npos) << s;
+  EXPECT_EQ(testing::DirNames(dir_.path()), before);
+}
+
+// latest.json that is a symbolic link: loads read through it, and a save
+// refuses before writing anything (it wrote every rank's part, then failed
+// to publish saying "give the path of a new file", a path nobody gave).
+TEST_F(BadInputTest, LatestJsonThatIsASymlinkIsRefusedBySaveBeforeWriting) {
+  const std::string latest = dir_.File("latest.json");
+  const std::string real = dir_.File("real-latest.json");
+  std::filesystem::rename(latest, real);
+  std::filesystem::create_symlink(real, latest);
+  ASSERT_TRUE(target_->Load(dir_.path()).ok()) << "a load reads through the link";
+  const auto before = testing::DirNames(dir_.path());
+  Status s = target_->Save(dir_.path());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, latest + " is a symbolic link, not the file Save writes");
+  ExpectMentions(s, "put the file it points to in its place");
+  ExpectMentions(s, "nothing was written");
   EXPECT_EQ(testing::DirNames(dir_.path()), before);
 }
 

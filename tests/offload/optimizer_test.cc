@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "offload/checkpoint.h"
 #include "offload/placement.h"
 #include "runtime/testing/fault_storage.h"
 #include "runtime/testing/test_util.h"
@@ -396,14 +397,18 @@ TEST(EngineNvme, AForkedChildThatDropsTheOptimizerNeitherHangsNorTouchesTheParen
     // A call that would wait on the parent's threads is refused at once (a
     // step in the child used to hang).
     OffloadOptimizer& o = **opt;
-    for (Status s : {o.Step(), o.ReduceGradients(), o.ZeroGrad(),
-                     o.ReadStateInOrder(
-                         [](uint32_t, uint32_t, std::span<const float>) { return OkStatus(); })}) {
+    // Save and load too, before their collective or the save lock.
+    const std::string ckpt = dir.File("ckpt");
+    for (Status s :
+         {o.Step(), o.ReduceGradients(), o.ZeroGrad(),
+          o.ReadStateInOrder([](uint32_t, uint32_t, std::span<const float>) { return OkStatus(); }),
+          SaveCheckpoint(o, ckpt), LoadCheckpoint(o, ckpt)}) {
       if (s.code() != StatusCode::kFailedPrecondition ||
           s.message().find("this is a child it forked") == std::string_view::npos) {
         ::_exit(2);
       }
     }
+    if (std::filesystem::exists(ckpt)) ::_exit(3);
     opt->reset();
     device.reset();
     char c;
@@ -1283,11 +1288,13 @@ TEST(EngineGradients, ZeroGradTensorsKeepsTheSumAndZeroGradDropsItWarningOnce) {
     model.SetGrads(model.RandomGrads(rng, 0.5f));
     ASSERT_TRUE(opt->ReduceGradients().ok());
     ASSERT_TRUE(opt->ZeroGrad().ok());  // dropped: the step takes the next grads alone
+    ASSERT_TRUE(device->Synchronize().ok());  // the zeroing is on the stream
     sum.clear();
     AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
     ASSERT_TRUE(opt->Step().ok());
     EXPECT_EQ(opt->last_step().micro_steps, 1u);
     step_on(sum);
+    ASSERT_TRUE(device->Synchronize().ok());
   }
   const auto warned = log.Find(LogLevel::kWarning, "zero grad: dropped the gradients of 1 ");
   ASSERT_EQ(warned.size(), 1u) << "warned once";

@@ -721,7 +721,9 @@ TEST(PreflightTest, DiskSpaceIsCheckedPerFilesystem) {
 }
 
 // An nvme_path that is a file: a plan with state on NVMe is refused (it once
-// said "fits this machine"); one that keeps the state in DRAM is not.
+// said "fits this machine"), and so is one of device "nvme" that keeps it
+// all in DRAM (the engine makes and locks nvme_path either way); device
+// "cpu" (the tier unavailable) is not.
 TEST(PreflightTest, AnNvmePathThatIsNotADirectoryIsRefused) {
   PlacementInputs in = Large();
   in.host_budget_bytes = 0;  // all on NVMe
@@ -737,6 +739,9 @@ TEST(PreflightTest, AnNvmePathThatIsNotADirectoryIsRefused) {
                        "nvme_path /etc/passwd: exists and is not a directory (a file); give a "
                        "directory"))
       << p.status();
+  in.host_budget_bytes = uint64_t{1} << 50;
+  p = PlanPlacement(in);
+  EXPECT_EQ(p.status().code(), StatusCode::kFailedPrecondition) << p.status();
   in.host_budget_bytes = 0;
   in.nvme = NvmeTier::kUnavailable;
   EXPECT_TRUE(PlanPlacement(in).ok());

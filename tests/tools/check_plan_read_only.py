@@ -1,6 +1,6 @@
-"""`strata plan` with nvme_path on a read-only mount, and state the plan puts on
-NVMe: the preflight says it does not fit, naming EROFS (it said "fits this
-machine", and Create then failed). Needs a read-only bind mount, which only
+"""`strata plan` with nvme_path on a read-only mount: the preflight says it does
+not fit, naming EROFS, whether the plan puts state on NVMe or not (it said "fits
+this machine", and Create then failed making or locking the directory). Needs a read-only bind mount, which only
 root may make: SKIPPED (exit 77) otherwise.
     check_plan_read_only.py <strata binary> <scratch dir>"""
 import json
@@ -42,14 +42,14 @@ def main():
                     f"nvme_path {path}: " not in r.stderr or "EROFS" not in r.stderr:
                 fail(f"{path}: exit {r.returncode}, stdout tail {r.stdout[-200:]!r}, "
                      f"stderr {r.stderr!r}")
-            # All state in DRAM: the mount is not used, and the plan fits.
+            # All state in DRAM: refused too, as Create makes and locks nvme_path anyway.
             with open(config, "w") as f:
                 json.dump({"zero_optimization": {
                     "offload_optimizer": {"device": "nvme", "nvme_path": path}},
                     "strata": {"host_budget": "1GiB"}}, f)
             r = subprocess.run([strata, "plan", "--params", "2M", "--config", config],
                                capture_output=True, text=True)
-            if r.returncode != 0:
+            if r.returncode != 1 or "EROFS" not in r.stderr:
                 fail(f"{path}, state in DRAM: exit {r.returncode}, stderr {r.stderr!r}")
     finally:
         subprocess.run(["umount", ro], capture_output=True)
