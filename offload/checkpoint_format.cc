@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <unordered_map>
 
 #include "offload/checkpoint_internal.h"
@@ -255,12 +256,12 @@ Status ValidateCommon(const CheckpointInfo& info) {
   if (info.arrays.empty() || info.arrays[0] != "master") {
     return InvalidArgumentError("arrays must start with \"master\"");
   }
-  bool known = false;
+  std::optional<OptimizerType> type;
   for (auto t : {OptimizerType::kAdam, OptimizerType::kAdamW, OptimizerType::kAdagrad,
                  OptimizerType::kLion}) {
-    known |= info.optimizer == OptimizerTypeName(t);
+    if (info.optimizer == OptimizerTypeName(t)) type = t;
   }
-  if (!known) {
+  if (!type) {
     return InvalidArgumentError(
         fmt::format("optimizer is '{}'; a save holds the state of Adam, AdamW, Adagrad or Lion",
                     info.optimizer));
@@ -303,7 +304,8 @@ Status ValidateCommon(const CheckpointInfo& info) {
   }
   // Counters and hyperparameters: values the engine accepts.
   for (uint32_t g = 0; g < info.groups.size(); ++g) {
-    STRATA_RETURN_IF_ERROR(ValidateGroupHyper(info.groups[g], fmt::format("groups[{}].", g)));
+    STRATA_RETURN_IF_ERROR(
+        ValidateGroupHyper(info.groups[g], fmt::format("groups[{}].", g), *type));
   }
   // Any scaler state a dynamic scaler can reach (a static one is a special
   // case the loading optimizer checks against its own config).

@@ -259,25 +259,32 @@ struct Run {
 
 }  // namespace
 
-Status ValidateGroupHyper(const GroupHyper& h, std::string_view where) {
+Status ValidateGroupHyper(const GroupHyper& h, std::string_view where, OptimizerType type) {
   // The update runs in fp32: a value finite in double but not in fp32, an eps
-  // that is 0 there, a beta that rounds to 1, would make NaN params.
+  // that is 0 there, a beta that rounds to 1, would make NaN params. A field
+  // the update does not read (Lion's eps, Adagrad's betas) need only be
+  // finite: a checkpoint keeps it, and JSON has no NaN.
   constexpr double kMax = std::numeric_limits<float>::max();
   constexpr double kMinNormal = std::numeric_limits<float>::min();
-  auto beta_ok = [](double b) { return b >= 0 && b < 1 && static_cast<float>(b) < 1.0f; };
+  const bool betas_used = type != OptimizerType::kAdagrad;
+  const bool eps_used = type != OptimizerType::kLion;
+  auto beta_ok = [&](double b) {
+    return !betas_used || (b >= 0 && b < 1 && static_cast<float>(b) < 1.0f);
+  };
   struct Rule {
     const char* field;
     double value;
     bool ok;
     const char* allowed;
   };
+  constexpr const char* kUnused = "finite (the update does not read it; checkpoints keep it)";
   const Rule rules[] = {
       {"lr", h.lr, h.lr >= 0 && h.lr <= kMax,
        "finite, >= 0 and at most 3.4e38 (the update runs in fp32)"},
-      {"beta1", h.beta1, beta_ok(h.beta1), "in [0, 1), and below 1 in fp32"},
-      {"beta2", h.beta2, beta_ok(h.beta2), "in [0, 1), and below 1 in fp32"},
-      {"eps", h.eps, h.eps >= kMinNormal && h.eps <= kMax,
-       "finite and in [1.2e-38, 3.4e38] (the update runs in fp32)"},
+      {"beta1", h.beta1, beta_ok(h.beta1), betas_used ? "in [0, 1), and below 1 in fp32" : kUnused},
+      {"beta2", h.beta2, beta_ok(h.beta2), betas_used ? "in [0, 1), and below 1 in fp32" : kUnused},
+      {"eps", h.eps, !eps_used || (h.eps >= kMinNormal && h.eps <= kMax),
+       eps_used ? "finite and in [1.2e-38, 3.4e38] (the update runs in fp32)" : kUnused},
       {"weight_decay", h.weight_decay, h.weight_decay >= 0 && h.weight_decay <= kMax,
        "finite, >= 0 and at most 3.4e38 (the update runs in fp32)"},
   };
@@ -662,8 +669,8 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
       return InvalidArgumentError(
           fmt::format("{}: param group {} has no tensors; drop it or add its params", kOp, g));
     }
-    STRATA_RETURN_IF_ERROR(
-        ValidateGroupHyper(groups[g].hyper, fmt::format("{}: param group {}: ", kOp, g)));
+    STRATA_RETURN_IF_ERROR(ValidateGroupHyper(
+        groups[g].hyper, fmt::format("{}: param group {}: ", kOp, g), config.optimizer));
     hypers.push_back(groups[g].hyper);
     for (uint32_t j = 0; j < groups[g].params.size(); ++j) {
       const Param& p = groups[g].params[j];
@@ -1723,7 +1730,8 @@ Status OffloadOptimizer::SetGroupHyper(uint32_t group, const GroupHyper& hyper) 
     return OutOfRangeError(
         fmt::format("set group hyper: group {} of {}", group, impl_->hypers.size()));
   }
-  STRATA_RETURN_IF_ERROR(ValidateGroupHyper(hyper, fmt::format("set group hyper: group {}: ", group)));
+  STRATA_RETURN_IF_ERROR(ValidateGroupHyper(
+      hyper, fmt::format("set group hyper: group {}: ", group), impl_->config.optimizer));
   impl_->hypers[group] = hyper;
   return OkStatus();
 }

@@ -155,8 +155,10 @@ GroupHyper DefaultGroupHyper(const OffloadConfig& config);
 // OK when the fp32 update can run with `h`; else InvalidArgument naming the
 // field: "{where}{field} is {value}; it must be {allowed}". The one rule for
 // every path that takes hyperparameters: registration, SetGroupHyper and a
-// checkpoint's manifest (load, `strata inspect --verify`, export).
-Status ValidateGroupHyper(const GroupHyper& h, std::string_view where);
+// checkpoint's manifest (load, `strata inspect --verify`, export). Fields
+// `type`'s update does not read (Lion's eps, Adagrad's betas) need only be
+// finite.
+Status ValidateGroupHyper(const GroupHyper& h, std::string_view where, OptimizerType type);
 
 // Seconds each stage of the last step kept its resource busy, and the step's
 // wall time. Stages overlap, so they add up to more than `step`. On a GPU the

@@ -1775,6 +1775,18 @@ TEST(EngineValidation, AccessorsAndSetters) {
   }
   ASSERT_TRUE(opt->SetGroupHyper(0, {.lr = 0.5}).ok());
   EXPECT_EQ(opt->group_hyper(0).lr, 0.5);
+  // A field the update does not read need only be finite (a checkpoint
+  // keeps it): Lion's eps (eps = 0 was refused, Lion has none), Adagrad's
+  // betas; NaN still not, nor what the update reads.
+  const GroupHyper nan_eps{.eps = std::numeric_limits<double>::quiet_NaN()};
+  EXPECT_TRUE(ValidateGroupHyper({.eps = 0}, "", OptimizerType::kLion).ok());
+  EXPECT_EQ(ValidateGroupHyper(nan_eps, "", OptimizerType::kLion).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateGroupHyper({.beta1 = 1.0}, "", OptimizerType::kLion).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateGroupHyper({.beta1 = 1.0, .beta2 = 5.0}, "", OptimizerType::kAdagrad).ok());
+  EXPECT_EQ(ValidateGroupHyper({.eps = 0}, "", OptimizerType::kAdagrad).code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(opt->world_size(), 1);
   EXPECT_EQ(opt->rank(), 0);
   EXPECT_EQ(opt->comm(), nullptr);
