@@ -459,11 +459,10 @@ struct OffloadOptimizer::Impl {
   void FillStats(const StepDecision& d, double t0);
   void WarnSilentSkip(const StepDecision& d);
   Status FailedStepError(std::string_view op) const;
-  // OutOfRange for a sub-group index past the last.
   // FailedPrecondition in a child this process forked (a DataLoader
   // worker): the engine's threads (IO, the device's workers, the CPU arena)
   // stayed in the parent, and a call that waits on them waited for ever.
-  Status InCreator(std::string_view op) const {
+  Status CheckNotForked(std::string_view op) const {
     if (creator_pid == ::getpid()) return OkStatus();
     return FailedPreconditionError(fmt::format(
         "{}: this optimizer was built by process {} and this is a child it forked (pid {}): "
@@ -471,8 +470,9 @@ struct OffloadOptimizer::Impl {
         "parent, or build an optimizer in the child",
         op, creator_pid, ::getpid()));
   }
+  // OutOfRange for a sub-group index past the last (and CheckNotForked).
   Status CheckStateAccess(uint32_t index, std::string_view op) const {
-    STRATA_RETURN_IF_ERROR(InCreator(op));
+    STRATA_RETURN_IF_ERROR(CheckNotForked(op));
     if (index < sub_groups.size()) return OkStatus();
     return OutOfRangeError(fmt::format("{}: sub-group {} of {}", op, index, sub_groups.size()));
   }
@@ -1527,7 +1527,7 @@ Result<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
 
 Status OffloadOptimizer::GradReady(uint32_t index) {
   Impl& m = *impl_;
-  STRATA_RETURN_IF_ERROR(m.InCreator("grad ready"));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked("grad ready"));
   if (index >= m.params.size()) {
     return OutOfRangeError(
         fmt::format("grad ready: param {} of {} registered", index, m.params.size()));
@@ -1556,7 +1556,7 @@ Status OffloadOptimizer::GradReady(uint32_t index) {
 
 Status OffloadOptimizer::ReduceGradients() {
   Impl& m = *impl_;
-  STRATA_RETURN_IF_ERROR(m.InCreator("reduce gradients"));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked("reduce gradients"));
   if (m.pending) return m.FailedStepError("reduce gradients");
   if (!m.ready_twice.empty()) return FailedPreconditionError("reduce gradients: " + m.ready_twice);
   m.trace.step = m.step + 1;
@@ -1581,7 +1581,7 @@ Status OffloadOptimizer::ReduceGradients() {
 }
 
 Status OffloadOptimizer::Step() {
-  STRATA_RETURN_IF_ERROR(impl_->InCreator("step"));
+  STRATA_RETURN_IF_ERROR(impl_->CheckNotForked("step"));
   if (impl_->pending) return impl_->FailedStepError("step");
   if (!impl_->ready_twice.empty()) return FailedPreconditionError("step: " + impl_->ready_twice);
   impl_->step_hypers = impl_->hypers;
@@ -1589,7 +1589,7 @@ Status OffloadOptimizer::Step() {
 }
 
 Status OffloadOptimizer::RetryStep() {
-  STRATA_RETURN_IF_ERROR(impl_->InCreator("retry step"));
+  STRATA_RETURN_IF_ERROR(impl_->CheckNotForked("retry step"));
   if (!impl_->pending) {
     return FailedPreconditionError(
         "retry step: no step failed; there is nothing to retry (call Step() for a new step)");
@@ -1614,7 +1614,7 @@ Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
 Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
   Impl& m = *impl_;
   constexpr std::string_view kOp = "rebind";
-  STRATA_RETURN_IF_ERROR(m.InCreator(kOp));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked(kOp));
   std::vector<Param> next = m.params;
   std::vector<uint8_t> named(m.params.size(), 0);
   for (const ParamBinding& b : moves) {
@@ -1660,14 +1660,16 @@ Status OffloadOptimizer::RebindParams(std::span<const ParamBinding> moves) {
   return OkStatus();
 }
 
-Status OffloadOptimizer::CheckNotForked(std::string_view op) const { return impl_->InCreator(op); }
+Status OffloadOptimizer::CheckNotForked(std::string_view op) const {
+  return impl_->CheckNotForked(op);
+}
 
 Status OffloadOptimizer::ZeroGrad() { return ZeroGrads(/*keep_handed_over=*/false); }
 Status OffloadOptimizer::ZeroGradTensors() { return ZeroGrads(/*keep_handed_over=*/true); }
 
 Status OffloadOptimizer::ZeroGrads(bool keep_handed_over) {
   Impl& m = *impl_;
-  STRATA_RETURN_IF_ERROR(m.InCreator("zero grad"));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked("zero grad"));
   Device& dev = *m.device;
   // The engine's streams may still read the grad tensors (hand-over) or
   // write the params: the zeroing on the trainer's stream comes after both.
@@ -1801,7 +1803,7 @@ Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint6
 
 Status OffloadOptimizer::ReadStateInOrder(const StateVisit& visit) {
   Impl& m = *impl_;
-  STRATA_RETURN_IF_ERROR(m.InCreator("read state"));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked("read state"));
   if (m.pending) return m.FailedStepError("read state");
   return m.WalkInOrder(0, [&](uint32_t i) -> Status {
     if (m.tiers->on_device(i)) {
@@ -1819,7 +1821,7 @@ Status OffloadOptimizer::ReadStateInOrder(const StateVisit& visit) {
 
 Status OffloadOptimizer::WriteStateInOrder(const IndexedStateFill& fill, uint64_t piece_elems) {
   Impl& m = *impl_;
-  STRATA_RETURN_IF_ERROR(m.InCreator("write state"));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked("write state"));
   m.BeginStateWrite();
   Status s;
   for (uint32_t i = 0; i < m.sub_groups.size() && s.ok(); ++i) {
@@ -1850,7 +1852,7 @@ Status OffloadOptimizer::UpdateState(uint32_t index, uint32_t array, const State
 Result<uint64_t> OffloadOptimizer::ReloadParams(std::span<const uint32_t> which) {
   Impl& m = *impl_;
   constexpr std::string_view kOp = "reload params";
-  STRATA_RETURN_IF_ERROR(m.InCreator(kOp));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked(kOp));
   if (m.pending) return m.FailedStepError(kOp);
   std::vector<uint8_t> wanted(m.params.size(), which.empty() ? 1 : 0);
   for (uint32_t k : which) {
@@ -1915,7 +1917,7 @@ bool OffloadOptimizer::state_from_params() const { return impl_->state_from_para
 Status OffloadOptimizer::ResetStateFromParams() {
   Impl& m = *impl_;
   constexpr std::string_view kOp = "reset the state from the params";
-  STRATA_RETURN_IF_ERROR(m.InCreator(kOp));
+  STRATA_RETURN_IF_ERROR(m.CheckNotForked(kOp));
   if (m.pending) return m.FailedStepError(kOp);
   STRATA_RETURN_IF_ERROR(m.InitState().WithContext(kOp));
   m.tiers->TakeFigures();  // not a step's
