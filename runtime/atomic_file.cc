@@ -72,7 +72,7 @@ Status OpenTemporaryError(const std::string& path, Status opened) {
 Status ExistsError(const std::string& path) {
   return FailedPreconditionError(fmt::format(
       "write {}: the file exists; remove it, choose another path, or allow replacing it "
-      "(--force)",
+      "(--force; force=True in Python)",
       path));
 }
 

@@ -1381,7 +1381,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 "state is laid out once, over every param, when the optimizer is built. Pass "
                 "every group to the constructor (a group can start with lr=0 and get its "
                 "learning rate from a scheduler later), or build a new OffloadAdam over all "
-                "groups and carry the state over with save_checkpoint()/load_checkpoint()")
+                "groups, whose state starts anew (a checkpoint or state_dict loads only into "
+                "the params and groups it was saved from)")
         super().add_param_group(param_group)
 
     @contextlib.contextmanager
@@ -1732,6 +1733,11 @@ class OffloadAdam(torch.optim.Optimizer):
                              f"into an {mode[self._adamw]} one: the state would go on under "
                              "another update rule; build the optimizer as the saved one was")
         self._check_groups_match(saved_groups)
+        # Before anything is written: copied into param_groups, a refused flag would
+        # fail every step after the load (and the load itself, late). A torch
+        # state_dict's flags are checked in _load_torch_adam_state.
+        for gi, g in enumerate(saved_groups):
+            _check_flags(f"load_state_dict: param_groups[{gi}] has ", g)
         if s.get("kind") == "checkpoint":
             # The load writes every param from the checkpoint: the written and kept
             # ones whose values differ from it are set aside and put back, and the
@@ -1862,6 +1868,13 @@ class OffloadAdam(torch.optim.Optimizer):
                         or t.numel() != r.param.numel():
                     raise ValueError(f"{bad}state {i} ({r.describe(k)}): {key} is not a float "
                                      f"tensor of {r.param.numel()} elements")
+                # torch keeps the moments in the param's shape: another shape of as many
+                # elements is another param's state (two layers swapped), which torch's
+                # own step would refuse.
+                if tuple(t.shape) != r.shape:
+                    raise ValueError(f"{bad}state {i} ({r.describe(k)}): {key} has shape "
+                                     f"{tuple(t.shape)} where the param's is {r.shape}; load "
+                                     "a state_dict saved from the same model")
             step = float(st["step"])
             if not (math.isfinite(step) and step >= 0 and step == int(step)):
                 raise ValueError(f"{bad}state {i}: step {step} is not a count")

@@ -211,10 +211,17 @@ def test_load_state_dict_checks_everything_before_writing(tmp_path):
         (lambda s, g: s.pop("loss_scaler"), "no loss_scaler"),
         (lambda s, g: g[0].update(lr=float("inf")), r"param_groups\[0\]: lr is inf"),
         (lambda s, g: g[0].update(betas=(0.9, 1.5)), r"betas\[1\] is 1.5"),
+        # A refused flag was copied into param_groups after the state was written,
+        # then failed the load and every step after it.
+        (lambda s, g: g[0].update(maximize=True),
+         r"load_state_dict: param_groups\[0\] has maximize=True"),
+        (lambda s, g: g[0].update(amsgrad=True),
+         r"load_state_dict: param_groups\[0\] has amsgrad=True"),
     ]
     for edit, message in cases:
         with pytest.raises(ValueError, match=message):
             opt.load_state_dict(broken(edit))
+        assert not any(g.get(flag) for g in opt.param_groups for flag in ("maximize", "amsgrad"))
         after = opt.state_dict()
         assert after["state"]["strata"]["step"] == before["state"]["strata"]["step"]
         for a, b in zip(after["state"]["strata"]["arrays"], before["state"]["strata"]["arrays"]):
@@ -521,8 +528,11 @@ def test_sub_group_size_auto_is_the_planners_choice():
 def test_add_param_group_is_refused_with_a_way_out():
     model = Net()
     opt = OffloadAdam([model.a.weight])
-    with pytest.raises(RuntimeError, match="lr=0.*save_checkpoint"):
+    with pytest.raises(RuntimeError, match="lr=0.*whose state starts anew") as e:
         opt.add_param_group({"params": [model.b.weight]})
+    # It once offered save_checkpoint()/load_checkpoint() to carry the state over,
+    # which a checkpoint of other params refuses.
+    assert "save_checkpoint" not in str(e.value)
 
 
 # ---- Bounded state_dict and exports -----------------------------------------------------
@@ -565,7 +575,8 @@ def test_export_loads_into_the_model(tmp_path, dtype):
     sd = state_dict_from_checkpoint(tmp_path / "ckpt", dtype=dtype)
     assert list(sd) == [n for n, _ in model.named_parameters()]
     assert all(torch.equal(sd[k], tensors[k]) for k in sd)
-    with pytest.raises(strata.StrataError, match="exists"):
+    # The fix names Python's argument too, not only the CLI's flag.
+    with pytest.raises(strata.StrataError, match=r"exists.*force=True in Python"):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "model.safetensors", dtype=dtype)
     export_checkpoint(tmp_path / "ckpt", tmp_path / "model.safetensors", dtype=dtype, force=True)
 

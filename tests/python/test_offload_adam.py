@@ -308,6 +308,14 @@ def test_load_state_dict_refuses_other_shapes():
         opt_d.load_state_dict(opt_c.state_dict())
     with pytest.raises(ValueError, match="not an optimizer state_dict"):
         opt_a.load_state_dict({"state": {}})
+    # A torch AdamW state_dict of as many elements in another shape (two layers
+    # swapped): torch's own step refuses it; it was loaded, moments scrambled.
+    torch_c = torch.optim.AdamW(c.parameters())
+    c(torch.randn(2, 4)).sum().backward()
+    torch_c.step()
+    with pytest.raises(ValueError, match=r"exp_avg has shape \(3, 4\) where the param's is "
+                                         r"\(4, 3\)"):
+        opt_d.load_state_dict(torch_c.state_dict())
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path):
