@@ -267,6 +267,11 @@ def _split_names(params):
     names = {}
 
     def strip(seq):
+        if isinstance(seq, (set, frozenset)):
+            # As torch.optim refuses it: a state_dict or checkpoint keys params by
+            # their order, which a set's changes between runs.
+            raise TypeError("OffloadAdam: params given as a set, whose order changes between "
+                            "runs (state_dicts and checkpoints key params by it); give a list")
         seq = [seq] if isinstance(seq, torch.Tensor) else list(seq)
         out = []
         for x in seq:
@@ -276,6 +281,8 @@ def _split_names(params):
             out.append(x)
         return out
 
+    if isinstance(params, (set, frozenset)):
+        strip(params)  # refused
     params = list(params) if not isinstance(params, torch.Tensor) else [params]
     if params and isinstance(params[0], dict):
         return [dict(g, params=strip(g["params"])) for g in params], names

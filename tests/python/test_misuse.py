@@ -714,6 +714,10 @@ def test_what_torch_would_accept_and_offloadadam_cannot_run_is_refused():
     w, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(TypeError, match="iterable of Tensors"):
         OffloadAdam(w)
+    # A set's order changes between runs (torch.optim refuses it too).
+    for params in ({w}, [{"params": {w}}]):
+        with pytest.raises(TypeError, match="params given as a set, whose order changes"):
+            OffloadAdam(params)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's own duplicate warning comes too late to show
         with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is the same "
