@@ -1746,6 +1746,15 @@ class OffloadAdam(torch.optim.Optimizer):
         for gi, g in enumerate(saved_groups):
             _check_flags(f"load_state_dict: param_groups[{gi}] has ", g)
         if s.get("kind") == "checkpoint":
+            where = s.get("checkpoint")
+            if isinstance(where, (str, os.PathLike)) and not os.path.isdir(where):
+                # state_dict_dir keeps the newest two saves: an older state_dict names
+                # one removed since (a trainer that keeps more checkpoint folders).
+                raise ValueError(f"{bad}it names the save {os.fspath(where)!r} of a "
+                                 "state_dict_dir, which no longer exists (state_dict_dir keeps "
+                                 "the newest two saves, removing older ones): load a newer "
+                                 "state_dict, or keep saves of your own with "
+                                 "save_checkpoint(dir)")
             # The load writes every param from the checkpoint: the written and kept
             # ones whose values differ from it are set aside and put back, and the
             # written ones adopted.

@@ -557,6 +557,16 @@ def test_state_dict_dir_keeps_state_dicts_small_and_resumes_exactly(tmp_path):
     train(fresh, fresh_opt, 3, 2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
+    # Two more state_dict()s rotate that save out (the newest two are kept): the old
+    # dict is refused saying so, not "no such directory; pass the directory given to Save".
+    opt.state_dict()
+    opt.state_dict()
+    assert not os.path.isdir(sd["state"]["strata"]["checkpoint"])
+    step = fresh_opt.step_count
+    with pytest.raises(ValueError, match="which no longer exists .*keeps the newest two saves"):
+        fresh_opt.load_state_dict(sd)
+    assert fresh_opt.step_count == step
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_export_loads_into_the_model(tmp_path, dtype):
