@@ -186,13 +186,7 @@ def _check_hyper(where, lr, betas, eps, weight_decay):
              ("eps", eps, lambda v: v > 0, "finite and > 0"),
              ("weight_decay", weight_decay, lambda v: v >= 0, "finite and >= 0")]
     for field, value, ok, allowed in rules:
-        try:
-            if isinstance(value, (str, bytes)):  # float("0.1") would take text
-                raise TypeError("text")
-            v = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"OffloadAdam: {where}{field} is {value!r}; it must be a number, "
-                             f"{allowed}")
+        v = _number(where, field, value)  # text and non-numbers: "it must be a number"
         if not (math.isfinite(v) and ok(v)):
             raise ValueError(f"OffloadAdam: {where}{field} is {value}; it must be {allowed}")
 
