@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -154,6 +155,23 @@ std::vector<RegisteredRange> SplitForRegistration(std::span<const std::span<std:
     }
   }
   return ranges;
+}
+
+namespace {
+std::atomic<int> submit_fault_error{0};
+std::atomic<int> submit_faults_left{0};
+}  // namespace
+
+void FailUringSubmitsForTest(int error, int count) {
+  submit_fault_error.store(error);
+  submit_faults_left.store(count);
+}
+
+int UringSubmitFaultForTest() {
+  int left = submit_faults_left.load(std::memory_order_relaxed);
+  while (left > 0 && !submit_faults_left.compare_exchange_weak(left, left - 1)) {
+  }
+  return left > 0 ? -submit_fault_error.load() : 0;
 }
 
 int FindRegisteredRange(std::span<const RegisteredRange> ranges, const std::byte* p, size_t len) {

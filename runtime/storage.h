@@ -156,6 +156,10 @@ class File {
   // Starts every request of the batch, or none: a request with a misaligned
   // or empty buffer gives InvalidArgument, a write to a file opened
   // FileAccess::kReadOnly FailedPrecondition, and nothing is submitted.
+  // When the kernel refuses to take requests (io_uring_submit fails with
+  // other than EAGAIN/EBUSY, which are waited out), the requests it has not
+  // taken complete with that error, never to run, and the file refuses new
+  // batches (FailedPrecondition): close and reopen it.
   virtual Status Submit(std::span<IoRequest> requests) = 0;
 
   // Waits until min(min_completions, InFlight()) requests are complete, then

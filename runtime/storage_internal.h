@@ -102,6 +102,13 @@ Result<std::unique_ptr<StorageLock>> LockPath(const std::string& path);
 inline constexpr uint64_t kMaxUringBufferBytes = uint64_t{1} << 30;
 inline constexpr size_t kMaxUringBuffers = 16384;
 
+// Tests only: the next `count` io_uring submits fail with -`error` without
+// reaching the kernel (their SQEs stay queued), as a kernel short of memory
+// (EAGAIN) or a broken ring would. count 0 ends it.
+void FailUringSubmitsForTest(int error, int count);
+// -error while FailUringSubmitsForTest has submits left to fail (one used), else 0.
+int UringSubmitFaultForTest();
+
 // A registered range of addresses [begin, end).
 struct RegisteredRange {
   uintptr_t begin = 0;

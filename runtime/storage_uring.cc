@@ -6,7 +6,9 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <chrono>
 #include <deque>
+#include <thread>
 #include <vector>
 
 #include "runtime/log.h"
@@ -17,6 +19,11 @@ namespace strata {
 namespace {
 
 constexpr unsigned kSqPollIdleMs = 50;
+// The most one SQE moves: its length field has 32 bits.
+constexpr uint64_t kMaxSqeBytes = internal::kMaxUringBufferBytes;
+// How often (1 ms apart) a submit the kernel refuses as busy is retried when
+// nothing is in flight to wait for instead.
+constexpr int kBusySubmitAttempts = 1000;
 
 class UringFile final : public File {
  public:
@@ -29,12 +36,15 @@ class UringFile final : public File {
 
   ~UringFile() override {
     if (!ring_ok_) return;
-    // Requests still in the kernel write into caller memory: wait for them.
-    while (!pending_.empty() || sqes_in_flight_ > 0) {
-      pending_.clear();
-      if (sqes_in_flight_ == 0) break;
+    // Requests the kernel took write into caller memory: wait for them. SQEs
+    // it never took (unsubmitted_) go with the ring, unread.
+    while (sqes_in_flight_ > 0) {
       io_uring_cqe* cqe = nullptr;
-      if (io_uring_wait_cqe(&ring_, &cqe) != 0) break;
+      int rc;
+      do {
+        rc = io_uring_wait_cqe(&ring_, &cqe);
+      } while (rc == -EINTR);
+      if (rc != 0) break;
       io_uring_cqe_seen(&ring_, cqe);
       --sqes_in_flight_;
     }
@@ -45,6 +55,13 @@ class UringFile final : public File {
 
   Status Submit(std::span<IoRequest> requests) override {
     STRATA_RETURN_IF_ERROR(internal::ValidateBatch(info_, requests));
+    if (!broken_.ok()) {
+      return FailedPreconditionError("submit to " + info_.path +
+                                     ": this file's io_uring queue stopped at an earlier error (" +
+                                     std::string(broken_.message()) +
+                                     "), which its requests then in flight failed with; close and "
+                                     "reopen the file");
+    }
     for (IoRequest& r : requests) {
       internal::ResetResult(r);
       pending_.push_back(&r);
@@ -149,16 +166,20 @@ class UringFile final : public File {
     return OkStatus();
   }
 
-  // Moves pending requests into SQEs while the ring has room; one submit.
+  // Moves pending requests into SQEs while the ring has room, then submits
+  // the SQEs the kernel has not taken. Requests it cannot start fail with the
+  // submit's error (in their status); the file then refuses new batches.
   Status Pump() {
-    unsigned queued = 0;
-    while (!pending_.empty() && sqes_in_flight_ < info_.queue_depth) {
+    while (!pending_.empty() && sqes_in_flight_ + unsubmitted_.size() < info_.queue_depth) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe == nullptr) break;
       IoRequest* r = pending_.front();
       pending_.pop_front();
       std::byte* p = r->buffer.data() + r->transferred_bytes;
-      const unsigned len = static_cast<unsigned>(r->buffer.size() - r->transferred_bytes);
+      // An SQE's length is 32 bits, and the kernel moves less than 2 GiB per
+      // call anyway: larger requests go in pieces (a short transfer resumes).
+      const auto len = static_cast<unsigned>(
+          std::min<uint64_t>(r->buffer.size() - r->transferred_bytes, kMaxSqeBytes));
       const uint64_t off = r->offset_bytes + r->transferred_bytes;
       const int fd = fixed_file_ ? 0 : fd_.get();
       const int idx = internal::FindRegisteredRange(registered_, p, len);
@@ -175,15 +196,44 @@ class UringFile final : public File {
       }
       if (fixed_file_) sqe->flags |= IOSQE_FIXED_FILE;
       io_uring_sqe_set_data(sqe, r);
-      ++sqes_in_flight_;
-      ++queued;
+      unsubmitted_.push_back(r);
     }
-    if (queued == 0) return OkStatus();
-    int rc;
-    do {
-      rc = io_uring_submit(&ring_);
-    } while (rc == -EINTR);
-    if (rc < 0) return ErrnoError(-rc, "io_uring_submit for " + info_.path);
+    return SubmitSqes();
+  }
+
+  // io_uring_submit until the kernel has taken some SQEs or nothing is left.
+  // It takes them in order; what it leaves goes at the next Pump. With none
+  // in flight, a busy kernel (EAGAIN: no memory for requests; EBUSY: full
+  // completion backlog) is waited for a while; any other error fails every
+  // request not yet in the kernel.
+  Status SubmitSqes() {
+    for (int attempt = 0; !unsubmitted_.empty(); ++attempt) {
+      int rc;
+      do {
+        rc = internal::UringSubmitFaultForTest();
+        if (rc == 0) rc = io_uring_submit(&ring_);
+      } while (rc == -EINTR);
+      if (rc > 0) {
+        const size_t taken = std::min<size_t>(static_cast<size_t>(rc), unsubmitted_.size());
+        unsubmitted_.erase(unsubmitted_.begin(), unsubmitted_.begin() + taken);
+        sqes_in_flight_ += static_cast<unsigned>(taken);
+        return OkStatus();
+      }
+      const bool busy = rc == 0 || rc == -EAGAIN || rc == -EBUSY;
+      if (busy && sqes_in_flight_ > 0) return OkStatus();  // again after a completion
+      if (busy && attempt < kBusySubmitAttempts) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      broken_ = ErrnoError(rc < 0 ? -rc : EAGAIN, "io_uring_submit for " + info_.path);
+      for (std::deque<IoRequest*>* q : {&unsubmitted_, &pending_}) {
+        for (IoRequest* r : *q) {
+          r->status = broken_;
+          ready_.push_back(r);
+        }
+        q->clear();
+      }
+    }
     return OkStatus();
   }
 
@@ -223,9 +273,11 @@ class UringFile final : public File {
   bool fixed_file_ = false;
   std::vector<internal::RegisteredRange> registered_;  // index = buffer index in the ring
   std::deque<IoRequest*> pending_;                     // submitted, not yet in an SQE
+  std::deque<IoRequest*> unsubmitted_;                 // in an SQE the kernel has not taken
   std::deque<IoRequest*> ready_;                       // complete, not yet reaped
   size_t in_flight_ = 0;                               // submitted and not reaped
-  unsigned sqes_in_flight_ = 0;
+  unsigned sqes_in_flight_ = 0;                        // taken by the kernel, CQE not seen
+  Status broken_;                                      // a failed submit; refuses new batches
 };
 
 class UringStorage final : public Storage {

@@ -3,6 +3,7 @@
 // counting wrapper and manual completion.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <vector>
 
 #include "runtime/storage.h"
 #include "runtime/storage_internal.h"
@@ -162,6 +164,126 @@ TEST(UringBackend, FixedBuffersAndFixedFileAreUsed) {
   ASSERT_EQ(f->Reap(done, 1).value(), 1u);
   ASSERT_TRUE(r.status.ok()) << r.status;
   EXPECT_EQ(std::memcmp(reg.data(), other.data(), reg.size()), 0);
+}
+
+// Ends an injected submit fault however the test leaves.
+struct SubmitFault {
+  SubmitFault(int error, int count) { internal::FailUringSubmitsForTest(error, count); }
+  ~SubmitFault() { internal::FailUringSubmitsForTest(0, 0); }
+};
+
+std::vector<std::byte> ReadBack(Storage& storage, const std::string& path, size_t bytes) {
+  auto f = storage.Open(path, {}).value();
+  AlignedBuffer buf(bytes);
+  IoRequest r = IoRequest::Read(0, buf.span());
+  EXPECT_TRUE(f->Submit(std::span(&r, 1)).ok());
+  IoRequest* done[1];
+  EXPECT_EQ(f->Reap(done, 1).value(), 1u);
+  EXPECT_TRUE(r.status.ok()) << r.status;
+  return {buf.data(), buf.data() + bytes};
+}
+
+// A submit the kernel refuses (not busy) used to return its error with the
+// SQEs left in the ring and counted: a drain then waited forever for
+// completions of requests never started, and a later submit could start them
+// on buffers their owner had reused.
+TEST(UringBackend, ASubmitTheKernelRefusesFailsItsRequestsWhichNeverRunLater) {
+  if (!UringAvailable()) GTEST_SKIP() << "io_uring not available here";
+  TempDir dir;
+  auto storage = CreateUringStorage(SqPoll::kOff).value();
+  const std::string path = dir.File("x");
+  AlignedBuffer before(3 * 4096), after(3 * 4096);
+  FillPattern(before.span(), 1);
+  FillPattern(after.span(), 2);
+  {
+    auto f = storage->Open(path, {.create = FileCreate::kCreate, .queue_depth = 4}).value();
+    ASSERT_TRUE(WriteAndWait(*f, 0, before.span()).ok());
+    SubmitFault fault(EIO, 1);
+    IoRequest reqs[3];
+    for (int i = 0; i < 3; ++i) {
+      reqs[i] = IoRequest::Write(i * 4096, after.span().subspan(i * 4096, 4096));
+    }
+    ASSERT_TRUE(f->Submit(reqs).ok());
+    IoRequest* done[3];
+    ASSERT_EQ(f->Reap(done, 3).value(), 3u);
+    EXPECT_EQ(f->InFlight(), 0u);
+    for (const IoRequest& r : reqs) {
+      EXPECT_FALSE(r.status.ok());
+      EXPECT_NE(r.status.message().find("io_uring_submit for " + path), std::string::npos)
+          << r.status;
+    }
+    // The queue stopped: a new batch is refused, saying why and what to do.
+    Status refused = WriteAndWait(*f, 0, after.span());
+    EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused;
+    EXPECT_NE(refused.message().find("close and reopen"), std::string::npos) << refused;
+    EXPECT_EQ(f->InFlight(), 0u);
+  }  // closing waits for nothing and starts nothing
+  const std::vector<std::byte> on_disk = ReadBack(*storage, path, before.size());
+  EXPECT_EQ(std::memcmp(on_disk.data(), before.data(), before.size()), 0);
+}
+
+// EAGAIN (no memory for requests) and EBUSY (completion backlog) are waits,
+// not errors: with nothing in flight the submit is retried; with requests in
+// flight, it goes again after one completes.
+TEST(UringBackend, ABusyKernelDelaysRequestsAndFailsNone) {
+  if (!UringAvailable()) GTEST_SKIP() << "io_uring not available here";
+  TempDir dir;
+  auto storage = CreateUringStorage(SqPoll::kOff).value();
+  auto f = storage->Open(dir.File("x"), {.create = FileCreate::kCreate, .queue_depth = 8}).value();
+  AlignedBuffer data(4 * 4096);
+  FillPattern(data.span(), 3);
+  {
+    SubmitFault fault(EAGAIN, 3);  // nothing in flight: three retries
+    ASSERT_TRUE(WriteAndWait(*f, 0, data.span().first(4096)).ok());
+  }
+  IoRequest first[2] = {IoRequest::Write(4096, data.span().subspan(4096, 4096)),
+                        IoRequest::Write(2 * 4096, data.span().subspan(2 * 4096, 4096))};
+  ASSERT_TRUE(f->Submit(first).ok());
+  {
+    SubmitFault fault(EBUSY, 1);  // two in flight: this one waits for them
+    IoRequest second = IoRequest::Write(3 * 4096, data.span().subspan(3 * 4096, 4096));
+    ASSERT_TRUE(f->Submit(std::span(&second, 1)).ok());
+    IoRequest* done[3];
+    size_t reaped = 0;
+    while (reaped < 3) reaped += f->Reap(std::span(done).subspan(reaped), 1).value();
+    EXPECT_TRUE(second.status.ok()) << second.status;
+  }
+  for (const IoRequest& r : first) EXPECT_TRUE(r.status.ok()) << r.status;
+  const std::vector<std::byte> on_disk = ReadBack(*storage, dir.File("x"), data.size());
+  EXPECT_EQ(std::memcmp(on_disk.data(), data.data(), data.size()), 0);
+}
+
+// An SQE's length has 32 bits: a request of 4 GiB + 4 KiB was cut to its
+// low 32 bits (4 KiB), then to 0 bytes, which read as the end of the file.
+// The file is 3 pages, so a request that is not cut reads all 3 before the
+// end of the file stops it (and the 4 GiB buffer is never touched beyond).
+TEST(UringBackend, ARequestOfFourGiBAndMoreIsNotCutToItsLow32Bits) {
+  if (!UringAvailable()) GTEST_SKIP() << "io_uring not available here";
+  constexpr size_t kBytes = (size_t{1} << 32) + 4096, kFile = 3 * 4096;
+  void* base = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(base, MAP_FAILED);
+  auto* bytes = static_cast<std::byte*>(base);
+  TempDir dir;
+  auto storage = CreateUringStorage(SqPoll::kOff).value();
+  AlignedBuffer data(kFile);
+  FillPattern(data.span(), 5);
+  {
+    auto w = storage->Open(dir.File("x"), {.create = FileCreate::kCreate}).value();
+    ASSERT_TRUE(WriteAndWait(*w, 0, data.span()).ok());
+  }
+  auto f = storage->Open(dir.File("x"), {.direct = DirectIo::kOff}).value();
+  IoRequest r = IoRequest::Read(0, {bytes, kBytes});
+  ASSERT_TRUE(f->Submit(std::span(&r, 1)).ok());
+  IoRequest* done[1];
+  ASSERT_EQ(f->Reap(done, 1).value(), 1u);
+  EXPECT_EQ(r.status.code(), StatusCode::kOutOfRange) << r.status;
+  EXPECT_NE(r.status.message().find("end of file after " + std::to_string(kFile) + " bytes"),
+            std::string::npos)
+      << r.status;
+  EXPECT_EQ(r.transferred_bytes, kFile);
+  EXPECT_EQ(std::memcmp(bytes, data.data(), kFile), 0);
+  ::munmap(base, kBytes);
 }
 
 // ---- Registration of buffers of any size (pure helpers) ---------------------
