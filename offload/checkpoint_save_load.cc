@@ -860,13 +860,8 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
       return InvalidArgumentError(fmt::format(
           "{}: the checkpoint directory is empty; give a directory; nothing was written", op));
     }
-    if (opt.step_state() == StepState::kFailed) {
-      // Nothing is written for a state that mixes two steps.
-      return FailedPreconditionError(fmt::format(
-          "{}: step {} failed part way and is not finished ({}); RetryStep() finishes it (then "
-          "save), or loading a checkpoint replaces the state",
-          op, opt.step_count() + 1, opt.step_failure().ToString()));
-    }
+    // Nothing is written for a state that mixes two steps.
+    STRATA_RETURN_IF_ERROR(opt.CheckStateWhole(op));
     if (o.chunk_bytes == 0 || o.chunk_bytes % kFileAlign != 0) {
       return InvalidArgumentError(
           fmt::format("{}: chunk_bytes {} is not a positive multiple of 4096", op, o.chunk_bytes));

@@ -42,6 +42,7 @@ struct OptimizerValues {
   int64_t step_count = 0;
   bool step_failed = false;
   std::string step_failure;  // "" unless failed
+  std::string incomplete_state;  // OffloadOptimizer::incomplete_state()
   StepStats last;
   std::vector<GroupHyper> hypers;
   LossScalerState scaler;
@@ -55,6 +56,7 @@ class ValuesAfterCalls {
                       .step_count = opt.step_count(),
                       .step_failed = opt.step_state() == StepState::kFailed,
                       .step_failure = opt.step_failure().ok() ? "" : opt.step_failure().ToString(),
+                      .incomplete_state = opt.incomplete_state(),
                       .last = opt.last_step(),
                       .hypers = {},
                       .scaler = opt.loss_scaler_state()};

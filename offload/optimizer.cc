@@ -399,6 +399,18 @@ struct OffloadOptimizer::Impl {
   std::optional<StepDecision> pending;  // a step that failed part way (StepState::kFailed)
   Status failure;                       // its error
   std::vector<uint8_t> done;            // per sub-group, for the pending step
+  // Per sub-group, whether its state is in line with the others': kOutOfLine
+  // while a write of the whole state that failed, or a failed step that was
+  // dropped (BeginStateWrite, RestoreCounters), left the sub-groups holding
+  // different states and it was not written since; kPartial when a host
+  // or device write failed part way through it (an NVMe one keeps its
+  // committed state). While any is torn, Step, RetryStep, Save and every
+  // whole-state read refuse (CheckStateWhole), and reads of a partial one;
+  // step_state() is kFailed, step_failure() the latest cause.
+  enum Torn : uint8_t { kInLine = 0, kOutOfLine = 1, kPartial = 2 };
+  std::vector<uint8_t> torn;
+  uint32_t torn_count = 0;
+  Status torn_cause;
   size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
   bool host_stats = false;              // the statistics were a host pass (accumulation)
   LoadedSave loaded_save;               // the save the last checkpoint load read
@@ -509,13 +521,64 @@ struct OffloadOptimizer::Impl {
     tiers->DrainReads();  // what a failed visit left unread
     return s;
   }
-  // New state: a failed step awaiting retry no longer applies.
+  // New state: a failed step awaiting retry no longer applies, and every
+  // sub-group stays torn (it may hold either step) until written again.
   void BeginStateWrite() {
-    if (pending) {
-      EndFailedStep();
-      grads->Consume();
-    }
+    if (pending) DropFailedStep("was dropped for a new state");
     state_from_params = false;
+  }
+  void DropFailedStep(std::string_view how) {
+    MarkTorn(std::nullopt, kOutOfLine,
+             FailedPreconditionError(fmt::format("step {}, which failed part way ({}), {}",
+                                                 pending->step, failure.ToString(), how)));
+    EndFailedStep();
+    grads->Consume();
+  }
+  // Sub-group `i` (nullopt: all) is at least `how` torn, for `cause` (the
+  // latest cause is the one named).
+  void MarkTorn(std::optional<uint32_t> i, Torn how, Status cause) {
+    torn_cause = std::move(cause);
+    for (uint32_t j = i.value_or(0); j < (i ? *i + 1 : torn.size()); ++j) {
+      torn_count += torn[j] == kInLine;
+      torn[j] = std::max<uint8_t>(torn[j], how);
+    }
+  }
+  // A write of sub-group `i` ended: whole and in line when `written` is OK;
+  // else a host or device one is partly written.
+  Status EndWrite(uint32_t i, Status written) {
+    if (written.ok()) {
+      torn_count -= torn[i] != kInLine;
+      torn[i] = kInLine;
+      if (torn_count == 0) torn_cause = OkStatus();
+    } else if (!tiers->on_nvme(i)) {
+      MarkTorn(i, kPartial,
+               FailedPreconditionError(fmt::format("a state write failed part way through {} ({})",
+                                                   tiers->Name(i), written.ToString())));
+    }
+    return written;
+  }
+  // Which sub-groups may mix two states, since when, and the way out; ""
+  // when none may.
+  std::string TornText() const {
+    if (torn_count == 0) return "";
+    std::vector<std::string> names;
+    for (uint32_t i = 0; i < torn.size() && names.size() < 3; ++i) {
+      if (torn[i] != 0) names.push_back(tiers->Name(i));
+    }
+    return fmt::format(
+        "the state of {} of {} sub-groups ({}{}) may mix two states since {}; write it whole "
+        "again (load a checkpoint or a state_dict, or reset it from the params) before a step "
+        "or a save",
+        torn_count, torn.size(), fmt::join(names, ", "), torn_count > names.size() ? ", ..." : "",
+        torn_cause.message());
+  }
+  // FailedPrecondition naming the failed step, or the torn sub-groups and
+  // the way out; OK when the state is one step's. With `only`, OK also when
+  // that sub-group is whole (its own state is one; the others' may differ).
+  Status CheckStateWhole(std::string_view op, std::optional<uint32_t> only = std::nullopt) const {
+    if (pending) return FailedStepError(op);
+    if (torn_count == 0 || (only && torn[*only] != kPartial)) return OkStatus();
+    return FailedPreconditionError(fmt::format("{}: {}", op, TornText()));
   }
   void ResetReadiness() {
     std::fill(ready_count.begin(), ready_count.end(), 0);
@@ -865,6 +928,7 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
   ready_count.assign(sub_groups.size(), 0);
   tensor_ready.assign(params.size(), 0);
   done.assign(sub_groups.size(), 0);
+  torn.assign(sub_groups.size(), 0);
   if (trace.recorder != nullptr) {
     // Per sub-group: statistics, D2H, update, read, write, H2D (+ pack,
     // reduce-scatter, all-gather, unpack with several ranks); a few per step.
@@ -1125,7 +1189,8 @@ Status OffloadOptimizer::Impl::CheckRanksAgree(double step_sum, double step_sq_s
     return FailedPreconditionError(fmt::format(
         "rank {} is at step {}, and another rank at a different one: a rank skipped step(), or "
         "loaded a checkpoint or state dict alone. Every rank must call step() and the loads "
-        "together; load the same checkpoint on every rank to go on. Nothing was updated",
+        "together; load the same checkpoint on every rank to go on (that drops the gradients "
+        "handed over for this step). Nothing was updated",
         rank, step + 1));
   }
   if (!same(digest_sum, digest_sq_sum)) {
@@ -1139,7 +1204,8 @@ Status OffloadOptimizer::Impl::CheckRanksAgree(double step_sum, double step_sq_s
         "step {}: rank {}'s update settings differ from another rank's ({}clipping norm {}, "
         "{}, loss scale {}): every rank must build the optimizer alike and change its "
         "hyperparameters alike (the same scheduler on every rank); compare the ranks' messages. "
-        "Nothing was updated",
+        "Nothing was updated; the next Step takes the gradients handed over for this one "
+        "(ZeroGrad() drops them)",
         step + 1, rank, mine, config.max_grad_norm, OptimizerTypeName(config.optimizer),
         scaler->scale()));
   }
@@ -1149,9 +1215,13 @@ Status OffloadOptimizer::Impl::CheckRanksAgree(double step_sum, double step_sq_s
 // Stages 1 and 2: the gradients handed over, their statistics over every
 // rank, the decision. A skipped step ends here.
 Status OffloadOptimizer::Impl::HandOverAndDecide() {
-  // A micro-step after accumulated ones that was partly reported is one more
-  // micro-step: it joins the accumulation.
-  if (grads->micro_steps() > 0 && grads->reduced_count() > 0) {
+  // A micro-step after accumulated ones that reported any param ready is
+  // one more micro-step: it joins the accumulation (the params it did not
+  // report are read now). Whether a sub-group's reports completed it does
+  // not matter: that depends on the sub-group size.
+  const bool reported =
+      std::find(tensor_ready.begin(), tensor_ready.end(), 1) != tensor_ready.end();
+  if (grads->micro_steps() > 0 && (reported || grads->reduced_count() > 0)) {
     STRATA_RETURN_IF_ERROR(grads->Accumulate());
   }
   const double ts = NowSec();
@@ -1218,10 +1288,10 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   std::vector<uint8_t> device_updated;
   STRATA_RETURN_IF_ERROR(StartDeviceSide(d, device_updated));
   if (serial) {
-    // Each stage alone: the device side before the CPU's.
-    if (Status s = PublishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
+    // Each stage alone: the device side's update before the CPU's. Its
+    // params are published below, where the overlapped mode publishes them:
+    // every rank issues its all-gathers in one order, whatever its mode.
     if (Status s = FinishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
-    device_updated.assign(device_updated.size(), 0);
   }
   for (uint32_t r : schedule.initial_reads) tiers->StartRead(k + r);
   double adam_sec = 0;
@@ -1308,9 +1378,7 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
     fail(std::move(s));
   }
   tiers->DrainReads();  // reads queued and never consumed (only after an error above)
-  if (!serial) {
-    if (Status s = PublishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
-  }
+  if (Status s = PublishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
   if (Status s = FinishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
   if (Status s = publisher->Finish(); !s.ok()) fail(std::move(s));
   last.times.adam += adam_sec;
@@ -1582,7 +1650,7 @@ Status OffloadOptimizer::ReduceGradients() {
 
 Status OffloadOptimizer::Step() {
   STRATA_RETURN_IF_ERROR(impl_->CheckNotForked("step"));
-  if (impl_->pending) return impl_->FailedStepError("step");
+  STRATA_RETURN_IF_ERROR(impl_->CheckStateWhole("step"));
   if (!impl_->ready_twice.empty()) return FailedPreconditionError("step: " + impl_->ready_twice);
   impl_->step_hypers = impl_->hypers;
   return impl_->Step();
@@ -1591,6 +1659,7 @@ Status OffloadOptimizer::Step() {
 Status OffloadOptimizer::RetryStep() {
   STRATA_RETURN_IF_ERROR(impl_->CheckNotForked("retry step"));
   if (!impl_->pending) {
+    STRATA_RETURN_IF_ERROR(impl_->CheckStateWhole("retry step"));
     return FailedPreconditionError(
         "retry step: no step failed; there is nothing to retry (call Step() for a new step)");
   }
@@ -1601,10 +1670,18 @@ Status OffloadOptimizer::RetryStep() {
 }
 
 StepState OffloadOptimizer::step_state() const {
-  return impl_->pending ? StepState::kFailed : StepState::kReady;
+  return impl_->pending || impl_->torn_count > 0 ? StepState::kFailed : StepState::kReady;
 }
 
-const Status& OffloadOptimizer::step_failure() const { return impl_->failure; }
+const Status& OffloadOptimizer::step_failure() const {
+  return impl_->pending ? impl_->failure : impl_->torn_cause;
+}
+
+Status OffloadOptimizer::CheckStateWhole(std::string_view op) const {
+  return impl_->CheckStateWhole(op);
+}
+
+std::string OffloadOptimizer::incomplete_state() const { return impl_->TornText(); }
 
 Status OffloadOptimizer::RebindParam(uint32_t index, void* data, void* grad) {
   const ParamBinding move{.index = index, .data = data, .grad = grad};
@@ -1752,7 +1829,7 @@ uint32_t OffloadOptimizer::StateArrayCount() const { return impl_->arrays; }
 Status OffloadOptimizer::ReadState(uint32_t index, std::span<float> out) {
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "read state"));
-  if (m.pending) return m.FailedStepError("read state");
+  STRATA_RETURN_IF_ERROR(m.CheckStateWhole("read state", index));
   const uint64_t want = m.sub_groups[index].elems() * m.arrays;
   if (out.size() != want) {
     return InvalidArgumentError(fmt::format(
@@ -1766,7 +1843,7 @@ Status OffloadOptimizer::ReadState(uint32_t index, uint32_t array, uint64_t begi
                                    std::span<float> out) {
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "read state"));
-  if (m.pending) return m.FailedStepError("read state");
+  STRATA_RETURN_IF_ERROR(m.CheckStateWhole("read state", index));
   const uint64_t elems = m.sub_groups[index].elems();
   if (array >= m.arrays || begin > elems || out.size() > elems - begin) {
     return OutOfRangeError(fmt::format(
@@ -1798,13 +1875,13 @@ Status OffloadOptimizer::WriteState(uint32_t index, const StateFill& fill, uint6
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "write state"));
   m.BeginStateWrite();
-  return m.tiers->Write(index, fill, piece_elems).WithContext("write state");
+  return m.EndWrite(index, m.tiers->Write(index, fill, piece_elems).WithContext("write state"));
 }
 
 Status OffloadOptimizer::ReadStateInOrder(const StateVisit& visit) {
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.CheckNotForked("read state"));
-  if (m.pending) return m.FailedStepError("read state");
+  STRATA_RETURN_IF_ERROR(m.CheckStateWhole("read state"));
   return m.WalkInOrder(0, [&](uint32_t i) -> Status {
     if (m.tiers->on_device(i)) {
       for (uint32_t a = 0; a < m.arrays; ++a) STRATA_RETURN_IF_ERROR(visit(i, a, {}));
@@ -1823,6 +1900,10 @@ Status OffloadOptimizer::WriteStateInOrder(const IndexedStateFill& fill, uint64_
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.CheckNotForked("write state"));
   m.BeginStateWrite();
+  // Out of line until the whole write is known to have landed (NVMe writes
+  // finish in FinishWrites, after the loop).
+  m.MarkTorn(std::nullopt, Impl::kOutOfLine,
+             FailedPreconditionError("a write of the whole state began and did not finish"));
   Status s;
   for (uint32_t i = 0; i < m.sub_groups.size() && s.ok(); ++i) {
     s = m.tiers->Write(i,
@@ -1830,9 +1911,13 @@ Status OffloadOptimizer::WriteStateInOrder(const IndexedStateFill& fill, uint64_
                          return fill(i, array, begin, piece);
                        },
                        piece_elems, {.wait = false, .concurrent_arrays = true});
+    if (!s.ok()) (void)m.EndWrite(i, s);
   }
   Status written = m.tiers->FinishWrites([](uint32_t, const Status&) {});
   if (s.ok()) s = std::move(written);
+  if (s.ok()) {
+    for (uint32_t i = 0; i < m.sub_groups.size(); ++i) (void)m.EndWrite(i, s);
+  }
   return std::move(s).WithContext("write state");
 }
 
@@ -1840,7 +1925,7 @@ Status OffloadOptimizer::UpdateState(uint32_t index, uint32_t array, const State
                                      uint64_t piece_elems) {
   Impl& m = *impl_;
   STRATA_RETURN_IF_ERROR(m.CheckStateAccess(index, "update state"));
-  if (m.pending) return m.FailedStepError("update state");
+  STRATA_RETURN_IF_ERROR(m.CheckStateWhole("update state", index));
   if (array >= m.arrays) {
     return OutOfRangeError(
         fmt::format("update state of {}: array {} of {}", m.tiers->Name(index), array, m.arrays));
@@ -1853,7 +1938,7 @@ Result<uint64_t> OffloadOptimizer::ReloadParams(std::span<const uint32_t> which)
   Impl& m = *impl_;
   constexpr std::string_view kOp = "reload params";
   STRATA_RETURN_IF_ERROR(m.CheckNotForked(kOp));
-  if (m.pending) return m.FailedStepError(kOp);
+  STRATA_RETURN_IF_ERROR(m.CheckStateWhole(kOp));
   std::vector<uint8_t> wanted(m.params.size(), which.empty() ? 1 : 0);
   for (uint32_t k : which) {
     if (k >= m.params.size()) {
@@ -1919,7 +2004,15 @@ Status OffloadOptimizer::ResetStateFromParams() {
   constexpr std::string_view kOp = "reset the state from the params";
   STRATA_RETURN_IF_ERROR(m.CheckNotForked(kOp));
   if (m.pending) return m.FailedStepError(kOp);
-  STRATA_RETURN_IF_ERROR(m.InitState().WithContext(kOp));
+  Status reset = m.InitState().WithContext(kOp);
+  if (!reset.ok()) {
+    // Which host sub-groups it reached is not told: none is read as whole.
+    m.MarkTorn(
+        std::nullopt, Impl::kPartial,
+        FailedPreconditionError(fmt::format("a reset failed part way ({})", reset.ToString())));
+    return reset;
+  }
+  for (uint32_t i = 0; i < m.sub_groups.size(); ++i) (void)m.EndWrite(i, reset);
   m.tiers->TakeFigures();  // not a step's
   m.state_from_params = true;
   return OkStatus();
@@ -1937,11 +2030,16 @@ Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& sc
     return InvalidArgumentError(fmt::format("restore counters: step {} is negative", step));
   }
   STRATA_RETURN_IF_ERROR((impl_->scaler->Restore(scaler)).WithContext("restore counters"));
-  impl_->step = step;
-  if (impl_->pending) {
-    impl_->EndFailedStep();
-    impl_->grads->Consume();
-  }
+  Impl& m = *impl_;
+  m.step = step;
+  if (m.pending) m.DropFailedStep("was dropped by RestoreCounters()");
+  // The counters of a load: gradients handed over for the state it replaced
+  // (a step refused before its update keeps them for the next Step) are
+  // not for this one; nor are the current micro-step's reports.
+  STRATA_RETURN_IF_ERROR(m.device->StreamSynchronize(m.grad_stream));
+  m.grads->Consume();
+  m.ResetReadiness();
+  m.ready_twice.clear();
   return OkStatus();
 }
 

@@ -44,7 +44,9 @@
 // keeps the sum; ZeroGrad() drops it). With
 // accumulation call it after every micro-step, the last one included; Step()
 // then takes the sum (a Step() after micro-steps handed over this way does
-// not read the grad tensors again). A param reported twice in one micro-step
+// not read the grad tensors again, unless GradReady reported a param since
+// the last ReduceGradients: that micro-step then joins the sum, its params
+// not reported read at the Step). A param reported twice in one micro-step
 // is refused (FailedPrecondition), and Step/ReduceGradients with it until
 // ZeroGrad: what was added after the first report would be missed. With
 // several ranks the reductions (collectives) go in descending sub-group order
@@ -71,8 +73,11 @@
 // (Step), to save (Save) or to hand out state (ReadState), each with
 // FailedPrecondition naming the failed step and the way out, so no checkpoint
 // and no new step ever mixes two steps. RetryStep() finishes the failed step
-// with the gradients it kept (the result is bitwise a clean run's); Load(),
-// RestoreCounters() or WriteState() replace the state and make it ready. With
+// with the gradients it kept (the result is bitwise a clean run's); Load()
+// or WriteState() of every sub-group replace the state and make it ready (a
+// write that fails part way leaves it kFailed, refusing the same calls,
+// until the state is written whole again: a failed load never becomes a
+// step or a checkpoint that mixes two states). With
 // several ranks a rank whose own step worked returns Unavailable when another
 // failed, and every rank is in kFailed, so all retry; a rank that never calls
 // Step leaves the others waiting in a collective (the local communicator's
@@ -188,7 +193,9 @@ struct StageTimes {
 // sub-groups at once. kSerial runs every stage alone: no read issued before
 // the gradients are on the host, and per sub-group read, update, write and
 // upload each wait for the one before (and the device side of a partial
-// offload runs first, alone). Same results bit for bit, only slower;
+// offload updates first, alone; its params are all-gathered where the
+// overlapped mode does it, so ranks may run different modes). Same results
+// bit for bit, only slower;
 // its StageTimes are each stage's busy time with nothing else running, the
 // baseline `strata bench step` divides by (docs/guide.md, "Reading the bench").
 enum class PipelineMode : uint8_t { kOverlapped = 0, kSerial = 1 };
@@ -248,9 +255,20 @@ class OffloadOptimizer {
   // Finishes the failed step with the gradients it kept (a collective; every
   // rank calls it); FailedPrecondition when no step failed.
   Status RetryStep();
+  // kFailed also while a state write that failed part way (or a failed step
+  // dropped before every sub-group was written again) leaves sub-groups
+  // that may mix two states: Step, RetryStep, Save and reading those
+  // sub-groups refuse until they are written whole again (a load,
+  // WriteState of each, ResetStateFromParams()).
   StepState step_state() const;
-  // The error of the failed step; OK while kReady.
+  // The error of the failed step, or why the state is incomplete; OK while kReady.
   const Status& step_failure() const;
+  // OK when the state is one step's; else FailedPrecondition for `op`
+  // naming the failed step or the incomplete sub-groups, and the way out.
+  Status CheckStateWhole(std::string_view op) const;
+  // Why sub-groups may mix two states after a failed write (which, since
+  // when, the way out); "" when none may. RetryStep() cannot help there.
+  std::string incomplete_state() const;
   // FailedPrecondition in a child this process forked (a DataLoader
   // worker): the engine's threads stayed in the parent, and a call that
   // waits on them would wait for ever. The calls that do check it first;
@@ -371,8 +389,11 @@ class OffloadOptimizer {
 
   // Everything a checkpoint holds besides the arrays.
   LossScalerState loss_scaler_state() const;
-  // Sets the step counter and the scaler (checkpoint load) and ends a failed
-  // step; InvalidArgument for a state the scaler cannot reach or a negative step.
+  // Sets the step counter and the scaler (checkpoint load), ends a failed
+  // step (its sub-groups stay out of line until written: step_state()) and
+  // drops the gradients handed over and not yet taken by a Step (a Step
+  // refused before its update keeps them), and the micro-step's reports;
+  // InvalidArgument for a state the scaler cannot reach or a negative step.
   Status RestoreCounters(int64_t step, const LossScalerState& scaler);
 
   // Checkpoints (docs/checkpoint.md): a collective; every rank calls it with

@@ -383,6 +383,7 @@ class Engine {
     return s.ok() ? "" : EscapeNonUtf8(std::string(s.message()));
   }
   std::string step_failure() const { return EscapeNonUtf8(Read().step_failure); }
+  std::string incomplete_state() const { return EscapeNonUtf8(Read().incomplete_state); }
   // (index, data, grad) per moved param, all or none (OffloadOptimizer::RebindParams).
   void RebindParams(const std::vector<std::tuple<uint32_t, uintptr_t, uintptr_t>>& moves) {
     std::vector<ParamBinding> b;
@@ -805,6 +806,7 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("step_failed", &Engine::step_failed)
       .def_property_readonly("comm_failure", &Engine::comm_failure)
       .def_property_readonly("step_failure", &Engine::step_failure)
+      .def_property_readonly("incomplete_state", &Engine::incomplete_state)
       .def("rebind_params", &Engine::RebindParams)
       .def("trace_start", &Engine::TraceStart, py::arg("steps"))
       .def("trace_stop", &Engine::TraceStop, py::arg("release_ring") = true)

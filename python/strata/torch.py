@@ -1071,6 +1071,10 @@ class OffloadAdam(torch.optim.Optimizer):
                 f"OffloadAdam.{op}: step {self._engine.step_count + 1} failed on an error "
                 f"that leaves the GPU unusable in this process ({self._engine.step_failure}); "
                 "restart the process and resume from the last checkpoint")
+        incomplete = self._engine.incomplete_state
+        if incomplete:
+            raise StrataError(
+                f"OffloadAdam.{op}: {incomplete} (load_checkpoint() or load_state_dict())")
         if self._engine.step_failed:
             raise StrataError(
                 f"OffloadAdam.{op}: step {self._engine.step_count + 1} failed part way and is "

@@ -612,6 +612,32 @@ TEST(EngineFailure, RanksAtDifferentStepsOrSettingsRefuseTheStepOnEveryRank) {
         EXPECT_EQ(ranks.model(r).ParamBytes(t), params_before[r * 2 + t]) << "tensor " << t;
       }
     }
+    if (what != "step") continue;
+    // Every rank loads (the counters of step 0) and runs a new backward: the
+    // step takes the new gradients, as a run that never saw the refused
+    // step does. The reductions of the refused step's hand-over used to stay
+    // and be taken instead.
+    for (int r = 0; r < TwoRanks::kWorld; ++r) {
+      OffloadOptimizer& o = ranks.opt(r);
+      ASSERT_TRUE(o.RestoreCounters(0, o.loss_scaler_state()).ok());
+    }
+    ranks.SetRandomGrads(rng);
+    for (const Status& s : ranks.OnEveryRank([&](int r) { return ranks.opt(r).Step(); })) {
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    TwoRanks clean(seed);
+    std::mt19937_64 same(seed + 1);
+    clean.SetRandomGrads(same);  // the refused step's
+    clean.SetRandomGrads(same);
+    for (const Status& s : clean.OnEveryRank([&](int r) { return clean.opt(r).Step(); })) {
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    for (int r = 0; r < TwoRanks::kWorld; ++r) {
+      for (size_t t = 0; t < 2; ++t) {
+        EXPECT_EQ(ranks.model(r).ParamBytes(t), clean.model(r).ParamBytes(t))
+            << "rank " << r << " tensor " << t;
+      }
+    }
   }
 }
 

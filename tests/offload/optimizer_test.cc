@@ -732,7 +732,8 @@ TEST(EngineNvme, InOrderWritesRunBehindTheNextFill) {
 // before every hand-over, as ranks whose backwards complete tensors in
 // different orders do.
 void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32,
-              double gpu_fraction = 0.0, int micro_steps = 1, bool shuffled_ready = false) {
+              double gpu_fraction = 0.0, int micro_steps = 1, bool shuffled_ready = false,
+              bool odd_ranks_serial = false) {
   const uint64_t seed = TestSeed();
   auto device = *CreateHostDevice();
   auto comms = *CreateLocalGroup(world, *device);
@@ -786,6 +787,7 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32,
         if (gpu_fraction > 0 && opts[r]->plan().device_sub_groups == 0) {
           return InternalError("the plan keeps no sub-group on the device");
         }
+        if (odd_ranks_serial && r % 2 == 1) opts[r]->SetPipelineMode(PipelineMode::kSerial);
         for (int s = 0; s < kSteps; ++s) {
           for (int m = 0; m < micro_steps; ++m) {
             models[r]->SetGrads(grads[s][m][r]);
@@ -875,6 +877,14 @@ TEST(EngineRanks, FourRanksClippedMatchBitwise) { RunRanks(4, 0.05); }
 TEST(EngineRanks, TwoRanksBf16GradsClippedMatchBitwise) { RunRanks(2, 0.05, DType::kBF16); }
 TEST(EngineRanks, FourRanksBf16GradsMatchBitwise) { RunRanks(4, 0.0, DType::kBF16); }
 TEST(EngineRanks, TwoRanksAccumulatedMatchBitwise) { RunRanks(2, 0.05, DType::kF32, 0.0, 3); }
+// The pipeline mode is each rank's own (a benchmark's, a retry's): the
+// serial mode all-gathered the device sub-groups' params before the CPU
+// ones', the overlapped mode after, so ranks in different modes exchanged
+// one sub-group's params for another's.
+TEST(EngineRanks, RanksInDifferentPipelineModesMatchBitwise) {
+  RunRanks(2, 0.05, DType::kBF16, 0.5, 1, false, true);
+  RunRanks(4, 0.0, DType::kF32, 0.5, 1, false, true);
+}
 // Partial offload with several ranks: the reduced block stays on the device,
 // the device Adam updates it, the publish stream all-gathers it first.
 TEST(EngineRanks, OneRankHalfOnTheDeviceMatchesTheReference) {
@@ -1246,6 +1256,37 @@ TEST(EngineGradients, AccumulationOverTheOptimizersThreadsMatchesBitwise) {
   }
 }
 
+// The last micro-step of an accumulation reported with GradReady (some
+// params) and no ReduceGradients joins the sum whatever the sub-group size.
+// It joined only when a report completed a sub-group: with both reported
+// params' tensors and others in one sub-group, the micro-step was dropped.
+TEST(EngineGradients, ALastMicroStepReportedInPartJoinsTheSumAtAnySubGroupSize) {
+  for (const uint64_t sub_group : {uint64_t{1024}, uint64_t{1} << 20}) {
+    SCOPED_TRACE("sub-group " + std::to_string(sub_group));
+    const uint64_t seed = TestSeed();
+    std::mt19937_64 rng(seed);
+    auto device = *CreateHostDevice();
+    Case c{.sub_group_elems = sub_group};
+    OffloadConfig config = MakeConfig(c);
+    TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+    auto master = model.SetParams(rng);
+    auto opt = *MakeOptimizer(*device, nullptr, config, model);
+    ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+    std::vector<std::vector<float>> sum;
+    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    ASSERT_TRUE(opt->ReduceGradients().ok());
+    ASSERT_TRUE(device->Synchronize().ok());
+    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    ASSERT_TRUE(opt->GradReady(3).ok());  // the one-element tensor, alone in no sub-group
+    ASSERT_TRUE(opt->GradReady(0).ok());
+    ASSERT_TRUE(opt->Step().ok());
+    EXPECT_EQ(opt->last_step().micro_steps, 2u);
+    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
+    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(*opt, model, ref);
+  }
+}
+
 // A backward that adds into the grad tensors clears them between
 // micro-steps: ZeroGradTensors keeps what ReduceGradients summed, ZeroGrad
 // drops it, warning once (a C trainer's natural loop once stepped on zeros
@@ -1518,6 +1559,113 @@ TEST(EngineFaults, ReadEioMidStepIsRetried) { RunFaultRetry({.read_eio_one_in = 
 // republishes them (into a moved tensor too) and updates only the rest.
 TEST(EngineFaults, WriteEioWithDeviceSubGroupsIsRetried) {
   RunFaultRetry({.write_eio_one_in = 3}, 0.3);
+}
+
+// A load that fails part way (a bad chunk, the disk) after a failed step
+// used to drop the failed step first and then leave the optimizer ready:
+// its state mixed the failed step's two halves and whatever the load had
+// written, yet Step, Save and RetryStep ("no step failed") took it. Now the
+// whole state refuses until it is written whole again, and so does a read of
+// a host sub-group the write left partly set.
+TEST(EngineFaults, AFailedLoadLeavesTheStateRefusedUntilItIsWrittenWhole) {
+  const uint64_t seed = TestSeed();
+  auto device = *CreateHostDevice();
+  auto fault = testing::FaultStorage::Create(CreateMemStorage(), {.seed = seed});
+  Case c{.where = Where::kMixed, .buffer_count = 2};
+  OffloadConfig config = MakeConfig(c);
+  SetMixedBudget(config);
+  std::mt19937_64 rng(seed);
+  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+  model.SetParams(rng);
+  auto opt = *MakeOptimizer(*device, fault.get(), config, model);
+  const auto n = static_cast<uint32_t>(opt->sub_groups().size());
+  ASSERT_GE(n, 3u);
+  // The load fails in the second host sub-group (the first is written).
+  std::vector<uint32_t> host;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (opt->plan().sub_groups[i].tier == Tier::kHost) host.push_back(i);
+  }
+  ASSERT_GE(host.size(), 2u);
+  const uint32_t bad = host[1];
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  ASSERT_TRUE(opt->Step().ok());
+  // The "checkpoint": the state after step 1.
+  std::vector<std::vector<float>> saved(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    saved[i].resize(opt->sub_groups()[i].elems() * opt->StateArrayCount());
+    ASSERT_TRUE(opt->ReadState(i, saved[i]).ok());
+  }
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  Status failed;
+  for (uint64_t k = 1; failed.ok() && k < 100; ++k) {
+    fault->SetOptions({.seed = seed + k, .write_eio_one_in = 3});
+    failed = opt->Step();
+  }
+  fault->SetOptions({});
+  ASSERT_EQ(opt->step_state(), StepState::kFailed) << "no step failed";
+  auto fill = [&](uint32_t i, uint32_t a, uint64_t begin, std::span<float> piece) -> Status {
+    if (i == bad && a == 1) return DataLossError("chunk 7 of the checkpoint fails its checksum");
+    const uint64_t elems = opt->sub_groups()[i].elems();
+    std::copy_n(saved[i].begin() + a * elems + begin, piece.size(), piece.begin());
+    return OkStatus();
+  };
+  const Status load = opt->WriteStateInOrder(fill);
+  ASSERT_EQ(load.code(), StatusCode::kDataLoss) << load;
+  EXPECT_EQ(opt->step_state(), StepState::kFailed);
+  EXPECT_NE(opt->incomplete_state().find("chunk 7"), std::string::npos) << opt->incomplete_state();
+  auto read = [&](uint32_t i) {
+    std::vector<float> st(saved[i].size());
+    return opt->ReadState(i, st);
+  };
+  auto expect_refused = [&](const Status& s, const std::string& count) {
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(
+        s.message().find("the state of " + count + " of " + std::to_string(n) + " sub-groups"),
+        std::string::npos)
+        << s;
+    EXPECT_NE(s.message().find("may mix two states"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("load a checkpoint"), std::string::npos) << s;
+  };
+  const std::string all = std::to_string(n);
+  expect_refused(opt->Step(), all);
+  expect_refused(opt->RetryStep(), all);  // not "no step failed"
+  expect_refused(opt->Save(::testing::TempDir() + "/never_written"), all);
+  expect_refused(
+      opt->ReadStateInOrder([](uint32_t, uint32_t, std::span<const float>) { return OkStatus(); }),
+      all);
+  expect_refused(read(bad), all);   // partly set
+  EXPECT_TRUE(read(host[0]).ok());  // whole, if not in line with the rest
+  EXPECT_FALSE(std::filesystem::exists(::testing::TempDir() + "/never_written"));
+  // Written again sub-group by sub-group: each one written reads; the
+  // state is whole once the last one is.
+  for (uint32_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(opt->WriteState(i, saved[i]).ok());
+    EXPECT_TRUE(read(i).ok());
+    if (i + 1 < n) expect_refused(opt->Step(), std::to_string(n - 1 - i));
+  }
+  EXPECT_EQ(opt->step_state(), StepState::kReady);
+  EXPECT_TRUE(opt->step_failure().ok());
+  EXPECT_EQ(opt->incomplete_state(), "");
+  ASSERT_TRUE(opt->RestoreCounters(1, opt->loss_scaler_state()).ok());
+  for (uint32_t i = 0; i < n; ++i) {
+    std::vector<float> st(saved[i].size());
+    ASSERT_TRUE(opt->ReadState(i, st).ok());
+    EXPECT_EQ(st, saved[i]) << "sub-group " << i;
+  }
+  // A single host write that fails tears its own sub-group only (an NVMe one
+  // keeps its committed state); a reset from the params makes the whole
+  // state one again.
+  const Status one = opt->WriteState(bad, [](uint32_t, uint64_t, std::span<float>) {
+    return InternalError("the source went away");
+  });
+  EXPECT_FALSE(one.ok());
+  expect_refused(opt->Step(), "1");
+  expect_refused(read(bad), "1");
+  EXPECT_TRUE(read(host[0]).ok());
+  ASSERT_TRUE(opt->ResetStateFromParams().ok());
+  EXPECT_EQ(opt->step_state(), StepState::kReady);
+  model.SetGrads(model.RandomGrads(rng, 0.5f));
+  EXPECT_TRUE(opt->Step().ok());
 }
 
 // The NVMe queue itself breaks mid-step (which requests completed is
