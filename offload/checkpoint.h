@@ -205,7 +205,9 @@ struct ReaderOptions {
 // Data reads verify each chunk's checksum as it arrives. A read leaves the
 // file's next chunks in flight (up to queue_depth): a read that goes on
 // where it ended finds them read ahead. Host memory: queue_depth + 1
-// chunks per array read. Reads of different arrays may run on different
+// chunks per array read. Open files: at most one data file per array at a
+// time, whatever the number of ranks (a read of another rank's file closes
+// the array's previous one). Reads of different arrays may run on different
 // threads at once; one array's may not.
 class CheckpointReader {
  public:
@@ -222,8 +224,8 @@ class CheckpointReader {
   Status ReadFlat(uint32_t array, ElemRange range, std::span<float> out);
   // Elements [offset_elems, + out.size()) of tensor `tensor`.
   Status ReadTensor(uint32_t array, uint32_t tensor, uint64_t offset_elems, std::span<float> out);
-  // Opens every data file of `ranks` (all when empty) and checks its size
-  // against the manifest, reading nothing: NotFound (missing) or DataLoss
+  // Opens every data file of `ranks` (all when empty), one at a time, and
+  // checks its size against the manifest, reading nothing: NotFound (missing) or DataLoss
   // (truncated, longer) naming the file. `strata inspect` without --verify.
   Status CheckFiles(std::span<const uint32_t> ranks = {});
   // Reads every byte of the data files of `ranks` (all when empty) and checks

@@ -2428,6 +2428,71 @@ TEST(ReaderTest, ConsecutiveReadsFindTheNextChunksReadAhead) {
   ExpectMentions(s, ": chunk 3 ");
 }
 
+// The descriptors this process has open.
+size_t OpenFds() {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// A reader holds at most one data file per array open, whatever the number
+// of ranks: it kept every file it opened (CheckFiles and Verify open them
+// all), and inspect of a 200-rank Adam save (600 files, two descriptors each
+// on io_uring) failed with EMFILE, blaming one data file.
+TEST(ReaderTest, OpenFilesStayBoundedWhateverTheNumberOfRanks) {
+  const uint64_t seed = TestSeed();
+  constexpr int kWorld = 12;
+  TempDir dir;
+  Cluster c(kWorld, CkptConfig(Where::kHost, OptimizerType::kAdam, 1024, kWorld), seed);
+  ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  ASSERT_TRUE(c.Save(dir.path()).ok());
+  // The most descriptors open when a data file is read (io_uring: two per file).
+  std::mutex mu;
+  size_t most = 0;
+  auto base = CreateStorage({});
+  ASSERT_TRUE(base.ok()) << base.status();
+  auto counting = testing::FaultStorage::Create(
+      std::move(*base), {.seed = seed, .before_io = [&](IoOp op, const std::string& path, auto) {
+                           if (op != IoOp::kRead || !path.ends_with(".f32")) return;
+                           const size_t n = OpenFds();
+                           std::lock_guard<std::mutex> lock(mu);
+                           most = std::max(most, n);
+                         }});
+  const size_t before = OpenFds();
+  {
+    auto reader = CheckpointReader::Open(dir.path(), {.storage = counting.get()});
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    const CheckpointInfo& info = (*reader)->info();
+    ASSERT_EQ(info.world_size, static_cast<uint32_t>(kWorld));
+    const size_t arrays = info.arrays.size();
+    ASSERT_EQ(arrays, 3u);
+    ASSERT_TRUE((*reader)->CheckFiles().ok());
+    EXPECT_LE(OpenFds(), before) << "CheckFiles keeps no file open";
+    Status s = (*reader)->Verify();
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_LE(most, before + 2 * arrays);
+    EXPECT_LE(OpenFds(), before + 2 * arrays);
+    // Every array read whole, across the ranks.
+    for (uint32_t a = 0; a < arrays; ++a) {
+      std::vector<float> all(info.total_elems);
+      s = (*reader)->ReadFlat(a, {0, info.total_elems}, all);
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    EXPECT_LE(most, before + 2 * arrays);
+  }
+  EXPECT_LE(OpenFds(), before);
+  // An export reads the master files (one open at a time) and writes one file.
+  most = 0;
+  TempDir out;
+  ExportOptions o;
+  o.reader.storage = counting.get();
+  auto exported = ExportSafetensors(dir.path(), out.File("m.safetensors"), o);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_GT(most, 0u);
+  EXPECT_LE(most, before + 2 + 2);
+}
+
 // A command that removes what a signal interrupts (bench checkpoint) learns
 // of a save's directory before it exists: kCreatingDirectory comes before
 // the mkdir and before the first temporary inside it, so there is no
