@@ -91,9 +91,18 @@ inline constexpr std::string_view kCheckpointFormatName = "strata-checkpoint";
 // empty list: no shapes (a tensor is then read as 1-D [elems]).
 using TensorShapes = std::vector<std::vector<uint64_t>>;
 
+// The largest chunk_bytes a save writes and a reader takes (256 MiB). A
+// chunk is one IO request and the unit a checksum names; drives reach their
+// rate with requests of a few MiB, so larger chunks buy nothing, while every
+// reader holds queue_depth + 1 of them per array (2.25 GiB per array at
+// 256 MiB and the default depth) and a writer queue_depth per file. A larger
+// value (a typo, a crafted manifest) failed an allocation and aborted.
+inline constexpr uint64_t kMaxCheckpointChunkBytes = uint64_t{256} << 20;
+
 struct SaveOptions {
-  Storage* storage = nullptr;         // nullptr: io_uring (posix fallback)
-  uint64_t chunk_bytes = 1 << 20;     // IO and checksum unit, a multiple of 4096
+  Storage* storage = nullptr;  // nullptr: io_uring (posix fallback)
+  // IO and checksum unit: a multiple of 4096, at most kMaxCheckpointChunkBytes.
+  uint64_t chunk_bytes = 1 << 20;
   uint32_t queue_depth = 8;           // chunk writes in flight per file
   DirectIo direct = DirectIo::kAuto;  // data files: O_DIRECT where the filesystem allows
   uint32_t keep_checkpoints = 2;      // saves kept after publishing (values < 2 mean 2)

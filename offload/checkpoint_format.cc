@@ -253,6 +253,11 @@ Status ValidateCommon(const CheckpointInfo& info) {
     return InvalidArgumentError(
         fmt::format("chunk_bytes {} is not a positive multiple of 4096", info.chunk_bytes));
   }
+  if (info.chunk_bytes > kMaxCheckpointChunkBytes) {
+    return InvalidArgumentError(
+        fmt::format("chunk_bytes {} is more than the {} bytes a save writes", info.chunk_bytes,
+                    kMaxCheckpointChunkBytes));
+  }
   if (info.arrays.empty() || info.arrays[0] != "master") {
     return InvalidArgumentError("arrays must start with \"master\"");
   }
@@ -271,6 +276,13 @@ Status ValidateCommon(const CheckpointInfo& info) {
         "param_dtype is '{}'; a save's params are fp32, bf16 or fp16", info.param_dtype));
   }
   if (info.step < 0) return InvalidArgumentError(fmt::format("step {} is negative", info.step));
+  // Before anything is computed from them: the sizes that follow (shard,
+  // tensors) are at most the total.
+  if (info.total_elems > kMaxCheckpointElems) {
+    return InvalidArgumentError(
+        fmt::format("layout.total_elems {} is more than a checkpoint holds (at most {} elems)",
+                    info.total_elems, kMaxCheckpointElems));
+  }
   // The tensors: a layout the sizes give, shapes that match the sizes.
   std::vector<TensorSpec> specs;
   for (const CheckpointTensor& t : info.tensors) specs.push_back({.elems = t.elems});
@@ -319,8 +331,17 @@ Status ValidateCommon(const CheckpointInfo& info) {
 // Checks a manifest against the layout it claims (so a reader can trust
 // offsets and sizes).
 Status ValidateRank(const CheckpointInfo& info, const RankManifest& rank) {
-  const ElemRange want{uint64_t{rank.rank} * info.shard_elems,
-                       uint64_t{rank.rank + 1} * info.shard_elems};
+  // ValidateCommon bounds the layout; checked here too, since every size
+  // below is a product of these.
+  uint64_t shard_end = 0, shard_bytes = 0;
+  if (info.shard_elems > kMaxCheckpointElems ||
+      __builtin_mul_overflow(uint64_t{rank.rank} + 1, info.shard_elems, &shard_end) ||
+      __builtin_mul_overflow(info.shard_elems, uint64_t{4}, &shard_bytes)) {
+    return InvalidArgumentError(fmt::format(
+        "layout.shard_elems {} of rank {} is more than a checkpoint holds (at most {} elems)",
+        info.shard_elems, rank.rank, kMaxCheckpointElems));
+  }
+  const ElemRange want{shard_end - info.shard_elems, shard_end};
   if (!(rank.shard == want)) {
     return InvalidArgumentError(fmt::format("shard is [{}, {}); rank {} of {} owns [{}, {})",
                                             rank.shard.begin, rank.shard.end, rank.rank,
@@ -332,7 +353,7 @@ Status ValidateRank(const CheckpointInfo& info, const RankManifest& rank) {
   }
   for (size_t a = 0; a < rank.files.size(); ++a) {
     const CheckpointFile& f = rank.files[a];
-    if (f.array != info.arrays[a] || f.payload_bytes != info.shard_elems * 4 ||
+    if (f.array != info.arrays[a] || f.payload_bytes != shard_bytes ||
         f.file_bytes != RoundUp(f.payload_bytes, kFileAlign) ||
         f.chunk_xxh3.size() != (f.file_bytes + info.chunk_bytes - 1) / info.chunk_bytes ||
         f.name.empty() || f.name.find('/') != std::string::npos || f.name[0] == '.') {

@@ -23,6 +23,13 @@ namespace strata::checkpoint_internal {
 using json = nlohmann::json;
 
 inline constexpr uint64_t kFileAlign = 4096;
+// The most elements a checkpoint's layout may hold (total_elems): 2^58, an
+// EiB of fp32 per array, beyond any optimizer's state. Bounded so that no
+// byte count or offset a reader computes from a manifest can wrap (an
+// array's bytes, x 4, padded to 4096 and summed over the ranks and an
+// optimizer's arrays stay below 2^62): shard_elems = 2^62 + 64 made
+// shard_elems x 4 wrap to 256 and passed as a 256-byte file.
+inline constexpr uint64_t kMaxCheckpointElems = uint64_t{1} << 58;
 inline constexpr std::string_view kLatest = "latest.json";
 // Held by rank 0 while a save runs (SaveCheckpoint).
 inline constexpr std::string_view kSaveLock = "strata-save.lock";

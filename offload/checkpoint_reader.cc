@@ -479,6 +479,7 @@ Status CheckpointReader::ReadFlat(uint32_t array, ElemRange range, std::span<flo
     const uint32_t r = static_cast<uint32_t>(range.begin / info_.shard_elems);
     const uint64_t shard_end = (uint64_t{r} + 1) * info_.shard_elems;
     const uint64_t end = std::min(range.end, shard_end);
+    // No wrap: Open refused a layout past kMaxCheckpointElems.
     const uint64_t lo = (range.begin - uint64_t{r} * info_.shard_elems) * 4;
     const uint64_t hi = (end - uint64_t{r} * info_.shard_elems) * 4;
     // Whole chunks go straight into `out` where it is aligned: no copy.

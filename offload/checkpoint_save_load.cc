@@ -32,6 +32,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A data file's chunks are its AtomicFileWriter's write requests.
+static_assert(kMaxCheckpointChunkBytes <= kMaxAtomicWriteChunkBytes);
+
 Status MakeDir(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -48,9 +51,12 @@ Status CheckShapes(OffloadOptimizer& opt, const TensorShapes& shapes, std::strin
                                             shapes.size(), opt.params().size()));
   }
   for (uint32_t i = 0; i < shapes.size(); ++i) {
+    // Checked: [3, 0xAAAAAAAAAAAAAAAB] wrapped to 1, was saved for a
+    // one-element param, and every reader refused the save.
     uint64_t product = 1;
-    for (uint64_t d : shapes[i]) product *= d;
-    if (product != opt.params()[i].elems) {
+    bool wrapped = false;
+    for (uint64_t d : shapes[i]) wrapped |= __builtin_mul_overflow(product, d, &product);
+    if (wrapped || product != opt.params()[i].elems) {
       return InvalidArgumentError(fmt::format("{}: param {} ('{}') has shape [{}] but {} elems", op,
                                               i, opt.params()[i].name, fmt::join(shapes[i], ", "),
                                               opt.params()[i].elems));
@@ -865,6 +871,12 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
     if (o.chunk_bytes == 0 || o.chunk_bytes % kFileAlign != 0) {
       return InvalidArgumentError(
           fmt::format("{}: chunk_bytes {} is not a positive multiple of 4096", op, o.chunk_bytes));
+    }
+    if (o.chunk_bytes > kMaxCheckpointChunkBytes) {
+      return InvalidArgumentError(fmt::format(
+          "{}: chunk_bytes {} is more than {} (256 MiB), the largest chunk a checkpoint has; "
+          "the default is 1 MiB",
+          op, o.chunk_bytes, kMaxCheckpointChunkBytes));
     }
     STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, op));
     STRATA_ASSIGN_OR_RETURN(storage, StorageRef::Of(o.storage));

@@ -131,12 +131,12 @@ Status CheckOutputPath(const std::string& path, ExistingFile existing) {
   return OkStatus();
 }
 
-// One write buffer: 4096-aligned (O_DIRECT) and its request.
+// One write buffer: 4096-aligned (O_DIRECT) and its request. `data` is
+// nullptr when the memory could not be had (Create says so).
 struct AtomicFileWriter::Chunk {
   explicit Chunk(uint64_t bytes)
-      : data(static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, RoundUp(bytes, kDirectAlign)))) {
-    STRATA_CHECK(data != nullptr) << "aligned_alloc of " << bytes << " bytes";
-  }
+      : data(static_cast<std::byte*>(
+            std::aligned_alloc(kDirectAlign, RoundUp(bytes, kDirectAlign)))) {}
   ~Chunk() { std::free(data); }
   std::byte* data;
   IoRequest request;
@@ -146,10 +146,12 @@ Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& stor
                                                                    const std::string& path,
                                                                    AtomicWriteOptions options) {
   const bool direct = options.direct != DirectIo::kOff;
-  if (options.chunk_bytes == 0 || (direct && options.chunk_bytes % kDirectAlign != 0)) {
-    return InvalidArgumentError(fmt::format(
-        "write {}: chunk_bytes {} must be positive{}", path, options.chunk_bytes,
-        direct ? " and a multiple of 4096 (O_DIRECT)" : ""));
+  if (options.chunk_bytes == 0 || options.chunk_bytes > kMaxAtomicWriteChunkBytes ||
+      (direct && options.chunk_bytes % kDirectAlign != 0)) {
+    return InvalidArgumentError(
+        fmt::format("write {}: chunk_bytes {} must be positive, at most {} (256 MiB){}", path,
+                    options.chunk_bytes, kMaxAtomicWriteChunkBytes,
+                    direct ? " and a multiple of 4096 (O_DIRECT)" : ""));
   }
   STRATA_RETURN_IF_ERROR(CheckOutputPath(path, options.existing));
   if (options.existing == ExistingFile::kRefuse &&
@@ -191,6 +193,14 @@ Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& stor
   }
   for (uint32_t i = 0; i < depth; ++i) {
     w->chunks_.push_back(std::make_unique<Chunk>(options.chunk_bytes));
+    if (w->chunks_.back()->data == nullptr) {
+      const Status none = ResourceExhaustedError(fmt::format(
+          "write {}: no memory for {} write buffers of {} bytes (queue_depth x chunk_bytes); "
+          "lower either",
+          path, depth, options.chunk_bytes));
+      w->Abandon();
+      return none;
+    }
     w->free_.push_back(i);
   }
   w->options_ = std::move(options);

@@ -54,13 +54,19 @@ enum class ExistingFile : uint8_t {
   kRefuse,   // FailedPrecondition: the caller asks for kReplace explicitly (`--force`)
 };
 
+// The largest AtomicWriteOptions::chunk_bytes (256 MiB): a chunk is one
+// write request, and the writer holds queue_depth of them. Requests of a
+// few MiB already reach a drive's rate; larger ones only cost memory (an
+// allocation that fails), and past 2 GiB - 4 KiB Linux writes them short.
+inline constexpr uint64_t kMaxAtomicWriteChunkBytes = uint64_t{256} << 20;
+
 struct AtomicWriteOptions {
   ExistingFile existing = ExistingFile::kReplace;
   // kOff: buffered IO, any size. kAuto/kRequire: O_DIRECT where the
   // filesystem allows (storage.h); the file is then zero-padded to a
   // multiple of 4096 bytes and chunk_bytes must be a multiple of 4096.
   DirectIo direct = DirectIo::kOff;
-  uint64_t chunk_bytes = 1 << 20;  // bytes per write request
+  uint64_t chunk_bytes = 1 << 20;  // bytes per write request, 1..kMaxAtomicWriteChunkBytes
   uint32_t queue_depth = 4;        // write requests in flight
   // Called with each chunk as it is written, in file order, padding
   // included (checksums of what reaches the disk).

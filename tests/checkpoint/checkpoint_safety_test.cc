@@ -125,6 +125,34 @@ TEST(ShapesTest, ShapesThatDoNotMatchTheElementCountsAreRefusedBeforeWriting) {
   EXPECT_TRUE(fs::is_empty(dir.path()));
   bad.pop_back();
   EXPECT_EQ(c.Save(dir.path(), {.shapes = bad}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+  // A product that wraps to the element count (3 x 0xAAAAAAAAAAAAAAAB is 1
+  // mod 2^64): saved, and then refused by every reader.
+  bad = ShapesOf(c.opt(0));
+  size_t scalar = 0;
+  while (c.opt(0).params()[scalar].elems != 1) ++scalar;
+  bad[scalar] = {3, 0xAAAAAAAAAAAAAAABu};
+  Status s2 = c.Save(dir.path(), {.shapes = bad});
+  EXPECT_EQ(s2.code(), StatusCode::kInvalidArgument) << s2;
+  ExpectMentions(s2, "has shape [3, 12297829382473034411] but 1 elems");
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+}
+
+// A chunk past kMaxCheckpointChunkBytes: its buffers (queue_depth per file)
+// failed to allocate and aborted the save (2^46), or made a save that needs
+// gigabytes per array to read.
+TEST(SaveOptionsTest, ChunkBytesPastTheLimitAreRefusedBeforeWriting) {
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok());
+  for (uint64_t chunk_bytes : {kMaxCheckpointChunkBytes + 4096, uint64_t{1} << 46}) {
+    SCOPED_TRACE(chunk_bytes);
+    Status s = c.Save(dir.path(), {.chunk_bytes = chunk_bytes});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    ExpectMentions(s, fmt::format("chunk_bytes {} is more than 268435456", chunk_bytes));
+    EXPECT_TRUE(fs::is_empty(dir.path()));
+  }
 }
 
 // ---- One validator ---------------------------------------------------------------------
@@ -167,6 +195,22 @@ TEST(ValidatorTest, ReadersRefuseWhatLoadRefusesNamingTheField) {
            if (t["elems"] == 1000) t["shape"] = {3, 3};
          }
        }},
+      // 2^62 more elems in the last tensor and the layout: shard_elems x 4
+      // wrapped to the real file's payload_bytes, so Open took it; reads
+      // used the wrapped offsets and export planned ~2^40 parts.
+      {"layout.total_elems",
+       [](nlohmann::json& j) {
+         constexpr uint64_t kMore = uint64_t{1} << 62;
+         nlohmann::json& last = j["tensors"].back();
+         last["elems"] = last["elems"].get<uint64_t>() + kMore;
+         for (const char* k : {"total_elems", "shard_elems", "tensor_elems"}) {
+           j["layout"][k] = j["layout"][k].get<uint64_t>() + kMore;
+         }
+         j["shard"]["end"] = j["shard"]["end"].get<uint64_t>() + kMore;  // one rank
+       }},
+      // A chunk past kMaxCheckpointChunkBytes (2^46 aborted in aligned_alloc).
+      {"chunk_bytes 536870912 is more than the 268435456 bytes a save writes",
+       [](nlohmann::json& j) { j["chunk_bytes"] = uint64_t{512} << 20; }},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.what);

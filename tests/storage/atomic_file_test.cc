@@ -294,6 +294,24 @@ TEST(AtomicFileTest, DirectIoPadsTheTailAndOnChunkSeesEveryByteWritten) {
             StatusCode::kInvalidArgument);
 }
 
+// chunk_bytes is bounded (kMaxAtomicWriteChunkBytes): a huge value (2^46)
+// made Create's buffer allocation fail, and the writer aborted.
+TEST(AtomicFileTest, ChunkBytesPastTheLimitAreInvalidArgumentAndLeaveNothing) {
+  TempDir dir;
+  auto storage = CreatePosixStorage();
+  for (uint64_t chunk_bytes : {kMaxAtomicWriteChunkBytes + 4096, uint64_t{1} << 46}) {
+    SCOPED_TRACE(chunk_bytes);
+    for (DirectIo direct : {DirectIo::kOff, DirectIo::kAuto}) {
+      auto w = AtomicFileWriter::Create(*storage, dir.File("big"),
+                                        {.direct = direct, .chunk_bytes = chunk_bytes});
+      ASSERT_FALSE(w.ok());
+      EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status();
+      EXPECT_NE(w.status().message().find("at most 268435456"), std::string::npos) << w.status();
+    }
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
 // size_hint reserves the file's final size at Create, so a write lands
 // inside the file (ext4 serializes writes that grow a file on its inode lock,
 // which io_uring's workers then contend for) and a full disk fails before
