@@ -398,12 +398,13 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   // renamed before it have replaced their targets.
   for (const auto& writer : sealed) {
     if (Status s = writer->Commit(); !s.ok()) {
+      // Its rename took effect before the failure (the directory sync): in place too.
+      if (writer->in_place()) result.files.push_back(writer->path());
       if (result.files.empty()) return std::move(s).WithContext(op);
-      return Status(
-          s.code(),
-          fmt::format("{}: {}; {} shard(s) were already in place ({}): the export in "
-                      "{} is not whole, export again",
-                      op, s.message(), result.files.size(), fmt::join(result.files, ", "), out));
+      return Status(s.code(), fmt::format("{}: {}; {} shard(s) are in place ({}): the export in "
+                                          "{} is not whole, export again",
+                                          op, s.message(), result.files.size(),
+                                          fmt::join(result.files, ", "), out));
     }
     result.files.push_back(writer->path());
   }

@@ -315,7 +315,11 @@ Status AtomicFileWriter::Seal() {
 Status AtomicFileWriter::Commit() {
   STRATA_RETURN_IF_ERROR(Seal());
   Status s = CheckOutputPath(path_, options_.existing);  // nothing appeared meanwhile
-  if (s.ok()) s = storage_->Rename(temp_path_, path_);
+  if (!s.ok()) {
+    Abandon();
+    return error_ = s;
+  }
+  s = storage_->Rename(temp_path_, path_);
   if (s.ok()) {
     sealed_ = false;
     committed_ = true;
@@ -323,6 +327,13 @@ Status AtomicFileWriter::Commit() {
     Notify(AtomicFileEvent::kCommitted, path_);
     return OkStatus();
   }
+  // A rename that took effect and then failed (the sync of the directory):
+  // the temporary is gone, and the target is this file. The caller says so
+  // (an export's shards in place).
+  in_place_ =
+      storage_->Open(temp_path_, {.direct = DirectIo::kOff, .access = FileAccess::kReadOnly})
+          .status()
+          .code() == StatusCode::kNotFound;
   Abandon();
   return error_ = s;
 }

@@ -105,8 +105,12 @@ class AtomicFileWriter {
   // failure nothing is left.
   Status Seal();
   // Durable and visible under path() when OK (seals first when not sealed);
-  // on failure nothing is left.
+  // on failure nothing is left, except when the rename took effect and what
+  // followed it failed (the directory sync): path() then holds the file,
+  // perhaps not durably, and in_place() says so.
   Status Commit();
+  // Whether a failed Commit renamed the file over path() before it failed.
+  bool in_place() const { return in_place_; }
 
   const std::string& path() const { return path_; }
   const std::string& temp_path() const { return temp_path_; }
@@ -136,6 +140,7 @@ class AtomicFileWriter {
   Status error_;
   bool sealed_ = false;  // temp_path() is whole and durable; file_ is closed
   bool committed_ = false;
+  bool in_place_ = false;  // a failed Commit's rename took effect
 };
 
 // What every writer of this process tells the listener (SetAtomicFileListener).

@@ -3,12 +3,14 @@
 // fp32/bf16/fp16, Hugging Face shards) and that refuse harmful outputs, the
 // save lock of a checkpoint directory.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -477,6 +479,60 @@ TEST_F(ExportShapedTest, WriteFaultsFailTheExportAndLeaveNothing) {
     ExpectMentions(r.status(), out.File("hf/model-0000"));
     EXPECT_GT(fault->stats().injected_errors.load(), 0u);
     EXPECT_EQ(Names(out.File("hf")), std::vector<std::string>{}) << r.status();
+  }
+}
+
+// The posix storage, whose rename onto a file named `target` takes effect
+// and then fails, as when the directory's fsync after it fails.
+class SyncAfterRenameFails final : public Storage {
+ public:
+  explicit SyncAfterRenameFails(std::string target) : target_(std::move(target)) {}
+  std::string_view name() const override { return "sync-after-rename-fails(posix)"; }
+  Result<std::unique_ptr<File>> Open(const std::string& path, const FileOptions& o) override {
+    return base_->Open(path, o);
+  }
+  Status Remove(const std::string& path) override { return base_->Remove(path); }
+  Status Rename(const std::string& from, const std::string& to) override {
+    STRATA_RETURN_IF_ERROR(base_->Rename(from, to));
+    if (fs::path(to).filename() != target_) return OkStatus();
+    return ErrnoError(EIO, "fsync directory after renaming " + to);
+  }
+  Result<std::unique_ptr<StorageLock>> Lock(const std::string& path) override {
+    return base_->Lock(path);
+  }
+
+ private:
+  std::string target_;
+  std::unique_ptr<Storage> base_ = CreatePosixStorage();
+};
+
+// A shard whose commit failed after its rename (the directory sync) is in
+// place: the message counts and names it with the shards before it. It was
+// left out (and a first shard's failure named no shard in place at all).
+TEST_F(ExportShapedTest, AShardRenamedBeforeItsCommitFailedIsNamedInPlace) {
+  size_t n = 0;
+  {
+    TempDir dry;
+    auto r = ExportSafetensors(ckpt_.path(), dry.File("hf"), {.max_shard_bytes = 8192});
+    ASSERT_TRUE(r.ok()) << r.status();
+    n = r->files.size() - 1;
+    ASSERT_GE(n, 3u);
+  }
+  for (size_t k : {1u, 2u}) {
+    SCOPED_TRACE(k);
+    TempDir out;
+    const std::string hf = out.File("hf");
+    auto shard = [&](size_t s) { return fmt::format("model-{:05}-of-{:05}.safetensors", s, n); };
+    SyncAfterRenameFails storage(shard(k));
+    auto r = ExportSafetensors(ckpt_.path(), hf, {.max_shard_bytes = 8192, .storage = &storage});
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInternal) << r.status();
+    ExpectMentions(r.status(), "fsync directory after renaming");
+    std::vector<std::string> in_place;
+    for (size_t s = 1; s <= k; ++s) in_place.push_back(hf + "/" + shard(s));
+    ExpectMentions(r.status(),
+                   fmt::format("{} shard(s) are in place ({})", k, fmt::join(in_place, ", ")));
+    for (const std::string& path : in_place) EXPECT_TRUE(fs::exists(path)) << path;
   }
 }
 
