@@ -286,6 +286,23 @@ std::vector<StateStore::Placement> StateStore::SlotChunks(uint32_t id, uint32_t 
   return out;
 }
 
+std::string StateStore::SlotWhere(uint32_t id, uint32_t slot) const {
+  // A file's chunks of one slot are consecutive blocks of it.
+  std::vector<Placement> parts(files_.size(), Placement{0, 0, 0});
+  for (const Placement& p : SlotChunks(id, slot)) {
+    Placement& part = parts[p.file];
+    if (part.size_bytes == 0) part.offset_bytes = p.offset_bytes;
+    part.size_bytes += p.size_bytes;
+  }
+  std::string out;
+  for (uint32_t f = 0; f < parts.size(); ++f) {
+    if (parts[f].size_bytes == 0) continue;
+    if (!out.empty()) out += ", ";
+    out += IoObjectName(file_paths_[f], parts[f].offset_bytes, parts[f].size_bytes);
+  }
+  return out;
+}
+
 Status StateStore::ScanHeaders() {
   // The header is the first 4 KiB of chunk 0, which is always in file 0.
   constexpr uint32_t kBatch = 64;
@@ -562,11 +579,14 @@ void StateStore::Finish(Op& op) {
 Status StateStore::VerifyRead(const Op& op) const {
   SlotHeader h;
   std::memcpy(&h, op.buffer.data(), sizeof(h));
+  // The header is the first 4 KiB of the slot's first chunk; the payload
+  // may be striped over every file.
   const Placement head = SlotChunks(op.extent, op.slot)[0];
+  const std::string what =
+      " (generation " + std::to_string(op.generation) + ", slot " + std::to_string(op.slot) + ")";
   const std::string where = "read extent " + std::to_string(op.extent) + " from " +
-                            IoObjectName(file_paths_[head.file], head.offset_bytes, slot_bytes_) +
-                            " (generation " + std::to_string(op.generation) + ", slot " +
-                            std::to_string(op.slot) + ")";
+                            IoObjectName(file_paths_[head.file], head.offset_bytes, kHeaderBytes) +
+                            what;
   const std::string advice =
       ": the copy on disk is torn or corrupt and was not used; restore the state from a checkpoint";
   if (h.magic != kSlotMagic || h.header_hash != HeaderHash(h)) {
@@ -584,7 +604,9 @@ Status StateStore::VerifyRead(const Op& op) const {
   }
   // On the thread that drives the store: not on the caller's threads.
   if (op.check_payload && Hash(op.buffer, /*parallel=*/false) != h.payload_hash) {
-    return DataLossError(where + ": payload checksum (XXH3-64) mismatch" + advice);
+    return DataLossError("read extent " + std::to_string(op.extent) + " from " +
+                         SlotWhere(op.extent, op.slot) + what +
+                         ": payload checksum (XXH3-64) mismatch" + advice);
   }
   return OkStatus();
 }
@@ -593,10 +615,9 @@ Status StateStore::VerifyPayload(uint32_t id, std::span<const std::byte> extent_
   SlotHeader h;
   std::memcpy(&h, extent_buffer.data(), sizeof(h));
   if (h.extent_id != id || PayloadHash(extent_buffer) != h.payload_hash) {
-    const Placement head = SlotChunks(id, static_cast<uint32_t>(h.generation % 2))[0];
     return DataLossError(
         "read extent " + std::to_string(id) + " from " +
-        IoObjectName(file_paths_[head.file], head.offset_bytes, slot_bytes_) + " (generation " +
+        SlotWhere(id, static_cast<uint32_t>(h.generation % 2)) + " (generation " +
         std::to_string(h.generation) + "): payload checksum (XXH3-64) mismatch: the copy on disk " +
         "is torn or corrupt and was not used; restore the state from a checkpoint");
   }

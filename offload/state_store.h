@@ -205,6 +205,9 @@ class StateStore {
   // Synchronous IO of one chunk, for setup.
   Status RunSync(uint32_t file, IoRequest request);
   std::vector<Placement> SlotChunks(uint32_t id, uint32_t slot) const;
+  // "<path>@<offset>+<size>" of each file's part of a slot, in path order:
+  // where a payload that fails its checksum lies (any part of it may be bad).
+  std::string SlotWhere(uint32_t id, uint32_t slot) const;
   Result<Ticket> Start(IoOp op, uint32_t id, std::span<std::byte> buffer, PayloadCheck check,
                        std::optional<uint64_t> payload_hash);
   Status ReapFile(uint32_t file, size_t min_completions);

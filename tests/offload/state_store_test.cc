@@ -509,6 +509,41 @@ TEST_F(StoreTest, FlippedBitIsDataLoss) {
   EXPECT_NE(s.message().find(store->file_paths()[0]), std::string_view::npos) << s;
 }
 
+// A slot striped over two paths whose part on the second fails its
+// checksum: the message names every file's part of the slot, the second's
+// included. It named the first file's offset with the whole slot's size.
+TEST_F(StoreTest, AFlippedBitOnAnotherPathIsNamedWithItsFileAndOffset) {
+  auto storage = CreatePosixStorage();
+  constexpr uint64_t kBlock = 65536;
+  // 4 KiB header + 100000 bytes rounded up: a 64 KiB chunk on path 0, 40 KiB on path 1.
+  auto store = StateStore::Create(*storage, Options(2, 100000, 1, kBlock)).value();
+  AlignedBuffer a(store->ExtentBufferBytes()), back(store->ExtentBufferBytes());
+  FillPattern(store->Payload(a.span()), 1);
+  ASSERT_TRUE(WriteWait(*store, 0, a.span()).ok());
+  ASSERT_TRUE(store->Sync().ok());
+  // Generation 1 is slot 1: past the superblock's block and slot 0 (one
+  // block per file), at the same offset in both files.
+  const off_t slot1 = 2 * kBlock;
+  int fd = ::open(store->file_paths()[1].c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  std::byte x;
+  ASSERT_EQ(::pread(fd, &x, 1, slot1 + 777), 1);
+  x ^= std::byte{0x10};
+  ASSERT_EQ(::pwrite(fd, &x, 1, slot1 + 777), 1);
+  ::fsync(fd);
+  ::close(fd);
+  const std::string where = store->file_paths()[0] + "@131072+64KiB, " + store->file_paths()[1] +
+                            "@131072+40KiB (generation 1";
+  Status s = ReadWait(*store, 0, back.span());
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find(where), std::string_view::npos) << s;
+  auto t = store->ReadExtent(0, back.span(), PayloadCheck::kCaller).value();
+  ASSERT_TRUE(store->Wait(t).ok());
+  Status v = store->VerifyPayload(0, back.span());
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss) << v;
+  EXPECT_NE(v.message().find(where), std::string_view::npos) << v;
+}
+
 // The payload checksum: XXH3-64 over the XXH3-64s of the 1 MiB pieces, the
 // same whichever threads (and in whatever order) the pieces are hashed on;
 // a store that hashes on threads and one that does not read each other's
