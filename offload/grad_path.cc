@@ -274,8 +274,8 @@ Status GradPath::EnsureDeviceBuffer(DeviceBuffer& buf, uint64_t bytes) {
 }
 
 Status GradPath::Accumulate() {
+  STRATA_RETURN_IF_ERROR(torn_sum_);
   Device& dev = *o_.device;
-  const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
   if (accum_.empty()) accum_.assign(o_.shard.elems() - device_elems_, 0.0f);
   if (o_.world == 1) {
     STRATA_RETURN_IF_ERROR(OrderAfterUser());
@@ -287,6 +287,30 @@ Status GradPath::Accumulate() {
     STRATA_RETURN_IF_ERROR(OrderAfter(dev, o_.user_stream, o_.stream, done_event_));
   }
   STRATA_RETURN_IF_ERROR(EnsureDeviceBuffer(dev_accum_, device_elems_ * 4));
+  // From here on a failure leaves some sub-groups with this micro-step
+  // added and others without: a sum of no number of micro-steps.
+  Status added = AddMicroStep();
+  if (added.ok() && o_.world == 1) {
+    // One rank: the trainer may reuse its grad tensors once this returns: its
+    // stream waits for the copies that read them (each ring slot's next copy
+    // waits for the addition that reads it, so that is all of them).
+    added = OrderAfter(dev, o_.user_stream, o_.stream, done_event_);
+  }
+  if (!added.ok()) {
+    torn_sum_ = FailedPreconditionError(fmt::format(
+        "the accumulated gradients are incomplete: adding micro-step {} failed part way ({}); "
+        "ZeroGrad() drops them, then run the micro-steps again",
+        micro_steps_ + 1, added.ToString()));
+    return added;
+  }
+  ResetMicroStep();
+  ++micro_steps_;
+  return OkStatus();
+}
+
+Status GradPath::AddMicroStep() {
+  Device& dev = *o_.device;
+  const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
   for (uint32_t i = 0; i < n; ++i) {
     const bool first = !accum_has_[i];
     accum_has_[i] = 1;
@@ -338,18 +362,11 @@ Status GradPath::Accumulate() {
       }));
     }
   }
-  // One rank: the trainer may reuse its grad tensors once this returns: its
-  // stream waits for the copies that read them (each ring slot's next copy
-  // waits for the addition that reads it, so that is all of them).
-  if (o_.world == 1) {
-    STRATA_RETURN_IF_ERROR(OrderAfter(dev, o_.user_stream, o_.stream, done_event_));
-  }
-  ResetMicroStep();
-  ++micro_steps_;
   return OkStatus();
 }
 
 Result<GradStats> GradPath::LocalStats() {
+  STRATA_RETURN_IF_ERROR(torn_sum_);
   Device& dev = *o_.device;
   GradStats total;
   const uint32_t n = static_cast<uint32_t>(o_.sub_groups.size());
@@ -409,8 +426,13 @@ Status GradPath::Fetch(uint32_t i, uint32_t slot) {
   for (const ElemRange& pad : o_.map->padding(i)) {
     std::memset(dst + pad.begin * wire_bytes_, 0, pad.elems() * wire_bytes_);
   }
-  STRATA_RETURN_IF_ERROR(CopyDown(i, dst, "d2h"));
-  return o_.device->RecordEvent(ring_events_[slot], o_.stream);
+  Status s = CopyDown(i, dst, "d2h");
+  if (s.ok()) s = o_.device->RecordEvent(ring_events_[slot], o_.stream);
+  // Copies queued before a failure still land in the slot, and the slot's
+  // event does not cover them: wait for them here, or the slot's next
+  // fetch (its padding zeroed on the host at once) would be overwritten.
+  if (!s.ok()) (void)o_.device->StreamSynchronize(o_.stream);
+  return s;
 }
 
 Result<GradView> GradPath::Wait(uint32_t i, uint32_t slot) {
@@ -465,6 +487,7 @@ Status GradPath::Keep(uint32_t i) {
 }
 
 void GradPath::Consume() {
+  torn_sum_ = OkStatus();
   ResetMicroStep();
   micro_steps_ = 0;
   std::fill(accum_has_.begin(), accum_has_.end(), 0);

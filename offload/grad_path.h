@@ -131,6 +131,7 @@ class GradPath {
   // Starts bringing sub-group i's gradient to `slot` (one rank, streamed;
   // a no-op for the other sources). The slot must be free: Wait(j, slot) of
   // its last user returned and the optimizer is done with that gradient.
+  // A failed Fetch has waited for the copies it queued: the slot is free.
   Status Fetch(uint32_t i, uint32_t slot);
   // Sub-group i's gradient on the host, as the optimizer reads it.
   Result<GradView> Wait(uint32_t i, uint32_t slot);
@@ -150,6 +151,8 @@ class GradPath {
  private:
   enum class Source : uint8_t { kRing, kShard, kAccum, kKept };
   explicit GradPath(const GradPathOptions& options) : o_(options) {}
+  // Accumulate's additions of the micro-step, sub-group by sub-group.
+  Status AddMicroStep();
   Status Init();
   Source SourceOf(uint32_t i) const;
   bool on_device(uint32_t i) const { return i < o_.device_sub_groups; }
@@ -193,6 +196,10 @@ class GradPath {
   std::vector<uint8_t> complete_;  // several ranks: Ready() but not reduced yet
   uint32_t next_ = 0;              // several ranks: sub-groups [0, next_) wait their turn
   uint32_t micro_steps_ = 0;
+  // An Accumulate that failed after it began adding: some sub-groups hold
+  // one micro-step more than the others. Accumulate and LocalStats refuse
+  // with it until Consume (ZeroGrad) drops the sum.
+  Status torn_sum_;
   GradStats host_stats_;  // accumulation: computed at LocalStats
   StageClock d2h_clock_, comm_clock_, device_clock_;
   double host_stats_sec_ = 0;

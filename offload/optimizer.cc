@@ -399,6 +399,10 @@ struct OffloadOptimizer::Impl {
   std::optional<StepDecision> pending;  // a step that failed part way (StepState::kFailed)
   Status failure;                       // its error
   std::vector<uint8_t> done;            // per sub-group, for the pending step
+  // Per device sub-group: its tensor pieces whose update the pending step
+  // queued (they run even when a later launch fails; a retry goes on from
+  // the next).
+  std::vector<uint32_t> device_pieces_queued;
   // Per sub-group, whether its state is in line with the others': kOutOfLine
   // while a write of the whole state that failed, or a failed step that was
   // dropped (BeginStateWrite, RestoreCounters), left the sub-groups holding
@@ -464,6 +468,7 @@ struct OffloadOptimizer::Impl {
   Status Step();
   Status HandOverAndDecide();
   Status RunPipeline(const StepDecision& d);
+  Status KeepUndone(Status error);
   // The pipeline of the update numbered `update_step`: odd ones take their
   // NVMe sub-groups last first, so that each starts with the extents the one
   // before ended with, still in their buffers (state_tiers.h).
@@ -798,10 +803,14 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
     std::string_view what;
     explicit Part(std::string_view w) : what(w) {}
   };
-  std::array<Part, 4> parts = {Part{"the tensors' sizes or dtype"},
-                               Part{"the tensors' names (the same sizes in another order?)"},
-                               Part{"which tensor is in which param group"},
-                               Part{"the sub-groups (sub_group_size)"}};
+  std::array<Part, 5> parts = {
+      Part{"the tensors' sizes or dtype"},
+      Part{"the tensors' names (the same sizes in another order?)"},
+      Part{"which tensor is in which param group"}, Part{"the sub-groups (sub_group_size)"},
+      // What shapes the collectives besides the sub-groups: how many stay on
+      // the device (gpu_fraction, device_budget) and the wire dtypes.
+      Part{"the sub-groups kept on the device (gpu_fraction, device_budget) or the gradient "
+           "dtypes (grad_dtype, communication_data_type)"}};
   if (planned.ok()) {
     for (const TensorSlot& t : layout.tensors) parts[0].Mix(t.elems);
     parts[0].Mix(static_cast<uint64_t>(config.param_dtype));
@@ -811,6 +820,9 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
     }
     for (uint32_t g : param_group) parts[2].Mix(g);
     for (const ElemRange& r : sub_groups) parts[3].Mix(r.elems());
+    parts[4].Mix(plan.device_sub_groups);
+    parts[4].Mix(static_cast<uint64_t>(config.grad_dtype));
+    parts[4].Mix(static_cast<uint64_t>(config.comm_dtype));
   }
   const double max_digest = static_cast<double>((uint64_t{1} << 52) - 1);
   std::array<double, 2 * parts.size() + 1> v{};
@@ -830,7 +842,7 @@ Status OffloadOptimizer::Impl::AgreeOnPlan(Status planned) {
       return InvalidArgumentError(fmt::format(
           "{}: rank {} registered tensors that differ from another rank's in {}; every rank "
           "must register the same tensors (sizes, dtype, names, groups) in the same order, with "
-          "the same sub_group_size",
+          "the same sub_group_size, gradient dtypes and device share",
           kOp, rank, parts[i].what));
     }
   }
@@ -928,6 +940,7 @@ Status OffloadOptimizer::Impl::InitUnits(const EngineContext& context) {
   ready_count.assign(sub_groups.size(), 0);
   tensor_ready.assign(params.size(), 0);
   done.assign(sub_groups.size(), 0);
+  device_pieces_queued.assign(device_count, 0);
   torn.assign(sub_groups.size(), 0);
   if (trace.recorder != nullptr) {
     // Per sub-group: statistics, D2H, update, read, write, H2D (+ pack,
@@ -1093,7 +1106,8 @@ Status OffloadOptimizer::Impl::UpdateOnDevice(uint32_t i, const StepDecision& d)
       {TraceTrack::kDevice, "device adam", static_cast<int32_t>(i),
        elems * (2 * 4 * arrays + grad_bytes + (world == 1 ? param_bytes : 0)), "device"},
       [&]() -> Status {
-        for (const internal::TensorMap::Piece& p : pieces) {
+        for (uint32_t& j = device_pieces_queued[i]; j < pieces.size(); ++j) {
+          const internal::TensorMap::Piece& p = pieces[j];
           const AdamHyper ah = AdamHyperFor(step_hypers[param_group[p.tensor]], d);
           const std::byte* g = grad.base != nullptr
                                    ? grad.base + p.offset_elems * grad_bytes
@@ -1276,7 +1290,6 @@ internal::PipelineSchedule OffloadOptimizer::Impl::Schedule(int64_t update_step)
 // do not stop the others (every rank must issue every collective); the first
 // one is returned.
 Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
-  const uint32_t n = static_cast<uint32_t>(sub_groups.size());
   const bool serial = mode == PipelineMode::kSerial;
   const uint32_t k = device_count;  // the first CPU-side sub-group (see Schedule)
   const internal::PipelineSchedule schedule = Schedule(d.step);
@@ -1284,9 +1297,15 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   auto fail = [&](Status s) {
     if (first_error.ok()) first_error = std::move(s);
   };
-  STRATA_RETURN_IF_ERROR(publisher->OrderAfterUser());
+  if (Status ordered = publisher->OrderAfterUser(); !ordered.ok()) {
+    // Nothing was updated; the step's first reads (Step started them) end.
+    tiers->DrainReads();
+    return KeepUndone(std::move(ordered));
+  }
+  // Updates queued before a failure still run: FinishDeviceSide marks them
+  // done, so that a retry does not apply them twice.
   std::vector<uint8_t> device_updated;
-  STRATA_RETURN_IF_ERROR(StartDeviceSide(d, device_updated));
+  if (Status s = StartDeviceSide(d, device_updated); !s.ok()) fail(std::move(s));
   if (serial) {
     // Each stage alone: the device side's update before the CPU's. Its
     // params are published below, where the overlapped mode publishes them:
@@ -1295,16 +1314,20 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   }
   for (uint32_t r : schedule.initial_reads) tiers->StartRead(k + r);
   double adam_sec = 0;
+  // Sub-groups whose gradient copy failed to start: their slot holds
+  // another's, so they are not updated (the retry fetches them again).
+  std::vector<uint8_t> unfetched(sub_groups.size(), 0);
   for (const internal::ScheduledUpdate& u : schedule.updates) {
     const uint32_t i = k + u.sub_group;
     for (uint32_t q : u.fetch) {
       const uint32_t f = k + schedule.updates[q].sub_group;
       if (done[f]) continue;
       if (Status s = grads->Fetch(f, schedule.updates[q].slot); !s.ok()) {
+        unfetched[f] = 1;
         fail(std::move(s).WithContext(fmt::format("fetch the gradient of {}", tiers->Name(f))));
       }
     }
-    bool ok = true;
+    bool ok = !unfetched[i];
     if (Status s = publisher->WaitSlot(u.slot); !s.ok()) {
       fail(std::move(s).WithContext("upload params"));
       ok = false;
@@ -1382,20 +1405,22 @@ Status OffloadOptimizer::Impl::RunPipeline(const StepDecision& d) {
   if (Status s = FinishDeviceSide(device_updated); !s.ok()) fail(std::move(s));
   if (Status s = publisher->Finish(); !s.ok()) fail(std::move(s));
   last.times.adam += adam_sec;
-  if (!first_error.ok()) {
-    // The trainer may zero or reuse its grad tensors before the retry: keep
-    // what this step did not apply.
-    for (uint32_t i = 0; i < n; ++i) {
-      if (done[i]) continue;
-      if (Status s = grads->Keep(i); !s.ok()) {
-        return std::move(first_error)
-            .WithContext(fmt::format(
-                "the gradients of {} could not be kept for a retry ({}); load a checkpoint",
-                tiers->Name(i), s.ToString()));
-      }
+  return KeepUndone(std::move(first_error));
+}
+
+// After a failed step (`error`), the trainer may zero or reuse its grad
+// tensors before the retry: keeps the gradients of what it did not apply.
+Status OffloadOptimizer::Impl::KeepUndone(Status error) {
+  if (error.ok()) return error;
+  for (uint32_t i = 0; i < sub_groups.size(); ++i) {
+    if (done[i]) continue;
+    if (Status s = grads->Keep(i); !s.ok()) {
+      return std::move(error).WithContext(
+          fmt::format("the gradients of {} could not be kept for a retry ({}); load a checkpoint",
+                      tiers->Name(i), s.ToString()));
     }
   }
-  return first_error;
+  return error;
 }
 
 Status OffloadOptimizer::Impl::Step() {
@@ -1420,6 +1445,7 @@ Status OffloadOptimizer::Impl::Step() {
       return std::move(decided).WithContext(fmt::format("step {}", step + 1));
     }
     std::fill(done.begin(), done.end(), 0);
+    std::fill(device_pieces_queued.begin(), device_pieces_queued.end(), 0);
     if (pending->skip) {
       const StepDecision d = *pending;
       pending.reset();

@@ -214,7 +214,7 @@ typedef struct strata_step_stats {
   float clip_coef;
   uint32_t micro_steps;
   double d2h_sec, comm_sec, read_sec, adam_sec, write_sec, h2d_sec, step_sec;
-  double grad_stats_sec; /* part of adam_sec: the norm / non-finite pass */
+  double grad_stats_sec; /* until the step's decision (norm, non-finite count; not in adam_sec) */
   double device_sec;     /* device kernels: packing grads, unpacking params */
   uint64_t read_bytes, write_bytes, d2h_bytes, h2d_bytes; /* NVMe, then PCIe */
   uint64_t nonfinite_elems;                               /* NaN/inf gradient elements, all ranks */

@@ -119,6 +119,10 @@ class EventImpl {
  private:
   const Device* owner_;
 };
+// Tests only: the `nth` LaunchHostTask on a host device from now (1: the
+// next one) returns Internal instead of enqueueing, as a CUDA launch that
+// fails at enqueue would. 0 ends it.
+void FailHostTaskForTest(int nth);
 }  // namespace internal
 
 // Non-owning handle to a stream; cheap to copy. Valid while the Stream (or,

@@ -29,6 +29,9 @@
 namespace strata {
 namespace {
 
+// FailHostTaskForTest: host tasks left until the one that fails (0: none).
+std::atomic<int> host_task_fault{0};
+
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kDeviceAlignment = 256;
@@ -334,6 +337,9 @@ class HostDevice final : public Device {
   Status LaunchHostTask(StreamRef stream, std::function<Status()> task) override {
     STRATA_ASSIGN_OR_RETURN(HostStream * s, CheckStream(stream, "launch host task"));
     if (!task) return InvalidArgumentError("launch host task on host: empty function");
+    if (host_task_fault.load(std::memory_order_relaxed) > 0 && host_task_fault.fetch_sub(1) == 1) {
+      return InternalError("launch host task on host: failed as a test asked");
+    }
     s->core().Enqueue({std::move(task), false});
     return OkStatus();
   }
@@ -492,6 +498,8 @@ class HostDevice final : public Device {
 };
 
 }  // namespace
+
+void internal::FailHostTaskForTest(int nth) { host_task_fault.store(nth); }
 
 Result<std::unique_ptr<Device>> CreateHostDevice(const HostDeviceOptions& options) {
   if (!(options.h2d_bytes_per_sec >= 0) || !(options.d2h_bytes_per_sec >= 0) ||

@@ -363,6 +363,11 @@ TEST(EngineCreate, RanksThatRegisterDifferentlyAreToldWhatDiffers) {
        }},
       {"the sub-groups (sub_group_size)",
        [](std::vector<ParamGroup>&, OffloadConfig& c) { c.sub_group_elems = 2048; }},
+      // These two used to pass Create and mismatch the collectives of a step.
+      {"the sub-groups kept on the device",
+       [](std::vector<ParamGroup>&, OffloadConfig& c) { c.gpu_fraction = 0.5; }},
+      {"the sub-groups kept on the device (gpu_fraction, device_budget) or the gradient dtypes",
+       [](std::vector<ParamGroup>&, OffloadConfig& c) { c.comm_dtype = DType::kBF16; }},
   };
   constexpr int kWorld = 2;
   for (const Case& k : cases) {

@@ -1287,6 +1287,110 @@ TEST(EngineGradients, ALastMicroStepReportedInPartJoinsTheSumAtAnySubGroupSize) 
   }
 }
 
+// A device call that fails at enqueue (the nth host task from the start of
+// the micro-step's hand-over) part way through an accumulation: some
+// sub-groups held the micro-step and others not, and a second
+// ReduceGradients added it again to the first ones. Now the sum refuses
+// until ZeroGrad; where the failure came before any addition, the retry
+// adds the micro-step once.
+TEST(EngineGradients, AnAccumulationThatFailsPartWayIsRefusedUntilZeroGrad) {
+  int torn = 0;
+  for (int nth = 1; nth <= 24; ++nth) {
+    SCOPED_TRACE("host task " + std::to_string(nth));
+    const uint64_t seed = TestSeed() + nth;
+    std::mt19937_64 rng(seed);
+    auto device = *CreateHostDevice();
+    Case c{.gpu_fraction = 0.3};
+    OffloadConfig config = MakeConfig(c);
+    TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+    auto master = model.SetParams(rng);
+    auto opt = *MakeOptimizer(*device, nullptr, config, model);
+    ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+    std::vector<std::vector<float>> sum;
+    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    ASSERT_TRUE(opt->ReduceGradients().ok());
+    ASSERT_TRUE(device->Synchronize().ok());
+    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    internal::FailHostTaskForTest(nth);
+    const Status failed = opt->ReduceGradients();
+    internal::FailHostTaskForTest(0);
+    ASSERT_TRUE(device->Synchronize().ok());
+    if (failed.ok()) continue;
+    const Status again = opt->ReduceGradients();
+    if (!again.ok()) {
+      ++torn;
+      EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition) << again;
+      EXPECT_NE(again.message().find("the accumulated gradients are incomplete"), std::string::npos)
+          << again;
+      const Status step = opt->Step();
+      EXPECT_EQ(step.code(), StatusCode::kFailedPrecondition) << step;
+      EXPECT_EQ(opt->step_count(), 0);
+      ASSERT_TRUE(opt->ZeroGrad().ok());
+      ASSERT_TRUE(device->Synchronize().ok());
+      sum.clear();
+      for (int micro = 0; micro < 2; ++micro) {
+        AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+        ASSERT_TRUE(opt->ReduceGradients().ok());
+        ASSERT_TRUE(device->Synchronize().ok());
+      }
+    }
+    ASSERT_TRUE(device->Synchronize().ok());
+    const Status stepped = opt->Step();
+    ASSERT_TRUE(stepped.ok()) << stepped;
+    EXPECT_EQ(opt->last_step().micro_steps, 2u);
+    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
+    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(*opt, model, ref);
+  }
+  EXPECT_GT(torn, 0) << "no failure came part way through the additions";
+}
+
+// A step whose nth host task fails at enqueue (partial offload: the device
+// Adam's too), then the trainer zeroes its grads: a failed step's retry
+// finishes it (a device sub-group queued before the failure is done, not
+// updated twice; the gradients not applied were kept), a step refused before
+// its update is taken again; either way bitwise the clean step.
+TEST(EngineFaults, AStepWhoseDeviceCallFailsAtEnqueueIsFinishedOnce) {
+  int retried = 0;
+  for (int nth = 1; nth <= 80; ++nth) {
+    SCOPED_TRACE("host task " + std::to_string(nth));
+    const uint64_t seed = TestSeed() + nth;
+    std::mt19937_64 rng(seed);
+    auto device = *CreateHostDevice();
+    Case c{.gpu_fraction = 0.5};
+    OffloadConfig config = MakeConfig(c);
+    TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
+    auto master = model.SetParams(rng);
+    auto opt = *MakeOptimizer(*device, nullptr, config, model);
+    ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+    internal::FailHostTaskForTest(nth);
+    const Status failed = opt->Step();
+    internal::FailHostTaskForTest(0);
+    (void)device->Synchronize();
+    if (!failed.ok()) {
+      std::printf("host task %d: %s (%s)\n", nth, failed.ToString().c_str(),
+                  opt->step_state() == StepState::kFailed ? "retried" : "stepped again");
+      if (opt->step_state() == StepState::kFailed) {
+        ++retried;
+        ASSERT_TRUE(opt->ZeroGrad().ok());
+        ASSERT_TRUE(device->Synchronize().ok());
+        const Status r = opt->RetryStep();
+        ASSERT_TRUE(r.ok()) << failed << "; the retry: " << r;
+      } else {
+        const Status r = opt->Step();
+        ASSERT_TRUE(r.ok()) << failed << "; again: " << r;
+      }
+    }
+    ASSERT_TRUE(device->Synchronize().ok());
+    EXPECT_EQ(opt->step_count(), 1);
+    const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
+    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+    ExpectSameAsReference(*opt, model, ref);
+  }
+  EXPECT_GT(retried, 0) << "no failure came after the update began";
+}
+
 // A backward that adds into the grad tensors clears them between
 // micro-steps: ZeroGradTensors keeps what ReduceGradients summed, ZeroGrad
 // drops it, warning once (a C trainer's natural loop once stepped on zeros
