@@ -437,7 +437,6 @@ struct OffloadOptimizer::Impl {
   Status InitUnits(const EngineContext& context);       // buffers, store, initial state
   Status InitState();
   Status OtherRankFailed() const;
-  static constexpr uint64_t kAgreeModulus = uint64_t{1} << 20;  // world * x^2 < 2^53
   uint64_t SettingsDigest() const;
   Status CheckRanksAgree(double step_sum, double step_sq_sum, double digest_sum,
                          double digest_sq_sum) const;
@@ -1193,7 +1192,7 @@ uint64_t OffloadOptimizer::Impl::SettingsDigest() const {
 }
 
 // Every rank's step number and settings digest are this rank's (sums of x and
-// x^2 over the ranks, x < kAgreeModulus so that the sums are exact).
+// x^2 over the ranks, x < AgreeModulus(world) so that the sums are exact).
 Status OffloadOptimizer::Impl::CheckRanksAgree(double step_sum, double step_sq_sum,
                                                double digest_sum, double digest_sq_sum) const {
   const auto same = [&](double sum, double sq_sum) {
@@ -1247,8 +1246,9 @@ Status OffloadOptimizer::Impl::HandOverAndDecide() {
       // Beside the statistics, in the same all-reduce: each rank's step number
       // and a digest of its update settings, as x and x^2 (all ranks agree
       // exactly when sum(x)^2 == world * sum(x^2)).
-      const double s = static_cast<double>((step + 1) % kAgreeModulus);
-      const double h = static_cast<double>(SettingsDigest() % kAgreeModulus);
+      const uint64_t modulus = internal::AgreeModulus(static_cast<uint32_t>(world));
+      const double s = static_cast<double>((step + 1) % modulus);
+      const double h = static_cast<double>(SettingsDigest() % modulus);
       double v[6] = {st.sum_sq, static_cast<double>(st.nonfinite_elems), s, s * s, h, h * h};
       STRATA_RETURN_IF_ERROR(
           (AllReduceDoubles(v, ReduceOp::kSum)).WithContext("all-reduce the gradient statistics"));

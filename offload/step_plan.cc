@@ -5,6 +5,16 @@
 
 namespace strata::internal {
 
+uint64_t AgreeModulus(uint32_t world) {
+  uint32_t bits = 20;  // enough for a step number to wrap rarely; a digest's 1 in 10^6
+  while (bits > 1 &&
+         static_cast<long double>(std::max<uint32_t>(world, 1)) * std::ldexp(1.0L, 2 * bits) >
+             std::ldexp(1.0L, 53)) {
+    --bits;
+  }
+  return uint64_t{1} << bits;
+}
+
 Result<StepDecision> DecideStep(LossScaler& scaler, const GradStats& global,
                                 double max_grad_norm, int64_t steps_taken) {
   STRATA_ASSIGN_OR_RETURN(LossScaleDecision d, scaler.Update(global.nonfinite_elems));

@@ -33,6 +33,13 @@ struct StepDecision {
 Result<StepDecision> DecideStep(LossScaler& scaler, const GradStats& global,
                                 double max_grad_norm, int64_t steps_taken);
 
+// The ranks agree on a value x (the step number, a digest of the update
+// settings) when sum(x)^2 == world * sum(x^2) over them: exact in doubles
+// while world * x^2 < 2^53. x is taken modulo this, the largest power of
+// two that keeps it so for `world` ranks (2^20 up to 8192 ranks, 2^18 at
+// 65536).
+uint64_t AgreeModulus(uint32_t world);
+
 // One position of the pipeline: the sub-group updated there, its ring slot
 // (the gradient slot and the param staging slot), the gradients to start
 // fetching before waiting for its own (positions, so slot = position %

@@ -15,6 +15,24 @@
 namespace strata::internal {
 namespace {
 
+// The ranks' agreement sums stay exact at every world size the planner
+// takes (2^20 held only up to 8192 ranks), and keep as many bits as they can.
+TEST(AgreeModulus, KeepsWorldTimesTheSquareWithinADoublesMantissa) {
+  for (const uint32_t world : {1u, 2u, 8u, 1000u, 8192u, 8193u, 65536u, 1u << 20}) {
+    SCOPED_TRACE(world);
+    const uint64_t m = AgreeModulus(world);
+    const long double largest = static_cast<long double>(m - 1);
+    EXPECT_LE(world * largest * largest, std::ldexp(1.0L, 53));
+    EXPECT_LE(m, uint64_t{1} << 20);
+    if (m < (uint64_t{1} << 20)) {
+      const long double doubled = static_cast<long double>(2 * m - 1);
+      EXPECT_GT(world * doubled * doubled, std::ldexp(1.0L, 53)) << "could keep more bits";
+    }
+  }
+  EXPECT_EQ(AgreeModulus(8192), uint64_t{1} << 20);
+  EXPECT_EQ(AgreeModulus(65536), uint64_t{1} << 18);
+}
+
 TEST(DecideStep, ClipsAndUnscalesWithOneMultiplier) {
   LossScaler scaler = *LossScaler::Create({.mode = LossScaleMode::kStatic, .static_scale = 8});
   // Scaled gradients: norm 8 x 2 = 16, so the true norm is 2 and clipping to
