@@ -196,7 +196,7 @@ enum class DuplicateNames : uint8_t {
 
 struct ReaderOptions {
   Storage* storage = nullptr;
-  uint32_t queue_depth = 8;
+  uint32_t queue_depth = 8;  // chunk reads in flight per array, taken within [1, 64]
   DirectIo direct = DirectIo::kAuto;
   DuplicateNames duplicate_names = DuplicateNames::kRefuse;
   // Verify checks the arrays on threads of their own, at most this many
@@ -214,7 +214,8 @@ struct ReaderOptions {
 // Data reads verify each chunk's checksum as it arrives. A read leaves the
 // file's next chunks in flight (up to queue_depth): a read that goes on
 // where it ended finds them read ahead. Host memory: queue_depth + 1
-// chunks per array read. Open files: at most one data file per array at a
+// chunks per array read (ResourceExhausted, naming them, when they cannot
+// be had). Open files: at most one data file per array at a
 // time, whatever the number of ranks (a read of another rank's file closes
 // the array's previous one). Reads of different arrays may run on different
 // threads at once; one array's may not.

@@ -19,6 +19,7 @@
 
 #include "offload/checkpoint_internal.h"
 #include "runtime/json_parse.h"
+#include "runtime/units.h"
 
 namespace strata {
 
@@ -26,15 +27,15 @@ using namespace checkpoint_internal;  // NOLINT: this file's own helpers
 
 namespace {
 
-// 4096-aligned host memory for O_DIRECT.
+// 4096-aligned host memory for O_DIRECT; empty (data() null) when the
+// memory could not be had.
 class AlignedBytes {
  public:
   AlignedBytes() = default;
   explicit AlignedBytes(size_t bytes)
       : data_(static_cast<std::byte*>(std::aligned_alloc(kFileAlign, RoundUp(bytes, kFileAlign)))),
-        size_(bytes) {
-    STRATA_CHECK(data_ != nullptr) << "aligned_alloc of " << bytes << " bytes";
-  }
+        size_(data_ != nullptr ? bytes : 0) {}
+  std::byte* data() const { return data_; }
   AlignedBytes(AlignedBytes&& o) noexcept { *this = std::move(o); }
   AlignedBytes& operator=(AlignedBytes&& o) noexcept {
     std::swap(data_, o.data_);
@@ -48,6 +49,13 @@ class AlignedBytes {
   std::byte* data_ = nullptr;
   size_t size_ = 0;
 };
+
+// Chunk reads in flight per array: queue_depth within [1, kMaxReadDepth]
+// (deeper gains a drive nothing and holds a chunk of memory per request).
+constexpr uint32_t kMaxReadDepth = 64;
+uint32_t ReadDepth(const ReaderOptions& o) {
+  return std::clamp<uint32_t>(o.queue_depth, 1, kMaxReadDepth);
+}
 
 // The save directories in `dir` (step-*), oldest first, for a message.
 std::string SavesIn(const std::string& dir) {
@@ -155,7 +163,9 @@ struct CheckpointReader::Impl {
   // The lane's open file of `rank` (its array's), opened when the lane has
   // another rank's open, which is then drained and closed.
   Result<File*> FileOf(Lane& lane, uint32_t rank, uint32_t array);
-  Lane& LaneOf(uint32_t array);
+  // The array's lane, made at its first use: ResourceExhausted when its
+  // buffers cannot be had.
+  Result<Lane*> LaneOf(uint32_t array);
   // Reads chunks [first, last) of a file in order, queue_depth in flight,
   // checks each chunk's checksum and hands it to `fn`. A chunk for which
   // `place(c, bytes)` gives memory (kFileAlign-aligned; bytes is a multiple
@@ -168,27 +178,37 @@ struct CheckpointReader::Impl {
                     const Place& place = {});
 };
 
-Lane& CheckpointReader::Impl::LaneOf(uint32_t array) {
+Result<Lane*> CheckpointReader::Impl::LaneOf(uint32_t array) {
   std::lock_guard<std::mutex> lock(mu);
   std::unique_ptr<Lane>& lane = lanes[array];
   if (lane == nullptr) {
-    lane = std::make_unique<Lane>();
-    const uint32_t depth = std::max<uint32_t>(options.queue_depth, 1);
-    for (uint32_t i = 0; i < depth; ++i) lane->bufs.emplace_back(info->chunk_bytes);
-    lane->reqs.resize(depth);
-    lane->done.resize(depth);
-    lane->into.resize(depth);
-    lane->cache = AlignedBytes(info->chunk_bytes);
+    auto made = std::make_unique<Lane>();
+    const uint32_t depth = ReadDepth(options);
+    made->cache = AlignedBytes(info->chunk_bytes);
+    bool all = made->cache.data() != nullptr;
+    for (uint32_t i = 0; i < depth && all; ++i) {
+      made->bufs.emplace_back(info->chunk_bytes);
+      all = made->bufs.back().data() != nullptr;
+    }
+    if (!all) {
+      return ResourceExhaustedError(fmt::format(
+          "read checkpoint {}: no memory for the read buffers of array '{}' ({} chunks of "
+          "chunk_bytes {}: queue_depth + 1); lower the reader's queue_depth or free memory",
+          info->save_dir, info->arrays[array], depth + 1, FormatBytes(info->chunk_bytes)));
+    }
+    made->reqs.resize(depth);
+    made->done.resize(depth);
+    made->into.resize(depth);
+    lane = std::move(made);
   }
-  return *lane;
+  return lane.get();
 }
 
 Result<std::unique_ptr<File>> CheckpointReader::Impl::OpenChecked(uint32_t rank, uint32_t array) {
   const std::string path = PathOf(rank, array);
-  auto opened =
-      storage.storage->Open(path, {.direct = options.direct,
-                                   .queue_depth = std::max<uint32_t>(options.queue_depth, 1),
-                                   .access = FileAccess::kReadOnly});
+  auto opened = storage.storage->Open(path, {.direct = options.direct,
+                                             .queue_depth = ReadDepth(options),
+                                             .access = FileAccess::kReadOnly});
   if (!opened.ok()) {
     if (opened.status().code() == StatusCode::kNotFound) {
       return NotFoundError(fmt::format(
@@ -226,7 +246,8 @@ Status CheckpointReader::Impl::ReadChunks(
   const CheckpointFile& meta = info->ranks[rank].files[array];
   const uint64_t cb = info->chunk_bytes;
   auto chunk_len = [&](uint64_t c) { return std::min(cb, meta.file_bytes - c * cb); };
-  Lane& lane = LaneOf(array);
+  STRATA_ASSIGN_OR_RETURN(Lane * lane_of, LaneOf(array));
+  Lane& lane = *lane_of;
   if (first < last && lane.cache_rank == rank && lane.cache_chunk == static_cast<int64_t>(first)) {
     fn(first, lane.cache.span().first(lane.cache_bytes));
     ++first;
@@ -558,9 +579,13 @@ Status CheckpointReader::Verify(std::span<const uint32_t> ranks) {
       XXH3_64bits_reset(state);
       // Whole files go around the cache and the stream: a chunk read
       // earlier would hide a change on disk.
-      Lane& lane = impl_->LaneOf(a);
-      lane.cache_chunk = -1;
-      lane.Drain();
+      Result<Lane*> lane = impl_->LaneOf(a);
+      if (!lane.ok()) {
+        result = lane.status();
+        break;
+      }
+      (*lane)->cache_chunk = -1;
+      (*lane)->Drain();
       result = impl_->ReadChunks(r, a, 0, f.chunk_xxh3.size(),
                                  [&](uint64_t, std::span<const std::byte> data) {
                                    XXH3_64bits_update(state, data.data(), data.size());

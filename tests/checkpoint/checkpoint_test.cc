@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -2439,6 +2441,55 @@ size_t OpenFds() {
 // of ranks: it kept every file it opened (CheckFiles and Verify open them
 // all), and inspect of a 200-rank Adam save (600 files, two descriptors each
 // on io_uring) failed with EMFILE, blaming one data file.
+// The read buffers (queue_depth + 1 chunks per array) are asked of the
+// allocator at an array's first read: when it has none to give (here a
+// child process whose address space is capped), the read is
+// ResourceExhausted naming them; it was an abort (STRATA_CHECK), and a
+// chunk_bytes of up to 256 MiB makes that 2.25 GiB per array.
+TEST(ReaderTest, ReadBuffersThatCannotBeHadAreResourceExhaustedNotAnAbort) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers need more address space than the cap leaves";
+#else
+  const uint64_t seed = TestSeed();
+  TempDir dir;
+  Cluster c(1, CkptConfig(Where::kHost), seed);
+  ASSERT_TRUE(c.status().ok()) << c.status();
+  ASSERT_TRUE(c.Train(seed, 1).ok());
+  constexpr uint64_t kChunk = uint64_t{64} << 20;
+  ASSERT_TRUE(c.Save(dir.path(), {.chunk_bytes = kChunk}).ok());
+  auto reader = CheckpointReader::Open(dir.path(), {.queue_depth = 8});
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const uint64_t elems = (*reader)->info().total_elems;
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Room for what is mapped now and 128 MiB: less than 9 chunks of 64 MiB.
+    std::ifstream statm("/proc/self/statm");
+    uint64_t pages = 0;
+    statm >> pages;
+    const rlim_t cap = pages * ::sysconf(_SC_PAGESIZE) + (rlim_t{128} << 20);
+    const rlimit limit{cap, cap};
+    if (::setrlimit(RLIMIT_AS, &limit) != 0) ::_exit(3);
+    std::vector<float> out(elems);
+    const Status s = (*reader)->ReadFlat(0, {0, elems}, out);
+    const bool named = s.code() == StatusCode::kResourceExhausted &&
+                       s.message().find(
+                           "no memory for the read buffers of array 'master' (9 "
+                           "chunks of chunk_bytes 64.00 MiB") != std::string::npos;
+    if (!named) std::fprintf(stderr, "child: %s\n", s.ToString().c_str());
+    ::_exit(named ? 0 : 1);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(pid, &wstatus, 0), pid);
+  ASSERT_TRUE(WIFEXITED(wstatus)) << "the child died of signal " << WTERMSIG(wstatus);
+  EXPECT_EQ(WEXITSTATUS(wstatus), 0) << "(1: another status, printed above; 3: no setrlimit)";
+  // The parent, uncapped, reads it.
+  std::vector<float> all(elems);
+  const Status read = (*reader)->ReadFlat(0, {0, elems}, all);
+  EXPECT_TRUE(read.ok()) << read;
+#endif
+}
+
 TEST(ReaderTest, OpenFilesStayBoundedWhateverTheNumberOfRanks) {
   const uint64_t seed = TestSeed();
   constexpr int kWorld = 12;
