@@ -33,6 +33,7 @@ namespace strata {
 namespace {
 
 using testing::ExpectSameAsReference;
+using testing::ExpectStepLikeReference;
 using testing::FlatStats;
 using testing::ReferenceOptimizer;
 using testing::TestModel;
@@ -243,6 +244,7 @@ namespace strata {
 namespace {
 
 using testing::ExpectSameAsReference;
+using testing::ExpectStepLikeReference;
 using testing::FlatStats;
 using testing::ReferenceOptimizer;
 using testing::TestModel;
@@ -257,6 +259,32 @@ Result<std::unique_ptr<OffloadOptimizer>> MakeOptimizer(Device& device, Storage*
       {.device = &device, .comm = comm, .storage = storage, .stream = stream}, config,
       model.Groups(kHypers));
 }
+
+// One rank of kSizes on the host device (state in DRAM), and its reference.
+struct OneRank {
+  OneRank(const Case& c, uint64_t seed)
+      : rng(seed),
+        device(*CreateHostDevice()),
+        config(MakeConfig(c)),
+        model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype),
+        master(model.SetParams(rng)),
+        opt(*MakeOptimizer(*device, nullptr, config, model)),
+        ref(config, master, kGroupOf, kHypers) {}
+  // Sets random grads; returns them as the engine reads them.
+  std::vector<std::vector<float>> Grads() { return model.SetGrads(model.RandomGrads(rng, 0.5f)); }
+  // The reference's step on `grads` agrees bitwise with the optimizer's last.
+  void ExpectStep(const std::vector<std::vector<float>>& grads) {
+    ExpectStepLikeReference(*opt, model, ref, grads);
+  }
+
+  std::mt19937_64 rng;
+  std::unique_ptr<Device> device;
+  OffloadConfig config;
+  TestModel model;
+  std::vector<std::vector<float>> master;
+  std::unique_ptr<OffloadOptimizer> opt;
+  ReferenceOptimizer ref;
+};
 
 // Steps alternate the order of their NVMe sub-groups, so each starts with
 // the extents the one before left in the buffers: buffer_count fewer extents
@@ -1221,9 +1249,7 @@ TEST(EngineGradients, AccumulationEqualsOneStepOnTheSummedGradient) {
     }
     ASSERT_TRUE(opt->Step().ok());
     EXPECT_EQ(opt->last_step().micro_steps, 3u);
-    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
-    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
-    ExpectSameAsReference(*opt, model, ref);
+    ExpectStepLikeReference(*opt, model, ref, sum);
   }
 }
 
@@ -1250,9 +1276,7 @@ TEST(EngineGradients, AccumulationOverTheOptimizersThreadsMatchesBitwise) {
       ASSERT_TRUE(device->Synchronize().ok());
     }
     ASSERT_TRUE(opt->Step().ok());
-    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
-    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
-    ExpectSameAsReference(*opt, model, ref);
+    ExpectStepLikeReference(*opt, model, ref, sum);
   }
 }
 
@@ -1263,27 +1287,17 @@ TEST(EngineGradients, AccumulationOverTheOptimizersThreadsMatchesBitwise) {
 TEST(EngineGradients, ALastMicroStepReportedInPartJoinsTheSumAtAnySubGroupSize) {
   for (const uint64_t sub_group : {uint64_t{1024}, uint64_t{1} << 20}) {
     SCOPED_TRACE("sub-group " + std::to_string(sub_group));
-    const uint64_t seed = TestSeed();
-    std::mt19937_64 rng(seed);
-    auto device = *CreateHostDevice();
-    Case c{.sub_group_elems = sub_group};
-    OffloadConfig config = MakeConfig(c);
-    TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
-    auto master = model.SetParams(rng);
-    auto opt = *MakeOptimizer(*device, nullptr, config, model);
-    ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+    OneRank r(Case{.sub_group_elems = sub_group}, TestSeed());
     std::vector<std::vector<float>> sum;
-    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
-    ASSERT_TRUE(opt->ReduceGradients().ok());
-    ASSERT_TRUE(device->Synchronize().ok());
-    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
-    ASSERT_TRUE(opt->GradReady(3).ok());  // the one-element tensor, alone in no sub-group
-    ASSERT_TRUE(opt->GradReady(0).ok());
-    ASSERT_TRUE(opt->Step().ok());
-    EXPECT_EQ(opt->last_step().micro_steps, 2u);
-    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
-    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
-    ExpectSameAsReference(*opt, model, ref);
+    AddMicroStep(sum, r.Grads());
+    ASSERT_TRUE(r.opt->ReduceGradients().ok());
+    ASSERT_TRUE(r.device->Synchronize().ok());
+    AddMicroStep(sum, r.Grads());
+    ASSERT_TRUE(r.opt->GradReady(3).ok());  // the one-element tensor, alone in no sub-group
+    ASSERT_TRUE(r.opt->GradReady(0).ok());
+    ASSERT_TRUE(r.opt->Step().ok());
+    EXPECT_EQ(r.opt->last_step().micro_steps, 2u);
+    r.ExpectStep(sum);
   }
 }
 
@@ -1297,20 +1311,14 @@ TEST(EngineGradients, AnAccumulationThatFailsPartWayIsRefusedUntilZeroGrad) {
   int torn = 0;
   for (int nth = 1; nth <= 24; ++nth) {
     SCOPED_TRACE("host task " + std::to_string(nth));
-    const uint64_t seed = TestSeed() + nth;
-    std::mt19937_64 rng(seed);
-    auto device = *CreateHostDevice();
-    Case c{.gpu_fraction = 0.3};
-    OffloadConfig config = MakeConfig(c);
-    TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
-    auto master = model.SetParams(rng);
-    auto opt = *MakeOptimizer(*device, nullptr, config, model);
-    ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+    OneRank r(Case{.gpu_fraction = 0.3}, TestSeed() + nth);
+    const auto& opt = r.opt;
+    const auto& device = r.device;
     std::vector<std::vector<float>> sum;
-    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    AddMicroStep(sum, r.Grads());
     ASSERT_TRUE(opt->ReduceGradients().ok());
     ASSERT_TRUE(device->Synchronize().ok());
-    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+    AddMicroStep(sum, r.Grads());
     internal::FailHostTaskForTest(nth);
     const Status failed = opt->ReduceGradients();
     internal::FailHostTaskForTest(0);
@@ -1329,7 +1337,7 @@ TEST(EngineGradients, AnAccumulationThatFailsPartWayIsRefusedUntilZeroGrad) {
       ASSERT_TRUE(device->Synchronize().ok());
       sum.clear();
       for (int micro = 0; micro < 2; ++micro) {
-        AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
+        AddMicroStep(sum, r.Grads());
         ASSERT_TRUE(opt->ReduceGradients().ok());
         ASSERT_TRUE(device->Synchronize().ok());
       }
@@ -1338,9 +1346,7 @@ TEST(EngineGradients, AnAccumulationThatFailsPartWayIsRefusedUntilZeroGrad) {
     const Status stepped = opt->Step();
     ASSERT_TRUE(stepped.ok()) << stepped;
     EXPECT_EQ(opt->last_step().micro_steps, 2u);
-    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
-    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
-    ExpectSameAsReference(*opt, model, ref);
+    r.ExpectStep(sum);
   }
   EXPECT_GT(torn, 0) << "no failure came part way through the additions";
 }
@@ -1354,16 +1360,10 @@ TEST(EngineFaults, AStepWhoseDeviceCallFailsAtEnqueueIsFinishedOnce) {
   int retried = 0;
   for (int nth = 1; nth <= 80; ++nth) {
     SCOPED_TRACE("host task " + std::to_string(nth));
-    const uint64_t seed = TestSeed() + nth;
-    std::mt19937_64 rng(seed);
-    auto device = *CreateHostDevice();
-    Case c{.gpu_fraction = 0.5};
-    OffloadConfig config = MakeConfig(c);
-    TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
-    auto master = model.SetParams(rng);
-    auto opt = *MakeOptimizer(*device, nullptr, config, model);
-    ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
-    auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+    OneRank r(Case{.gpu_fraction = 0.5}, TestSeed() + nth);
+    const auto& opt = r.opt;
+    const auto& device = r.device;
+    auto grads = r.Grads();
     internal::FailHostTaskForTest(nth);
     const Status failed = opt->Step();
     internal::FailHostTaskForTest(0);
@@ -1375,18 +1375,16 @@ TEST(EngineFaults, AStepWhoseDeviceCallFailsAtEnqueueIsFinishedOnce) {
         ++retried;
         ASSERT_TRUE(opt->ZeroGrad().ok());
         ASSERT_TRUE(device->Synchronize().ok());
-        const Status r = opt->RetryStep();
-        ASSERT_TRUE(r.ok()) << failed << "; the retry: " << r;
+        const Status retry = opt->RetryStep();
+        ASSERT_TRUE(retry.ok()) << failed << "; the retry: " << retry;
       } else {
-        const Status r = opt->Step();
-        ASSERT_TRUE(r.ok()) << failed << "; again: " << r;
+        const Status again = opt->Step();
+        ASSERT_TRUE(again.ok()) << failed << "; again: " << again;
       }
     }
     ASSERT_TRUE(device->Synchronize().ok());
     EXPECT_EQ(opt->step_count(), 1);
-    const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
-    ref.Step(grads, st.sum_sq, st.nonfinite_elems);
-    ExpectSameAsReference(*opt, model, ref);
+    r.ExpectStep(grads);
   }
   EXPECT_GT(retried, 0) << "no failure came after the update began";
 }
@@ -1407,9 +1405,7 @@ TEST(EngineGradients, ZeroGradTensorsKeepsTheSumAndZeroGradDropsItWarningOnce) {
   ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
   testing::LogCapture log(LogLevel::kWarning);
   auto step_on = [&](const std::vector<std::vector<float>>& sum) {
-    const GradStats st = FlatStats(*opt, model.FlatOrder(), sum);
-    ref.Step(sum, st.sum_sq, st.nonfinite_elems);
-    ExpectSameAsReference(*opt, model, ref);
+    ExpectStepLikeReference(*opt, model, ref, sum);
   };
   std::vector<std::vector<float>> sum;
   for (int micro = 0; micro < 2; ++micro) {
@@ -1501,9 +1497,7 @@ TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
   EXPECT_EQ(opt->GradReady(static_cast<uint32_t>(kSizes.size())).code(), StatusCode::kOutOfRange);
   ASSERT_TRUE(opt->Step().ok());
   EXPECT_EQ(opt->last_step().micro_steps, 1u);
-  const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
-  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
-  ExpectSameAsReference(*opt, model, ref);
+  ExpectStepLikeReference(*opt, model, ref, grads);
 }
 
 // A param reported ready, then accumulated into and reported again: the first
@@ -1540,9 +1534,7 @@ TEST(EngineGradients, GradReadyTwiceRefusesTheStepUntilZeroGrad) {
   auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
   ASSERT_TRUE(opt->GradReady(1).ok());
   ASSERT_TRUE(opt->Step().ok());
-  const GradStats st = FlatStats(*opt, model.FlatOrder(), grads);
-  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
-  ExpectSameAsReference(*opt, model, ref);
+  ExpectStepLikeReference(*opt, model, ref, grads);
 }
 
 // An NVMe fault mid-step: a clear error naming the file and offset, no state

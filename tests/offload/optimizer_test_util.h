@@ -315,4 +315,14 @@ inline void ExpectSameAsReference(OffloadOptimizer& opt, const TestModel& model,
   ExpectStateSameAsReference(opt, model.FlatOrder(), ref);
 }
 
+// The reference takes the step the optimizer just took on `grads` (its
+// statistics as the engine defines them); the two must then agree bitwise.
+inline void ExpectStepLikeReference(OffloadOptimizer& opt, const TestModel& model,
+                                    ReferenceOptimizer& ref,
+                                    const std::vector<std::vector<float>>& grads) {
+  const GradStats st = FlatStats(opt, model.FlatOrder(), grads);
+  ref.Step(grads, st.sum_sq, st.nonfinite_elems);
+  ExpectSameAsReference(opt, model, ref);
+}
+
 }  // namespace strata::testing
