@@ -1394,48 +1394,37 @@ TEST(EngineFaults, AStepWhoseDeviceCallFailsAtEnqueueIsFinishedOnce) {
 // drops it, warning once (a C trainer's natural loop once stepped on zeros
 // with no word).
 TEST(EngineGradients, ZeroGradTensorsKeepsTheSumAndZeroGradDropsItWarningOnce) {
-  const uint64_t seed = TestSeed();
-  std::mt19937_64 rng(seed);
-  auto device = *CreateHostDevice();
-  Case c{.max_grad_norm = 1.0};
-  OffloadConfig config = MakeConfig(c);
-  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
-  auto master = model.SetParams(rng);
-  auto opt = *MakeOptimizer(*device, nullptr, config, model);
-  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  OneRank r(Case{.max_grad_norm = 1.0}, TestSeed());
   testing::LogCapture log(LogLevel::kWarning);
-  auto step_on = [&](const std::vector<std::vector<float>>& sum) {
-    ExpectStepLikeReference(*opt, model, ref, sum);
-  };
   std::vector<std::vector<float>> sum;
   for (int micro = 0; micro < 2; ++micro) {
-    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
-    ASSERT_TRUE(opt->ReduceGradients().ok());
-    ASSERT_TRUE(opt->ZeroGradTensors().ok());
-    ASSERT_TRUE(device->Synchronize().ok());
-    for (size_t t = 0; t < model.size(); ++t) {
-      const std::vector<uint8_t> bytes = model.GradBytes(t);
+    AddMicroStep(sum, r.Grads());
+    ASSERT_TRUE(r.opt->ReduceGradients().ok());
+    ASSERT_TRUE(r.opt->ZeroGradTensors().ok());
+    ASSERT_TRUE(r.device->Synchronize().ok());
+    for (size_t t = 0; t < r.model.size(); ++t) {
+      const std::vector<uint8_t> bytes = r.model.GradBytes(t);
       EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t{0}),
                 static_cast<ptrdiff_t>(bytes.size()))
           << "tensor " << t;
     }
   }
-  ASSERT_TRUE(opt->Step().ok());
-  EXPECT_EQ(opt->last_step().micro_steps, 2u);
-  step_on(sum);
+  ASSERT_TRUE(r.opt->Step().ok());
+  EXPECT_EQ(r.opt->last_step().micro_steps, 2u);
+  r.ExpectStep(sum);
   EXPECT_TRUE(log.Find(LogLevel::kWarning, "zero grad").empty());
 
   for (int round = 0; round < 2; ++round) {
-    model.SetGrads(model.RandomGrads(rng, 0.5f));
-    ASSERT_TRUE(opt->ReduceGradients().ok());
-    ASSERT_TRUE(opt->ZeroGrad().ok());  // dropped: the step takes the next grads alone
-    ASSERT_TRUE(device->Synchronize().ok());  // the zeroing is on the stream
+    r.Grads();
+    ASSERT_TRUE(r.opt->ReduceGradients().ok());
+    ASSERT_TRUE(r.opt->ZeroGrad().ok());        // dropped: the step takes the next grads alone
+    ASSERT_TRUE(r.device->Synchronize().ok());  // the zeroing is on the stream
     sum.clear();
-    AddMicroStep(sum, model.SetGrads(model.RandomGrads(rng, 0.5f)));
-    ASSERT_TRUE(opt->Step().ok());
-    EXPECT_EQ(opt->last_step().micro_steps, 1u);
-    step_on(sum);
-    ASSERT_TRUE(device->Synchronize().ok());
+    AddMicroStep(sum, r.Grads());
+    ASSERT_TRUE(r.opt->Step().ok());
+    EXPECT_EQ(r.opt->last_step().micro_steps, 1u);
+    r.ExpectStep(sum);
+    ASSERT_TRUE(r.device->Synchronize().ok());
   }
   const auto warned = log.Find(LogLevel::kWarning, "zero grad: dropped the gradients of 1 ");
   ASSERT_EQ(warned.size(), 1u) << "warned once";
@@ -1480,24 +1469,16 @@ TEST(EngineGradients, AccumulationBeyondTheDeviceBudgetIsRefused) {
 }
 
 TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
-  const uint64_t seed = TestSeed();
-  std::mt19937_64 rng(seed);
-  auto device = *CreateHostDevice();
-  Case c{.sub_group_elems = 300};
-  OffloadConfig config = MakeConfig(c);
-  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
-  auto master = model.SetParams(rng);
-  auto opt = *MakeOptimizer(*device, nullptr, config, model);
-  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
-  auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
+  OneRank r(Case{.sub_group_elems = 300}, TestSeed());
+  auto grads = r.Grads();
   std::vector<uint32_t> order(kSizes.size());
   std::iota(order.begin(), order.end(), 0u);
-  std::shuffle(order.begin(), order.end(), rng);
-  for (uint32_t i : order) ASSERT_TRUE(opt->GradReady(i).ok());
-  EXPECT_EQ(opt->GradReady(static_cast<uint32_t>(kSizes.size())).code(), StatusCode::kOutOfRange);
-  ASSERT_TRUE(opt->Step().ok());
-  EXPECT_EQ(opt->last_step().micro_steps, 1u);
-  ExpectStepLikeReference(*opt, model, ref, grads);
+  std::shuffle(order.begin(), order.end(), r.rng);
+  for (uint32_t i : order) ASSERT_TRUE(r.opt->GradReady(i).ok());
+  EXPECT_EQ(r.opt->GradReady(static_cast<uint32_t>(kSizes.size())).code(), StatusCode::kOutOfRange);
+  ASSERT_TRUE(r.opt->Step().ok());
+  EXPECT_EQ(r.opt->last_step().micro_steps, 1u);
+  r.ExpectStep(grads);
 }
 
 // A param reported ready, then accumulated into and reported again: the first
@@ -1505,36 +1486,28 @@ TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
 // first value and apply the second. The repeat is refused, and so is the step
 // until ZeroGrad; then a clean hand-over steps as the reference.
 TEST(EngineGradients, GradReadyTwiceRefusesTheStepUntilZeroGrad) {
-  const uint64_t seed = TestSeed();
-  std::mt19937_64 rng(seed);
-  auto device = *CreateHostDevice();
-  Case c{.sub_group_elems = 300, .max_grad_norm = 1.0};
-  OffloadConfig config = MakeConfig(c);
-  TestModel model(*device, kSizes, kGroupOf, c.param_dtype, c.grad_dtype);
-  auto master = model.SetParams(rng);
-  auto opt = *MakeOptimizer(*device, nullptr, config, model);
-  ReferenceOptimizer ref(config, master, kGroupOf, kHypers);
+  OneRank r(Case{.sub_group_elems = 300, .max_grad_norm = 1.0}, TestSeed());
   std::vector<std::vector<uint8_t>> params_before;
-  for (size_t t = 0; t < kSizes.size(); ++t) params_before.push_back(model.ParamBytes(t));
-  model.SetGrads(model.RandomGrads(rng, 0.5f));
-  ASSERT_TRUE(opt->GradReady(1).ok());
-  ASSERT_TRUE(device->Synchronize().ok());         // the report's statistics were taken
-  model.SetGrads(model.RandomGrads(rng, 50.0f));  // more gradient, after the report
-  const Status twice = opt->GradReady(1);
+  for (size_t t = 0; t < kSizes.size(); ++t) params_before.push_back(r.model.ParamBytes(t));
+  r.Grads();
+  ASSERT_TRUE(r.opt->GradReady(1).ok());
+  ASSERT_TRUE(r.device->Synchronize().ok());            // the report's statistics were taken
+  r.model.SetGrads(r.model.RandomGrads(r.rng, 50.0f));  // more gradient, after the report
+  const Status twice = r.opt->GradReady(1);
   EXPECT_EQ(twice.code(), StatusCode::kFailedPrecondition) << twice;
   EXPECT_NE(twice.message().find("param 1 was reported ready twice"), std::string::npos) << twice;
-  for (Status s : {opt->Step(), opt->ReduceGradients()}) {
+  for (Status s : {r.opt->Step(), r.opt->ReduceGradients()}) {
     EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
     EXPECT_NE(s.message().find("ZeroGrad()"), std::string::npos) << s;
   }
-  EXPECT_EQ(opt->step_count(), 0);
-  for (size_t t = 0; t < kSizes.size(); ++t) EXPECT_EQ(model.ParamBytes(t), params_before[t]);
-  ASSERT_TRUE(opt->ZeroGrad().ok());
-  ASSERT_TRUE(device->Synchronize().ok());  // the zeroing is queued on the trainer's stream
-  auto grads = model.SetGrads(model.RandomGrads(rng, 0.5f));
-  ASSERT_TRUE(opt->GradReady(1).ok());
-  ASSERT_TRUE(opt->Step().ok());
-  ExpectStepLikeReference(*opt, model, ref, grads);
+  EXPECT_EQ(r.opt->step_count(), 0);
+  for (size_t t = 0; t < kSizes.size(); ++t) EXPECT_EQ(r.model.ParamBytes(t), params_before[t]);
+  ASSERT_TRUE(r.opt->ZeroGrad().ok());
+  ASSERT_TRUE(r.device->Synchronize().ok());  // the zeroing is queued on the trainer's stream
+  auto grads = r.Grads();
+  ASSERT_TRUE(r.opt->GradReady(1).ok());
+  ASSERT_TRUE(r.opt->Step().ok());
+  r.ExpectStep(grads);
 }
 
 // An NVMe fault mid-step: a clear error naming the file and offset, no state
