@@ -170,6 +170,12 @@ class UringFile final : public File {
   // the SQEs the kernel has not taken. Requests it cannot start fail with the
   // submit's error (in their status); the file then refuses new batches.
   Status Pump() {
+    if (!broken_.ok()) {
+      // A resumed short transfer after the failure: another submit would
+      // also start the SQEs the failed one left in the ring.
+      FailUnstarted();
+      return OkStatus();
+    }
     while (!pending_.empty() && sqes_in_flight_ + unsubmitted_.size() < info_.queue_depth) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe == nullptr) break;
@@ -226,15 +232,21 @@ class UringFile final : public File {
         continue;
       }
       broken_ = ErrnoError(rc < 0 ? -rc : EAGAIN, "io_uring_submit for " + info_.path);
-      for (std::deque<IoRequest*>* q : {&unsubmitted_, &pending_}) {
-        for (IoRequest* r : *q) {
-          r->status = broken_;
-          ready_.push_back(r);
-        }
-        q->clear();
-      }
+      FailUnstarted();
     }
     return OkStatus();
+  }
+
+  // After a failed submit: the requests not in the kernel complete with its
+  // error (their SQEs stay in the ring, never submitted).
+  void FailUnstarted() {
+    for (std::deque<IoRequest*>* q : {&unsubmitted_, &pending_}) {
+      for (IoRequest* r : *q) {
+        r->status = broken_;
+        ready_.push_back(r);
+      }
+      q->clear();
+    }
   }
 
   enum class Block : uint8_t { kNo, kWaitForOne };

@@ -10,9 +10,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <thread>
 #include <vector>
 
 #include "runtime/storage.h"
@@ -220,6 +222,39 @@ TEST(UringBackend, ASubmitTheKernelRefusesFailsItsRequestsWhichNeverRunLater) {
   }  // closing waits for nothing and starts nothing
   const std::vector<std::byte> on_disk = ReadBack(*storage, path, before.size());
   EXPECT_EQ(std::memcmp(on_disk.data(), before.data(), before.size()), 0);
+}
+
+// A short read resumed after a refused submit is failed too: submitting its
+// remainder would also have started the refused write left in the ring,
+// reported failed and then run.
+TEST(UringBackend, AResumedRequestAfterARefusedSubmitStartsNothingRefused) {
+  if (!UringAvailable()) GTEST_SKIP() << "io_uring not available here";
+  TempDir dir;
+  auto storage = CreateUringStorage(SqPoll::kOff).value();
+  const std::string path = dir.File("x");
+  AlignedBuffer first(4096), refused(4096), read(8192);
+  FillPattern(first.span(), 1);
+  FillPattern(refused.span(), 2);
+  {
+    auto f = storage->Open(path, {.create = FileCreate::kCreate, .queue_depth = 4}).value();
+    ASSERT_TRUE(WriteAndWait(*f, 0, first.span()).ok());
+    IoRequest short_read = IoRequest::Read(0, read.span());  // 8 KiB of a 4 KiB file
+    ASSERT_TRUE(f->Submit(std::span(&short_read, 1)).ok());
+    IoRequest write = IoRequest::Write(8192, refused.span());
+    {
+      SubmitFault fault(EIO, 1);
+      ASSERT_TRUE(f->Submit(std::span(&write, 1)).ok());
+    }
+    IoRequest* done[2];
+    size_t reaped = 0;
+    while (reaped < 2) reaped += f->Reap(std::span(done).subspan(reaped), 1).value();
+    EXPECT_FALSE(write.status.ok());
+    EXPECT_FALSE(short_read.status.ok()) << "its remainder was not submitted";
+    EXPECT_EQ(f->InFlight(), 0u);
+    // Time for a write started behind the file's back to land.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(std::filesystem::file_size(path), 4096u) << "the refused write ran";
 }
 
 // EAGAIN (no memory for requests) and EBUSY (completion backlog) are waits,
