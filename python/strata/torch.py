@@ -1808,6 +1808,7 @@ class OffloadAdam(torch.optim.Optimizer):
                     self._adopt_into(t, begin, end, written, layout)
                 self._engine.write_state(i, t.data_ptr(), t.numel())
             self._engine.restore_counters(step, scaler)
+            self._forget_hand_over()
         except StrataError as e:
             raise StrataError(f"{e}\nOffloadAdam.load_state_dict: the state is partly "
                               "written; load it again (or load a checkpoint)") from e
@@ -1921,6 +1922,7 @@ class OffloadAdam(torch.optim.Optimizer):
                     arr[at:at + hi - lo] = flat_t
             self._engine.write_state(sg, arr.data_ptr(), arr.numel())
         self._engine.restore_counters(step, scaler)
+        self._forget_hand_over()
 
     # --- Strata extras ---
 
@@ -1950,6 +1952,12 @@ class OffloadAdam(torch.optim.Optimizer):
                 "scale of 1: config={'fp16': {'loss_scale': 1}}. Trainers that call "
                 "loss.backward() themselves need bfloat16 or float32 params")
 
+    def _forget_hand_over(self):
+        """After a load: the engine dropped the gradients handed over for the state it
+        replaced (RestoreCounters), so no param counts as reported any more."""
+        self._reported = bytearray(len(self._reg))
+        self._overlap_error = None
+
     def _refuse_mid_hand_over(self, op):
         """overlap_backward with several ranks: between a backward and step() the handed-over
         gradients are reduced over the engine's communicator, where a checkpoint's
@@ -1972,6 +1980,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._state_version += 1
         with self._on_current_stream():
             self._engine.load(os.fspath(directory))
+        self._forget_hand_over()
         self._mark_versions()  # the load wrote every param
         for gi, g in enumerate(self.param_groups):
             if self._engine_group[gi] is None:

@@ -254,3 +254,23 @@ def test_an_unscaled_fp16_backward_is_refused_before_anything_is_handed_over():
     opt.backward(loss_of(model, 0, torch.float16))
     opt.step()
     assert opt.step_count == 1 and len(recorder.ready) == len(list(model.parameters()))
+
+
+def test_a_load_between_backward_and_step_takes_the_next_backwards_gradients():
+    """load_state_dict() drops the gradients the backward before it handed over (the
+    engine's RestoreCounters): the next backward reports afresh, and the step takes
+    what .grad holds then, as without overlap (it used to raise "second gradient")."""
+    models = [make_model(torch.float32) for _ in range(2)]
+    opts = [make_opt(m, overlap) for m, overlap in zip(models, (False, True))]
+    for model, opt in zip(models, opts):
+        loss_of(model, 0, torch.float32).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opts[1].state_dict()
+    for model, opt in zip(models, opts):
+        loss_of(model, 1, torch.float32).backward()  # handed over, then replaced
+        opt.load_state_dict(saved)
+        loss_of(model, 2, torch.float32).backward()  # .grad: both backwards' sum
+        opt.step()
+        opt.zero_grad()
+    assert_same(*models)
