@@ -567,7 +567,7 @@ struct OffloadOptimizer::Impl {
     if (torn_count == 0) return "";
     std::vector<std::string> names;
     for (uint32_t i = 0; i < torn.size() && names.size() < 3; ++i) {
-      if (torn[i] != 0) names.push_back(tiers->Name(i));
+      if (torn[i] != kInLine) names.push_back(tiers->Name(i));
     }
     return fmt::format(
         "the state of {} of {} sub-groups ({}{}) may mix two states since {}; write it whole "
@@ -584,9 +584,19 @@ struct OffloadOptimizer::Impl {
     if (torn_count == 0 || (only && torn[*only] != kPartial)) return OkStatus();
     return FailedPreconditionError(fmt::format("{}: {}", op, TornText()));
   }
+  // Forgets the micro-step's reports (and a param reported twice).
   void ResetReadiness() {
     std::fill(ready_count.begin(), ready_count.end(), 0);
     std::fill(tensor_ready.begin(), tensor_ready.end(), 0);
+    ready_twice.clear();
+  }
+  // Drops the gradients handed over and not taken by a Step (once the
+  // hand-over's work on the grad stream is done) and the reports.
+  Status DropHandOver() {
+    STRATA_RETURN_IF_ERROR(device->StreamSynchronize(grad_stream));
+    grads->Consume();
+    ResetReadiness();
+    return OkStatus();
   }
 };
 
@@ -1792,7 +1802,6 @@ Status OffloadOptimizer::ZeroGrads(bool keep_handed_over) {
   // failed step awaiting retry (kept by the gradient path) and, for
   // ZeroGradTensors, the micro-steps that ReduceGradients summed.
   if (!m.pending && !keep_handed_over) {
-    STRATA_RETURN_IF_ERROR(dev.StreamSynchronize(m.grad_stream));
     if (m.grads->micro_steps() > 0 && !m.warned_dropped) {
       m.warned_dropped = true;
       LogWarning(fmt::format(
@@ -1802,12 +1811,10 @@ Status OffloadOptimizer::ZeroGrads(bool keep_handed_over) {
           "strata_optimizer_zero_grad_tensors). Warned once",
           m.grads->micro_steps()));
     }
-    m.grads->Consume();
-  } else {
-    m.grads->ResetMicroStep();
+    return m.DropHandOver();
   }
+  m.grads->ResetMicroStep();
   m.ResetReadiness();
-  m.ready_twice.clear();
   return OkStatus();
 }
 
@@ -2062,11 +2069,7 @@ Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& sc
   // The counters of a load: gradients handed over for the state it replaced
   // (a step refused before its update keeps them for the next Step) are
   // not for this one; nor are the current micro-step's reports.
-  STRATA_RETURN_IF_ERROR(m.device->StreamSynchronize(m.grad_stream));
-  m.grads->Consume();
-  m.ResetReadiness();
-  m.ready_twice.clear();
-  return OkStatus();
+  return m.DropHandOver();
 }
 
 // The param half of the pipeline for every sub-group, from the committed

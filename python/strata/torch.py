@@ -1578,8 +1578,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if all(self._grad_bufs[k].data_ptr() == self._reg[k].grad_ptr for k in problems):
             with self._on_current_stream():
                 self._engine.zero_grad()
-        self._reported = bytearray(len(self._reg))
-        self._overlap_error = None
+        self._forget_hand_over()
         for r, buf in zip(self._reg, self._grad_bufs):
             p = r.param
             compatible = (p.dtype == buf.dtype and p.device == buf.device and
@@ -1953,8 +1952,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 "loss.backward() themselves need bfloat16 or float32 params")
 
     def _forget_hand_over(self):
-        """After a load: the engine dropped the gradients handed over for the state it
-        replaced (RestoreCounters), so no param counts as reported any more."""
+        """No param counts as reported any more: after zero_grad(), and after a load (the
+        engine dropped the gradients handed over for the state it replaced)."""
         self._reported = bytearray(len(self._reg))
         self._overlap_error = None
 
