@@ -2506,9 +2506,11 @@ TEST(ReaderTest, OpenFilesStayBoundedWhateverTheNumberOfRanks) {
   auto counting = testing::FaultStorage::Create(
       std::move(*base), {.seed = seed, .before_io = [&](IoOp op, const std::string& path, auto) {
                            if (op != IoOp::kRead || !path.ends_with(".f32")) return;
-                           const size_t n = OpenFds();
+                           // Counted under the lock: two threads listing
+                           // /proc/self/fd at once would each see the
+                           // other's directory descriptor.
                            std::lock_guard<std::mutex> lock(mu);
-                           most = std::max(most, n);
+                           most = std::max(most, OpenFds());
                          }});
   const size_t before = OpenFds();
   {
