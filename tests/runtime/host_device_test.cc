@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -25,6 +26,21 @@ std::unique_ptr<Device> MakeHost(const HostDeviceOptions& options = {}) {
 }
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The fastest of three timed runs of `run`. A late wake-up of a worker or of
+// the test thread (a loaded machine, TSan) only makes a run slower: the
+// model's lower bounds hold for every run, and its upper bounds for the
+// fastest.
+template <typename F>
+double FastestOf3(F&& run) {
+  double best = 1e300;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = Clock::now();
+    run();
+    best = std::min(best, Seconds(Clock::now() - t0));
+  }
+  return best;
+}
 
 TEST(HostDevice, AllocationBeyondTheBudgetIsResourceExhausted) {
   auto dev = MakeHost({.memory_budget_bytes = 1 * kMiB});
@@ -74,11 +90,11 @@ TEST(HostDevice, BandwidthCapSetsTheCopyTime) {
   std::vector<char> host(kBytes, 1);
   auto stream = dev->CreateStream();
   ASSERT_TRUE(stream.ok());
-  const auto t0 = Clock::now();
-  ASSERT_TRUE(
-      dev->CopyAsync(d->data(), host.data(), kBytes, CopyKind::kHostToDevice, *stream).ok());
-  ASSERT_TRUE(dev->StreamSynchronize(*stream).ok());
-  const double secs = Seconds(Clock::now() - t0);
+  const double secs = FastestOf3([&] {
+    ASSERT_TRUE(
+        dev->CopyAsync(d->data(), host.data(), kBytes, CopyKind::kHostToDevice, *stream).ok());
+    ASSERT_TRUE(dev->StreamSynchronize(*stream).ok());
+  });
   const double expected = kBytes / kRate;  // 0.1 s
   EXPECT_GT(secs, 0.7 * expected);
   EXPECT_LT(secs, 1.5 * expected);
@@ -98,20 +114,24 @@ TEST(HostDevice, StreamsShareOneLinkPerDirection) {
   const double alone = kBytes / kRate;
 
   // Two H2D copies on two streams share the H2D link: about twice one copy.
-  auto t0 = Clock::now();
-  ASSERT_TRUE(dev->CopyAsync(da->data(), host_a.data(), kBytes, CopyKind::kHostToDevice, *sa).ok());
-  ASSERT_TRUE(dev->CopyAsync(db->data(), host_b.data(), kBytes, CopyKind::kHostToDevice, *sb).ok());
-  ASSERT_TRUE(dev->Synchronize().ok());
-  double secs = Seconds(Clock::now() - t0);
+  double secs = FastestOf3([&] {
+    ASSERT_TRUE(
+        dev->CopyAsync(da->data(), host_a.data(), kBytes, CopyKind::kHostToDevice, *sa).ok());
+    ASSERT_TRUE(
+        dev->CopyAsync(db->data(), host_b.data(), kBytes, CopyKind::kHostToDevice, *sb).ok());
+    ASSERT_TRUE(dev->Synchronize().ok());
+  });
   EXPECT_GT(secs, 0.7 * 2 * alone) << "two streams got more than the H2D link's bandwidth";
   EXPECT_LT(secs, 1.5 * 2 * alone);
 
   // H2D and D2H run on separate links, in parallel: about one copy's time.
-  t0 = Clock::now();
-  ASSERT_TRUE(dev->CopyAsync(da->data(), host_a.data(), kBytes, CopyKind::kHostToDevice, *sa).ok());
-  ASSERT_TRUE(dev->CopyAsync(host_b.data(), db->data(), kBytes, CopyKind::kDeviceToHost, *sb).ok());
-  ASSERT_TRUE(dev->Synchronize().ok());
-  secs = Seconds(Clock::now() - t0);
+  secs = FastestOf3([&] {
+    ASSERT_TRUE(
+        dev->CopyAsync(da->data(), host_a.data(), kBytes, CopyKind::kHostToDevice, *sa).ok());
+    ASSERT_TRUE(
+        dev->CopyAsync(host_b.data(), db->data(), kBytes, CopyKind::kDeviceToHost, *sb).ok());
+    ASSERT_TRUE(dev->Synchronize().ok());
+  });
   EXPECT_GT(secs, 0.7 * alone);
   EXPECT_LT(secs, 1.5 * alone) << "H2D and D2H did not overlap";
   EXPECT_EQ(host_b[12345], 2);
@@ -130,13 +150,13 @@ TEST(HostDevice, BackToBackCopiesKeepTheLinkBusy) {
   std::vector<char> host(kBytes, 1);
   auto stream = dev->CreateStream();
   ASSERT_TRUE(stream.ok());
-  const auto t0 = Clock::now();
-  for (int i = 0; i < kCopies; ++i) {
-    ASSERT_TRUE(
-        dev->CopyAsync(d->data(), host.data(), kBytes, CopyKind::kHostToDevice, *stream).ok());
-  }
-  ASSERT_TRUE(dev->StreamSynchronize(*stream).ok());
-  const double secs = Seconds(Clock::now() - t0);
+  const double secs = FastestOf3([&] {
+    for (int i = 0; i < kCopies; ++i) {
+      ASSERT_TRUE(
+          dev->CopyAsync(d->data(), host.data(), kBytes, CopyKind::kHostToDevice, *stream).ok());
+    }
+    ASSERT_TRUE(dev->StreamSynchronize(*stream).ok());
+  });
   const double expected = kCopies * kBytes / kRate;  // 82 ms
   EXPECT_GT(secs, 0.95 * expected) << "the copies beat the link's bandwidth";
   EXPECT_LT(secs, 1.5 * expected) << "the link idled between queued copies";
@@ -147,13 +167,13 @@ TEST(HostDevice, LatencyIsAddedToEachCopy) {
   auto d = dev->Allocate(64);
   ASSERT_TRUE(d.ok());
   char host[64] = {};
-  const auto t0 = Clock::now();
-  for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(
-        dev->CopyAsync(d->data(), host, 64, CopyKind::kHostToDevice, dev->DefaultStream()).ok());
-  }
-  ASSERT_TRUE(dev->Synchronize().ok());
-  const double secs = Seconds(Clock::now() - t0);
+  const double secs = FastestOf3([&] {
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(
+          dev->CopyAsync(d->data(), host, 64, CopyKind::kHostToDevice, dev->DefaultStream()).ok());
+    }
+    ASSERT_TRUE(dev->Synchronize().ok());
+  });
   EXPECT_GT(secs, 0.7 * 0.06);
   EXPECT_LT(secs, 1.5 * 0.06 + 0.05);
 }

@@ -7,14 +7,21 @@
 #   check_gpu_train_figures.sh <source dir> <build dir> <scratch dir>
 set -euo pipefail
 src=$1 build=$2 work=$3
-fail() { echo "check_gpu_train_figures: $*"; exit 1; }
+# A failure shows the run's log too (where it is), to tell a hang, a killed
+# run or a wrong line apart.
+fail() {
+  echo "check_gpu_train_figures: $*"
+  for log in "$work"/out/*.log; do [ -f "$log" ] && { echo "--- $log"; tail -n 40 "$log"; }; done
+  exit 1
+}
 rm -rf "$work" && mkdir -p "$work"
 # A python3 without torch first on PATH (a venv without system packages).
 /usr/bin/python3 -m venv --without-pip "$work/venv" || { echo "SKIPPED: no venv module"; exit 77; }
 if "$work/venv/bin/python3" -c "import torch" 2>/dev/null; then fail "the venv has torch"; fi
 set +e
 out=$(cd "$work" && env -u PYTHONPATH -u STRATA_PYTHON PATH="$work/venv/bin:$PATH" \
-      "$src/scripts/gpu-train-figures" --smoke --only 2b --build-dir "$build" --out "$work/out" 2>&1)
+      "$src/scripts/gpu-train-figures" --smoke --only 2b --build-dir "$build" --out "$work/out" \
+      --run-timeout 240 2>&1)
 rc=$?
 set -e
 echo "$out"
