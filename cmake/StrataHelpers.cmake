@@ -3,8 +3,13 @@
 include_guard(GLOBAL)
 include(GNUInstallDirs)
 
-# GCC 12 reports false maybe-uninitialized warnings through std::optional.
+# GCC 12 reports false maybe-uninitialized warnings through std::optional,
+# and false restrict warnings in std::string's inlined copies ("a" +
+# std::to_string(n): GCC bug 105329, fixed in GCC 13).
 set(STRATA_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-maybe-uninitialized)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
+  list(APPEND STRATA_WARNINGS -Wno-restrict)
+endif()
 
 # strata_cc_library(NAME name SRCS ... [DEPS ...] [PRIVATE_DEPS ...])
 # Creates strata_<name> and its alias strata::<name> (exported under the same

@@ -106,7 +106,7 @@ struct SaveOptions {
   uint32_t queue_depth = 8;           // chunk writes in flight per file
   DirectIo direct = DirectIo::kAuto;  // data files: O_DIRECT where the filesystem allows
   uint32_t keep_checkpoints = 2;      // saves kept after publishing (values < 2 mean 2)
-  TensorShapes shapes;                // recorded in the manifest; each product == elems
+  TensorShapes shapes{};              // recorded in the manifest; each product == elems
 };
 
 enum class Reshard : uint8_t {
@@ -119,7 +119,7 @@ struct LoadOptions {
   uint32_t queue_depth = 8;
   DirectIo direct = DirectIo::kAuto;
   Reshard reshard = Reshard::kAllow;
-  TensorShapes shapes;  // when given, a saved shape must equal it (not just the elems)
+  TensorShapes shapes{};  // when given, a saved shape must equal it (not just the elems)
   // When set, receives the shapes the loaded save recorded (empty when it
   // recorded none) once the load succeeds: a front end that was given no
   // shapes (the C API's trainer before strata_optimizer_set_param_shape)
@@ -142,7 +142,7 @@ struct CheckpointTensor {
   uint64_t elems = 0;
   // The trainer's shape (product == elems; {} is a scalar); nullopt when the
   // save recorded none (read it as [elems]).
-  std::optional<std::vector<uint64_t>> shape;
+  std::optional<std::vector<uint64_t>> shape{};
 };
 
 struct CheckpointFile {
@@ -205,8 +205,8 @@ struct ReaderOptions {
   // Verify's progress lines on the log (work of more than ~2 s, as save
   // and load): "<verify_what>: 1.20 GiB of 4.30 GiB (27%), ..."; empty:
   // "verify <save directory>".
-  std::string verify_what;
-  ProgressOptions progress;
+  std::string verify_what{};
+  ProgressOptions progress{};
 };
 
 // Reads a checkpoint: the save latest.json names (or DIR itself when it is a
@@ -250,7 +250,7 @@ class CheckpointReader {
 };
 
 struct ExportOptions {
-  ReaderOptions reader;
+  ReaderOptions reader{};
   // F32, BF16 (round to nearest even, as the engine writes bf16 params) or F16.
   DType dtype = DType::kF32;
   // 0: one file. Otherwise the output is a directory in the Hugging Face
@@ -269,7 +269,7 @@ struct ExportOptions {
   uint64_t buffer_bytes = 32 << 20;
   // Polled once per part (buffer_bytes / 2); true stops the export (Cancelled).
   // A front end's Ctrl-C (the Python module checks its signals here).
-  std::function<bool()> interrupted;
+  std::function<bool()> interrupted{};
 };
 
 struct ExportResult {

@@ -56,7 +56,7 @@ class IoPump {
     uint32_t slot = 0;          // requests on one slot run in submission order
     // Runs on the pump thread when the request finished; its result is what
     // the future gives (the place to add context). Empty: the store's status.
-    std::function<Status(uint64_t begin_ns, uint64_t end_ns, Status)> on_done;
+    std::function<Status(uint64_t begin_ns, uint64_t end_ns, Status)> on_done{};
   };
 
   explicit IoPump(StateStore& store);
@@ -71,9 +71,9 @@ class IoPump {
  private:
   struct Entry {
     Request request;
-    std::promise<Status> done;
+    std::promise<Status> done{};
     bool started = false;
-    StateStore::Ticket ticket;
+    StateStore::Ticket ticket{};
     uint64_t begin_ns = 0;
   };
   void Run();

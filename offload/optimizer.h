@@ -118,7 +118,7 @@ struct EngineContext {
   // sees the updates. {}: device->DefaultStream(), which on CUDA is the
   // legacy default stream (native stream 0), where a trainer that names no
   // stream runs its kernels.
-  StreamRef stream;
+  StreamRef stream{};
   // Where the engine records its timeline while the recorder is enabled
   // (runtime/trace.h); nullptr: no trace. Several optimizers may share one.
   TraceRecorder* trace = nullptr;
@@ -126,7 +126,7 @@ struct EngineContext {
 
 // One trainer tensor.
 struct Param {
-  std::string name;      // optional, UTF-8; checkpoints and exports use it
+  std::string name{};    // optional, UTF-8; checkpoints and exports use it
   void* data = nullptr;  // device memory, config.param_dtype
   void* grad = nullptr;  // device memory, config.grad_dtype
   uint64_t elems = 0;

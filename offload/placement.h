@@ -152,7 +152,7 @@ struct NvmePathSpace {
 struct MachineLimits {
   uint64_t host_available_bytes = 0;  // memory available now (MemAvailable, or a cgroup's room)
   uint64_t host_total_bytes = 0;      // for the message only
-  std::string host_memory_note;       // for the message: HostMemory::limit_note()
+  std::string host_memory_note{};     // for the message: HostMemory::limit_note()
   uint64_t memlock_bytes = 0;         // `ulimit -l`; 0 or kUnlimitedBytes: no warning
   uint32_t ranks_per_node = 1;        // ranks that share this machine's memory
   std::vector<NvmePathSpace> nvme{};  // one per nvme_path, in config order

@@ -106,7 +106,7 @@ struct StateStoreOptions {
   // when all ran: PayloadHash and VerifyPayload hash an extent's 1 MiB
   // pieces with it (the engine passes its CPU optimizer's threads). Empty:
   // the calling thread.
-  std::function<void(size_t n, const std::function<void(size_t, size_t)>& body)> parallel_for;
+  std::function<void(size_t n, const std::function<void(size_t, size_t)>& body)> parallel_for{};
 };
 
 // Locks `strata-rank<rank>.lock` in each directory, as a store does while it

@@ -49,8 +49,8 @@ uint64_t AgreeModulus(uint32_t world);
 struct ScheduledUpdate {
   uint32_t sub_group = 0;
   uint32_t slot = 0;
-  std::vector<uint32_t> fetch;       // positions
-  std::vector<uint32_t> read_after;  // sub-groups
+  std::vector<uint32_t> fetch{};       // positions
+  std::vector<uint32_t> read_after{};  // sub-groups
 };
 
 struct PipelineSchedule {

@@ -70,7 +70,7 @@ struct AtomicWriteOptions {
   uint32_t queue_depth = 4;        // write requests in flight
   // Called with each chunk as it is written, in file order, padding
   // included (checksums of what reaches the disk).
-  std::function<void(std::span<const std::byte>)> on_chunk;
+  std::function<void(std::span<const std::byte>)> on_chunk{};
   // The file's final size (padding included) when known: Create reserves it
   // (a full disk fails before the first byte is written), and the writes
   // then land inside the file, which a filesystem serves faster than writes

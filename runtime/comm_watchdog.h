@@ -113,8 +113,8 @@ class CommWatchdog {
     // when the stream reaches `start`.
     bool in_call = false;
     std::optional<std::chrono::steady_clock::time_point> started_at;
-    Event start;
-    Event end;
+    Event start{};
+    Event end{};
   };
   using Clock = std::chrono::steady_clock;
 

@@ -87,7 +87,7 @@ struct ProgressOptions {
   double interval_sec = 1.0;  // then at most one line per interval
   LogLevel level = LogLevel::kInfo;
   // Seconds on a monotonic clock; empty: std::chrono::steady_clock. For tests.
-  std::function<double()> clock;
+  std::function<double()> clock{};
 };
 
 // Reports the progress of one piece of work of `total` units (0: unknown;

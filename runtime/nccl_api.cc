@@ -16,7 +16,7 @@ namespace {
 #endif
 
 struct Loaded {
-  NcclApi api;
+  NcclApi api{};
   Status status;
 };
 

@@ -65,7 +65,7 @@ struct FaultOptions {
   // On the thread that submits the request, before the faults are drawn;
   // `buffer`: what this attempt reads into or writes from.
   std::function<void(IoOp op, const std::string& path, std::span<const std::byte> buffer)>
-      before_io;
+      before_io{};
 };
 
 struct FaultStats {

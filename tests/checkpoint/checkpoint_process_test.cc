@@ -474,7 +474,9 @@ TEST(CliTest, ExportOutputPathsAreCheckedAndPrintedAsGiven) {
   EXPECT_EQ(r.code, 2) << "InvalidArgument is a usage error: " << r.out;
   EXPECT_NE(r.err.find("InvalidArgument"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("the output path is empty"), std::string::npos) << r.err;
-  if (!root_file_before) EXPECT_FALSE(std::filesystem::exists("/model.safetensors"));
+  if (!root_file_before) {
+    EXPECT_FALSE(std::filesystem::exists("/model.safetensors"));
+  }
 
   r = RunStrata("export " + dir.path() + " " + tmp.File("ee.safetensors/"), tmp);
   EXPECT_EQ(r.code, 0) << r.err;

@@ -684,7 +684,9 @@ TEST_F(ExportShapedTest, OutputPathsAreCheckedAndJoinedAsGiven) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
     ExpectMentions(r.status(), "the output path is empty");
   }
-  if (!root_file_before) EXPECT_FALSE(fs::exists("/model.safetensors"));
+  if (!root_file_before) {
+    EXPECT_FALSE(fs::exists("/model.safetensors"));
+  }
 
   TempDir out;
   auto one = ExportSafetensors(ckpt_.path(), out.File("one/"));

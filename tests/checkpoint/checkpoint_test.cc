@@ -1872,7 +1872,10 @@ TEST(StatePiecesTest, ALoadZeroesThePaddingWhateverTheStateHeld) {
     for (uint32_t i = 0; i < o.sub_groups().size(); ++i) {
       const ElemRange sg = o.sub_groups()[i];
       std::vector<uint8_t> covered(sg.elems(), 0);
-      for (const TensorPiece& p : *PiecesInRange(o.layout(), sg)) {
+      // (Held: a range-for over *PiecesInRange(...) reads a destroyed temporary.)
+      const auto pieces = PiecesInRange(o.layout(), sg);
+      ASSERT_TRUE(pieces.ok()) << pieces.status();
+      for (const TensorPiece& p : *pieces) {
         std::fill_n(covered.begin() + (p.flat_offset_elems - sg.begin), p.elems, 1);
       }
       for (uint64_t k = 0; k < sg.elems(); ++k) {
@@ -2403,7 +2406,9 @@ TEST(ReaderTest, ConsecutiveReadsFindTheNextChunksReadAhead) {
     const uint64_t lo = c * per_chunk, hi = std::min(n, lo + per_chunk);
     Status s = reader->ReadFlat(0, {lo, hi}, std::span(got).subspan(lo, hi - lo));
     ASSERT_TRUE(s.ok()) << "chunk " << c << ": " << s;
-    if (c == 0) EXPECT_EQ(submitted.load(), 4) << "the first call leaves 3 chunks in flight";
+    if (c == 0) {
+      EXPECT_EQ(submitted.load(), 4) << "the first call leaves 3 chunks in flight";
+    }
   }
   EXPECT_EQ(got, want);
   const uint64_t chunks = info.ranks[0].files[0].chunk_xxh3.size();

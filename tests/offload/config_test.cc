@@ -197,7 +197,9 @@ TEST(ConfigTest, IgnoredKeysThatChangeTrainingWarnEveryTime) {
       ++accumulation;
     }
     EXPECT_FALSE(Contains(m, "gradient_accumulation_steps = 1")) << m;
-    if (Contains(m, "tensorboard")) EXPECT_EQ(l, LogLevel::kInfo) << m;
+    if (Contains(m, "tensorboard")) {
+      EXPECT_EQ(l, LogLevel::kInfo) << m;
+    }
   }
   EXPECT_EQ(scheduler, 2u) << ::testing::PrintToString(lines);
   EXPECT_EQ(accumulation, 2u) << ::testing::PrintToString(lines);

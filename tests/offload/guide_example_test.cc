@@ -31,7 +31,7 @@ using namespace strata;
 // real framework these are its tensors' device pointers.
 struct Tensor {
   std::string name;
-  DeviceBuffer data, grad;
+  DeviceBuffer data{}, grad{};
   uint64_t elems = 0;
 };
 

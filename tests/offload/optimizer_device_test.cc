@@ -387,7 +387,9 @@ class EngineOnDevice : public ::testing::Test {
              std::unique_ptr<OffloadOptimizer>& opt, std::optional<ReferenceOptimizer>& ref) {
     auto master = model.SetParams(rng, trainer);
     ASSERT_TRUE(master.ok()) << master.status();
-    if (sync_params) ASSERT_TRUE(device_->StreamSynchronize(trainer).ok());
+    if (sync_params) {
+      ASSERT_TRUE(device_->StreamSynchronize(trainer).ok());
+    }
     auto made = MakeOptimizer(config, model, engine_stream);
     ASSERT_TRUE(made.ok()) << made.status();
     opt = *std::move(made);

@@ -50,7 +50,7 @@ constexpr int kCpuThreads = 2;
 #endif
 
 struct Case {
-  std::string name;
+  std::string name{};
   Where where = Where::kHost;
   DType param_dtype = DType::kBF16;
   DType grad_dtype = DType::kF32;
@@ -883,7 +883,9 @@ void RunRanks(int world, double max_grad_norm, DType grad_dtype = DType::kF32,
   for (int r = 0; r < world; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_EQ(opts[r]->step_count(), kSteps);
-    if (max_grad_norm > 0) EXPECT_LT(opts[r]->last_step().clip_coef, 1.0f);
+    if (max_grad_norm > 0) {
+      EXPECT_LT(opts[r]->last_step().clip_coef, 1.0f);
+    }
     // Bitwise the reference's with the rank-ordered average, clipped or not:
     // the statistics follow one defined order on every path.
     ExpectSameAsReference(*opts[r], *models[r], ref);

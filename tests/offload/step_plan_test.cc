@@ -190,7 +190,9 @@ TEST(MakeSchedule, InvariantsHoldForRandomLayouts) {
       const uint32_t i = seq[q];
       ASSERT_NE(read_at[i], -2) << "NVMe sub-group " << i << " never read ahead";
       ASSERT_LT(read_at[i], position_of[i]);  // queued before its update
-      if (q < buffers) ASSERT_EQ(read_at[i], -1);
+      if (q < buffers) {
+        ASSERT_EQ(read_at[i], -1);
+      }
     }
   }
 }

@@ -94,7 +94,9 @@ TEST(TensorMap, PiecesPaddingAndBucketsAgreeWithTheLayout) {
           for (int q = 0; q < world; ++q) {
             const ElemRange other = *ShardRange(layout, static_cast<uint32_t>(q));
             const std::vector<ElemRange> qs = *CutSubGroups(other, sub_group_elems);
-            for (const TensorPiece& tp : *PiecesInRange(layout, qs[i])) expect += tp.elems;
+            const auto pieces = PiecesInRange(layout, qs[i]);
+            ASSERT_TRUE(pieces.ok()) << pieces.status();
+            for (const TensorPiece& tp : *pieces) expect += tp.elems;
           }
           EXPECT_EQ(packed, expect) << where << " sub-group " << i;
         } else {
