@@ -271,6 +271,11 @@ Status ValidateCommon(const CheckpointInfo& info) {
         fmt::format("optimizer is '{}'; a save holds the state of Adam, AdamW, Adagrad or Lion",
                     info.optimizer));
   }
+  if (const std::vector<std::string> names = StateArrayNames(*type); info.arrays != names) {
+    return InvalidArgumentError(fmt::format("arrays are [{}]; a save of {} holds [{}]",
+                                            fmt::join(info.arrays, ", "), info.optimizer,
+                                            fmt::join(names, ", ")));
+  }
   if (info.param_dtype != "fp32" && info.param_dtype != "bf16" && info.param_dtype != "fp16") {
     return InvalidArgumentError(fmt::format(
         "param_dtype is '{}'; a save's params are fp32, bf16 or fp16", info.param_dtype));

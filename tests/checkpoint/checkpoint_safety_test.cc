@@ -190,6 +190,16 @@ TEST(ValidatorTest, ReadersRefuseWhatLoadRefusesNamingTheField) {
          }
        }},
       {"optimizer is 'SGD'", [](nlohmann::json& j) { j["optimizer"] = "SGD"; }},
+      // Arrays renamed in step with their files: only "master" was checked,
+      // so readers took a momentum array as exp_avg.
+      {"arrays are [master, momentum, exp_avg_sq]; a save of AdamW holds [master, exp_avg, "
+       "exp_avg_sq]",
+       [](nlohmann::json& j) {
+         j["arrays"][1] = "momentum";
+         for (auto& f : j["files"]) {
+           if (f["array"] == "exp_avg") f["array"] = "momentum";
+         }
+       }},
       {"param_dtype is 'int8'", [](nlohmann::json& j) { j["param_dtype"] = "int8"; }},
       {"has shape [3, 3] but 1000 elems",
        [](nlohmann::json& j) {
