@@ -136,4 +136,13 @@ Result<std::vector<TensorPiece>> PiecesInRange(const FlatLayout& layout, ElemRan
   return pieces;
 }
 
+Result<uint64_t> CountPieces(const FlatLayout& layout, std::span<const ElemRange> ranges) {
+  uint64_t n = 0;
+  for (const ElemRange& r : ranges) {
+    STRATA_ASSIGN_OR_RETURN(std::vector<TensorPiece> pieces, PiecesInRange(layout, r));
+    n += pieces.size();
+  }
+  return n;
+}
+
 }  // namespace strata

@@ -115,4 +115,7 @@ Result<std::vector<ElemRange>> CutSubGroups(ElemRange range, uint64_t sub_group_
 // or ends past total_elems.
 Result<std::vector<TensorPiece>> PiecesInRange(const FlatLayout& layout, ElemRange range);
 
+// The number of tensor pieces in all of `ranges` (PiecesInRange of each).
+Result<uint64_t> CountPieces(const FlatLayout& layout, std::span<const ElemRange> ranges);
+
 }  // namespace strata

@@ -783,6 +783,7 @@ Status OffloadOptimizer::Impl::InitPlan(std::span<const ParamGroup> groups) {
   std::vector<uint64_t> sizes;
   for (const ElemRange& r : sub_groups) sizes.push_back(r.elems());
   PlacementInputs inputs = PlacementInputsFor(config, sizes, static_cast<uint32_t>(world));
+  STRATA_ASSIGN_OR_RETURN(inputs.tensor_pieces, CountPieces(layout, sub_groups));
   // Preflight: refuse a plan this machine cannot hold (placement.h, step 5).
   inputs.machine = ProbeMachineLimits(
       inputs.nvme == NvmeTier::kAvailable ? std::span<const std::string>(config.nvme_paths)

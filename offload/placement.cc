@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 
+#include "kernels/kernels.h"
 #include "runtime/log.h"
 #include "runtime/machine.h"
 #include "runtime/units.h"
@@ -451,10 +452,14 @@ Result<PlacementPlan> PlanTiers(const PlacementInputs& in) {
   const uint64_t shard_elems = sh.cum_elems[n];
 
   // Device staging that does not depend on the split. The gradient
-  // statistics (16 B per piece and per 4096 elements: GradStatsBufferBytes,
-  // counting a piece per sub-group) and the 4 KiB control block that carries
-  // the all-reduced doubles, on the device and mirrored in pinned host memory.
-  sh.stats_bytes = 16 * ((shard_elems + 4095) / 4096 + n) + 4096;
+  // statistics: GradStatsBufferBytes per piece, a 16 B total and 16 B per
+  // started block of 4096 elements, so at most 16 B x (2 per piece + the
+  // shard's blocks); and the 4 KiB control block that carries the
+  // all-reduced doubles. On the device and mirrored in pinned host memory.
+  static_assert(sizeof(kernels::DeviceGradStats) == 16 &&
+                kernels::kGradStatsBlockElemsDevice == 4096);
+  const uint64_t pieces = std::max<uint64_t>(in.tensor_pieces, n);
+  sh.stats_bytes = 16 * (2 * pieces + (shard_elems + 4095) / 4096) + 4096;
   sh.device_buffers.push_back({"grad stats", Tier::kDevice, 1, sh.stats_bytes});
   if (!one_rank) {
     // A bucket holds every rank's block: world_size x the largest sub-group,

@@ -208,6 +208,9 @@ struct PlacementInputs {
   // budget).
   bool auto_sub_groups = false;
   MachineLimits machine{};         // the preflight's view of the machine (step 5)
+  // The shard's (tensor, sub-group) pieces (CountPieces): the gradient
+  // statistics keep a record per piece. 0: one per sub-group.
+  uint64_t tensor_pieces = 0;
 };
 
 struct SubGroupPlacement {

@@ -167,6 +167,7 @@ Status RunPlan(const PlanArgs& args) {
   std::vector<uint64_t> sizes;
   for (const ElemRange& g : groups) sizes.push_back(g.elems());
   PlacementInputs inputs = PlacementInputsFor(config, sizes, args.world_size);
+  STRATA_ASSIGN_OR_RETURN(inputs.tensor_pieces, CountPieces(layout, groups));
   if (!args.no_preflight) {
     inputs.machine = ProbeMachineLimits(
         inputs.nvme == NvmeTier::kAvailable ? std::span<const std::string>(config.nvme_paths)

@@ -1470,6 +1470,41 @@ TEST(EngineGradients, AccumulationBeyondTheDeviceBudgetIsRefused) {
   EXPECT_EQ(opt->last_step().micro_steps, 1u);
 }
 
+// A device with exactly the plan's device bytes holds what Create allocates
+// there (the trainer's tensors are host memory here, outside the budget).
+// The gradient statistics were planned as one piece per sub-group, 32 B
+// short for each further tensor: with thousands of small tensors the plan
+// said "fits" and Create then ran out of the device's memory.
+TEST(EnginePlan, ADeviceOfThePlansBytesHoldsTheEngine) {
+  constexpr uint32_t kTensors = 3000;
+  OffloadConfig config = MakeConfig({.grad_dtype = DType::kBF16, .sub_group_elems = 1 << 14});
+  std::vector<std::vector<uint16_t>> data(kTensors), grad(kTensors);
+  std::vector<ParamGroup> groups(1);
+  ParamGroup& group = groups[0];
+  for (uint32_t i = 0; i < kTensors; ++i) {
+    const uint64_t elems = 1 + i % 97;
+    data[i].assign(elems, 0x3f80);  // 1.0 in bf16
+    grad[i].assign(elems, 0x3c00);  // 2^-7
+    group.params.push_back({.data = data[i].data(), .grad = grad[i].data(), .elems = elems});
+  }
+  auto create = [&](Device& device) {
+    return OffloadOptimizer::Create({.device = &device}, config, groups);
+  };
+  uint64_t planned = 0;
+  {
+    auto unlimited = *CreateHostDevice({.external_memory = ExternalMemory::kAccept});
+    auto probe = create(*unlimited);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    planned = (*probe)->plan().device_total_bytes();
+  }
+  auto device = *CreateHostDevice(
+      {.memory_budget_bytes = planned, .external_memory = ExternalMemory::kAccept});
+  auto opt = create(*device);
+  ASSERT_TRUE(opt.ok()) << opt.status() << " (the plan's device bytes: " << planned << ")";
+  ASSERT_TRUE((*opt)->Step().ok());
+  EXPECT_EQ((*opt)->step_count(), 1);
+}
+
 TEST(EngineGradients, GradReadyInAnyOrderGivesTheSameStep) {
   OneRank r(Case{.sub_group_elems = 300}, TestSeed());
   auto grads = r.Grads();

@@ -37,10 +37,11 @@ PlacementInputs Small() {
 }
 
 // The gradient statistics and the control block, pinned on the host and
-// allocated on the device alike: 16 B per 4096 elements and per sub-group,
-// and 4 KiB.
-constexpr uint64_t StatsBytes(uint64_t shard_elems, uint64_t sub_groups) {
-  return 16 * ((shard_elems + 4095) / 4096 + sub_groups) + 4096;
+// allocated on the device alike: 16 B per piece of a tensor in a sub-group
+// (here one piece each) and per started block of 4096 elements of a piece
+// (at most one more block per piece than the shard has), and 4 KiB.
+constexpr uint64_t StatsBytes(uint64_t shard_elems, uint64_t pieces) {
+  return 16 * (2 * pieces + (shard_elems + 4095) / 4096) + 4096;
 }
 constexpr uint64_t kSmallStats = StatsBytes(350, 4);
 
@@ -88,11 +89,30 @@ TEST(PlacementTest, EverythingFitsInHost) {
   EXPECT_EQ(p->buffers[2].name, "grad stats");
   EXPECT_EQ(p->buffers[2].tier, Tier::kHost);
   EXPECT_EQ(p->buffers[2].total_bytes(), kSmallStats);
-  // One rank: the device holds only the statistics (16 bytes per 4096
-  // elements and per sub-group, and the control block), no bucket.
+  // One rank: the device holds only the statistics (16 bytes per piece,
+  // 16 per started block of 4096 elements of a piece, and the control
+  // block), no bucket.
   EXPECT_EQ(p->buffers[3].name, "grad stats");
   EXPECT_EQ(p->buffers[3].tier, Tier::kDevice);
-  EXPECT_EQ(p->device_staging_bytes, 16u * (1 + 4) + 4096);
+  EXPECT_EQ(p->device_staging_bytes, 16u * (2 * 4 + 1) + 4096);
+}
+
+// Many tensors: a record per (tensor, sub-group) piece, on both sides. One
+// piece per sub-group was planned whatever the tensors, 32 B short for each
+// further piece (EnginePlan.ADeviceOfThePlansBytesHoldsTheEngine).
+TEST(PlacementTest, TheStatisticsGrowWithTheTensorPieces) {
+  PlacementInputs in = Small();
+  in.host_budget_bytes = 1 << 20;
+  in.tensor_pieces = 3000;
+  Result<PlacementPlan> p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->buffers[2].total_bytes(), StatsBytes(350, 3000));
+  EXPECT_EQ(p->device_staging_bytes, StatsBytes(350, 3000));
+  // Fewer pieces than sub-groups cannot be: at least one each.
+  in.tensor_pieces = 1;
+  p = PlanPlacement(in);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->device_staging_bytes, kSmallStats);
 }
 
 // Several ranks: the reduced shard waits on the host for the decision (in
@@ -532,13 +552,14 @@ TEST(PreflightTest, NothingCheckedByDefault) {
 }
 
 TEST(PreflightTest, StateLargerThanMemoryWithoutNvmeNamesTheNumbersAndTheKnob) {
-  PlacementInputs in = Small();  // unlimited host: all 4200 B of state + 6576 staging pinned
+  PlacementInputs in = Small();  // unlimited host: all 4200 B of state + 6640 staging pinned
   in.machine = {.host_available_bytes = 10000, .host_total_bytes = 16384};
   Result<PlacementPlan> p = PlanPlacement(in);
   ASSERT_EQ(p.status().code(), StatusCode::kResourceExhausted);
   const std::string m(p.status().message());
-  EXPECT_TRUE(Contains(m, "the plan pins 10.52 KiB of host memory (4.10 KiB state + 6.42 KiB "
-                          "staging) but this machine has 9.77 KiB available (16.00 KiB total)"))
+  EXPECT_TRUE(Contains(m,
+                       "the plan pins 10.59 KiB of host memory (4.10 KiB state + 6.48 KiB "
+                       "staging) but this machine has 9.77 KiB available (16.00 KiB total)"))
       << m;
   EXPECT_TRUE(Contains(m, "offload_optimizer.device to \"nvme\" with an nvme_path and "
                           "strata.host_budget to at most 9.77 KiB"))
