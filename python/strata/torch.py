@@ -1336,7 +1336,9 @@ class OffloadAdam(torch.optim.Optimizer):
             "in the pickle (harmless inside a scheduler's state_dict, e.g. torch 1.13's "
             "OneCycleLR). To save the optimizer, save optimizer.state_dict() or call "
             "save_checkpoint(dir)", stacklevel=_outside_stacklevel())
-        return (_PickledOffloadAdam, (self._engine.step_count,))
+        steps = (self._closed_step_count if isinstance(self._engine, _Closed)
+                 else self._engine.step_count)
+        return (_PickledOffloadAdam, (steps,))
 
     @_one_thread
     def close(self):
@@ -1353,6 +1355,10 @@ class OffloadAdam(torch.optim.Optimizer):
             if owner is not None and owner() is self:
                 del _OWNERS[id(r.param)]
         _NVME_HOLDERS.discard(self)
+        self._closed_step_count = self._engine.step_count  # for a pickle after close
+        # The engine's grad buffers (model-sized; GPU memory on CUDA) stay only where a
+        # param's .grad still points at one.
+        self._grad_bufs = []
         self._engine = _Closed()
 
     def __enter__(self):
@@ -1457,25 +1463,7 @@ class OffloadAdam(torch.optim.Optimizer):
                                "again")
         self._refuse_unscaled("step")
         self._check_handed_grads()
-        moved = self._check_params("step")
-        written = self._written(moved)
-        # The params a load kept as they were, now compared with its master weights: a
-        # model loaded since (a consistent resume) matches them and keeps their fp32
-        # precision; one never loaded goes on from its own weights, as with torch.optim.
-        untouched = sorted(set(self._deferred) - set(written))
-        if written or untouched:
-            self._state_version += 1
-            differing, total = self._adopt(untouched), self._shard_elems(untouched)
-            self._adopt(written)
-            self._mark_versions()
-            if differing * 2 > total > 0:
-                warnings.warn(
-                    f"OffloadAdam.step: the model's params differed from the loaded "
-                    f"state_dict's master weights in {differing} of {total} elements, and "
-                    "were not written since: training goes on from the model's own weights, "
-                    "as with torch.optim. To resume the saved weights, load the model's "
-                    "state_dict too (before or after the optimizer's), or load_checkpoint()",
-                    stacklevel=_outside_stacklevel())
+        self._take_trainer_writes("step")
         self._sync_hypers()
         no_grad = []
         for k, (r, buf) in enumerate(zip(self._reg, self._grad_bufs)):
@@ -1531,6 +1519,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._state_version += 1
         self._run("retry_step")
         self._mark_versions()  # the retry wrote every param
+        self._scaled = False  # the next step needs a scaled backward of its own
 
     @_one_thread
     @torch.no_grad()
@@ -1575,15 +1564,23 @@ class OffloadAdam(torch.optim.Optimizer):
         # The engine zeroes what it holds; a grad buffer changed otherwise (model.half()
         # gives it new storage of another dtype) is left to step(), which names it.
         _, problems = self._check_params("zero_grad", strict=False)
-        if all(self._grad_bufs[k].data_ptr() == self._reg[k].grad_ptr for k in problems):
+        engine_zeroes = all(self._grad_bufs[k].data_ptr() == self._reg[k].grad_ptr
+                            for k in problems)
+        if engine_zeroes:
             with self._on_current_stream():
                 self._engine.zero_grad()
         self._forget_hand_over()
+        self._scaled = False  # a scaled backward's gradients are gone with them
         for r, buf in zip(self._reg, self._grad_bufs):
             p = r.param
             compatible = (p.dtype == buf.dtype and p.device == buf.device and
                           p.shape == buf.shape)
-            p.grad = None if set_to_none or not compatible else buf
+            if set_to_none or not compatible:
+                p.grad = None
+            else:
+                if not engine_zeroes:
+                    buf.zero_()  # the engine zeroed none: the next backward adds to it
+                p.grad = buf
 
     def _pack_groups(self):
         groups = []
@@ -1932,9 +1929,36 @@ class OffloadAdam(torch.optim.Optimizer):
         self._refuse_if_failed("save_checkpoint")
         self._refuse_if_comm_failed("save_checkpoint")
         self._refuse_mid_hand_over("save_checkpoint")
+        # Weights the trainer wrote since the last step (a pretrained model loaded after
+        # building the optimizer) are what the next step would train from: saved too.
+        self._take_trainer_writes("save_checkpoint")
         self._sync_hypers()
         with self._on_current_stream():
             self._engine.save(os.fspath(directory))
+
+    def _take_trainer_writes(self, op):
+        """The params' values as master weights where the trainer wrote them since the
+        optimizer last did (model.load_state_dict, in-place ops under no_grad, a replaced
+        storage): before a step uses the master weights, and before a save writes them."""
+        moved = self._check_params(op)
+        written = self._written(moved)
+        # The params a load kept as they were, now compared with its master weights: a
+        # model loaded since (a consistent resume) matches them and keeps their fp32
+        # precision; one never loaded goes on from its own weights, as with torch.optim.
+        untouched = sorted(set(self._deferred) - set(written))
+        if written or untouched:
+            self._state_version += 1
+            differing, total = self._adopt(untouched), self._shard_elems(untouched)
+            self._adopt(written)
+            self._mark_versions()
+            if differing * 2 > total > 0:
+                warnings.warn(
+                    f"OffloadAdam.{op}: the model's params differed from the loaded "
+                    f"state_dict's master weights in {differing} of {total} elements, and "
+                    "were not written since: training goes on from the model's own weights, "
+                    "as with torch.optim. To resume the saved weights, load the model's "
+                    "state_dict too (before or after the optimizer's), or load_checkpoint()",
+                    stacklevel=_outside_stacklevel())
 
     def _refuse_unscaled(self, op):
         """fp16: gradients not scaled by loss_scale would make the update that many times

@@ -1084,3 +1084,111 @@ def test_close_releases_the_engine_while_a_step_error_is_alive(tmp_path):
     assert failed.value is not None  # the exception and its traceback are alive here
     again = OffloadAdam([torch.randn(3, requires_grad=True)], **nvme(tmp_path))
     again.close()
+
+
+def test_a_checkpoint_holds_weights_written_since_the_last_step(tmp_path):
+    """save_checkpoint() saved the master weights as the last step left them: weights
+    the trainer wrote since (a pretrained model loaded after building the optimizer)
+    were missing from the checkpoint and its export, and load_checkpoint() rolled the
+    model back. The save takes them first, as step() does."""
+    model = Net()
+    opt = OffloadAdam(model.named_parameters(), lr=1e-2)
+    train(model, opt, 2)
+    with torch.no_grad():
+        model.a.weight.fill_(0.25)  # what model.load_state_dict(pretrained) does
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.save_checkpoint(tmp_path / "ckpt")
+    saved = state_dict_from_checkpoint(tmp_path / "ckpt")
+    for name, p in model.named_parameters():
+        assert torch.equal(saved[name], p), name
+    # The trained-on reference: the same writes, then a step of each.
+    ref_model = Net()
+    ref = OffloadAdam(ref_model.named_parameters(), lr=1e-2)
+    train(ref_model, ref, 2)
+    with torch.no_grad():
+        ref_model.a.weight.fill_(0.25)
+    train(ref_model, ref, 1, seed0=7)
+    # Loading brings the written weights back, and training goes on from them.
+    with torch.no_grad():
+        model.a.weight.fill_(-1.0)
+    opt.load_checkpoint(tmp_path / "ckpt")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    train(model, opt, 1, seed0=7)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_zero_grad_zeroes_every_grad_when_one_buffer_was_replaced():
+    """A submodule converted away and back between step() and zero_grad() gives its
+    grads new storage: the engine then zeroes none of its buffers (it never writes
+    freed memory), and zero_grad() still pointed the other params' .grad at their
+    un-zeroed buffers, so the next backward added the last step's gradients in."""
+    model = Net()
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    opt.zero_grad()
+    backward(model)
+    opt.step()
+    model.b.double()
+    opt.zero_grad()
+    model.b.float()
+    for name, p in model.a.named_parameters():
+        assert p.grad is not None and p.grad.count_nonzero() == 0, name
+    # And the next step is that of an optimizer whose model was not converted.
+    ref_model = Net()
+    ref = OffloadAdam(ref_model.parameters(), lr=1e-2)
+    for _ in range(2):
+        ref.zero_grad()
+        backward(ref_model, 1)
+        ref.step()
+    backward(model, 1)
+    opt.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_scaled_backward_thrown_away_by_zero_grad_does_not_pass_for_the_next():
+    """fp16: the "backward went through optimizer.backward" flag outlived zero_grad(),
+    so a plain loss.backward() after a discarded scaled one stepped with gradients
+    loss_scale times too small. zero_grad() ends the flag with the gradients."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))  # (no fp16 matmul on CPU)
+    opt = OffloadAdam([p], lr=1e-2)
+
+    def loss():
+        return (p.float() * torch.arange(4.0)).sum()
+
+    opt.backward(loss())
+    opt.zero_grad()
+    loss().backward()
+    with pytest.raises(RuntimeError, match=r"optimizer\.backward\(loss\)"):
+        opt.step()
+    opt.zero_grad()
+    opt.backward(loss())
+    opt.step()  # a scaled backward again: taken
+
+
+def test_close_lets_go_of_the_grad_buffers_and_a_closed_optimizer_pickles():
+    """close() kept one model-sized grad buffer per param (GPU memory on CUDA) for as
+    long as anything referred to the optimizer, and pickling a closed one (a
+    scheduler's state_dict saved after `with OffloadAdam(...)`) raised "step_count:
+    the optimizer was closed"."""
+    import gc
+    import io
+    import weakref
+    model = Net()
+    opt = OffloadAdam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    train(model, opt, 3)
+    sched.step()
+    bufs = [weakref.ref(p.grad) for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)  # nothing but the optimizer holds them now
+    opt.close()
+    gc.collect()
+    assert all(b() is None for b in bufs)
+    with pytest.warns(UserWarning, match="pickled as a placeholder"):
+        torch.save(sched.state_dict(), io.BytesIO())
+    import pickle
+    with pytest.warns(UserWarning, match="pickled as a placeholder"):
+        placeholder = pickle.loads(pickle.dumps(opt))
+    with pytest.raises(RuntimeError, match="pickled at step 3 was unpickled"):
+        placeholder.step()
