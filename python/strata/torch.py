@@ -1164,6 +1164,20 @@ class OffloadAdam(torch.optim.Optimizer):
                        if r.param._version != self._versions[k])
         return sorted(changed)
 
+    @torch.no_grad()
+    def _engine_wrote(self, skip=()):
+        """The engine wrote the params (all but `skip`): a step, a retry, a load. Their
+        torch version counters move, as torch.optim's in-place updates move them, so
+        autograd refuses a backward through a graph saved before the write ("modified
+        by an inplace operation") instead of running it on the new weights; then the
+        versions are marked as the engine's. (An in-place op on an empty view of the
+        param moves its counter and touches no element.)"""
+        skip = set(skip)
+        for k, r in enumerate(self._reg):
+            if k not in skip:
+                r.param.detach().as_strided((0,), (1,)).zero_()
+        self._mark_versions()
+
     def _mark_versions(self):
         """The params as they are now are what the engine holds."""
         self._versions = [r.param._version for r in self._reg]
@@ -1504,7 +1518,9 @@ class OffloadAdam(torch.optim.Optimizer):
             # the update (the engine keeps the hand-over): the next step() takes them.
             if self._engine.step_failed:
                 self._reported = bytearray(len(self._reg))
+                self._engine_wrote()  # some params may be written already
             raise
+        self._engine_wrote()
         self._reported = bytearray(len(self._reg))
         self._scaled = False
         return loss
@@ -1518,7 +1534,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_params("retry_step")
         self._state_version += 1
         self._run("retry_step")
-        self._mark_versions()  # the retry wrote every param
+        self._engine_wrote()
         self._scaled = False  # the next step needs a scaled backward of its own
 
     @_one_thread
@@ -1685,7 +1701,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = v
         self._sync_hypers()
-        self._mark_versions()
+        self._engine_wrote(skip=kept)
         if kept:  # not written by this load: still the trainer's values
             self._published = False
             self._deferred = kept
@@ -2004,7 +2020,7 @@ class OffloadAdam(torch.optim.Optimizer):
         with self._on_current_stream():
             self._engine.load(os.fspath(directory))
         self._forget_hand_over()
-        self._mark_versions()  # the load wrote every param
+        self._engine_wrote()
         for gi, g in enumerate(self.param_groups):
             if self._engine_group[gi] is None:
                 continue

@@ -1192,3 +1192,47 @@ def test_close_lets_go_of_the_grad_buffers_and_a_closed_optimizer_pickles():
         placeholder = pickle.loads(pickle.dumps(opt))
     with pytest.raises(RuntimeError, match="pickled at step 3 was unpickled"):
         placeholder.step()
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "offload"])
+def test_a_backward_through_a_graph_saved_before_the_update_is_refused(tmp_path, optimizer):
+    """torch.optim updates params in place, which moves their version counters:
+    autograd then refuses a backward through a graph saved before the update
+    (retain_graph, a GAN's second pass). The engine wrote the params behind torch's
+    back, so such a backward ran on the new weights without a word. Steps, retries
+    and loads now move the counters as torch.optim's updates do."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, requires_grad=True)  # the graph saves the weight for x's grad
+    lin = torch.nn.Linear(4, 1)
+    if optimizer == "torch":
+        opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+    else:
+        opt = OffloadAdam(lin.parameters(), lr=0.1)
+    out = (lin(x) ** 2).sum()
+    out.backward(retain_graph=True)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+    if optimizer == "torch":
+        return
+    opt.save_checkpoint(tmp_path / "ckpt")
+    opt.zero_grad()
+    out = (lin(x) ** 2).sum()
+    opt.load_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+    # The moved counters are the engine's, not a write of the trainer's: the next step
+    # is what a run without the refused backwards makes.
+    opt.zero_grad()
+    (lin(x) ** 2).sum().backward()
+    opt.step()
+    torch.manual_seed(0)
+    x2 = torch.randn(8, 4, requires_grad=True)
+    ref_lin = torch.nn.Linear(4, 1)
+    ref = OffloadAdam(ref_lin.parameters(), lr=0.1)
+    for _ in range(2):
+        ref.zero_grad()
+        (ref_lin(x2) ** 2).sum().backward()
+        ref.step()
+    for p, q in zip(lin.parameters(), ref_lin.parameters()):
+        assert torch.equal(p, q)
