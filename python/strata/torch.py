@@ -172,6 +172,14 @@ def _is_count(value):
     return isinstance(value, float) and value.is_integer() and value >= 1
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+_FP32_MIN_NORMAL = torch.finfo(torch.float32).tiny
+
+
+def _beta_ok(v):
+    return 0 <= v < 1 and torch.tensor(v, dtype=torch.float32).item() < 1
+
+
 def _check_hyper(where, lr, betas, eps, weight_decay):
     """ValueError naming the field unless the hyperparameters are finite and in range."""
     try:
@@ -180,11 +188,17 @@ def _check_hyper(where, lr, betas, eps, weight_decay):
         b1, b2 = betas
     except (TypeError, ValueError):
         raise ValueError(f"OffloadAdam: {where}betas={betas!r}; give two numbers in [0, 1)")
-    rules = [("lr", lr, lambda v: v >= 0, "finite and >= 0"),
-             ("betas[0]", b1, lambda v: 0 <= v < 1, "in [0, 1)"),
-             ("betas[1]", b2, lambda v: 0 <= v < 1, "in [0, 1)"),
-             ("eps", eps, lambda v: v > 0, "finite and > 0"),
-             ("weight_decay", weight_decay, lambda v: v >= 0, "finite and >= 0")]
+    # The engine's rules (ValidateGroupHyper), said here in the user's terms
+    # (param_groups[i], betas[1]): the update runs in fp32, so a value must be finite
+    # there, eps a normal fp32 number, and a beta below 1 once rounded to fp32.
+    rules = [("lr", lr, lambda v: 0 <= v <= _FP32_MAX,
+              "finite, >= 0 and at most 3.4e38 (the update runs in fp32)"),
+             ("betas[0]", b1, _beta_ok, "in [0, 1), and below 1 in fp32"),
+             ("betas[1]", b2, _beta_ok, "in [0, 1), and below 1 in fp32"),
+             ("eps", eps, lambda v: _FP32_MIN_NORMAL <= v <= _FP32_MAX,
+              "finite and in [1.2e-38, 3.4e38] (the update runs in fp32)"),
+             ("weight_decay", weight_decay, lambda v: 0 <= v <= _FP32_MAX,
+              "finite, >= 0 and at most 3.4e38 (the update runs in fp32)")]
     for field, value, ok, allowed in rules:
         v = _number(where, field, value)  # text and non-numbers: "it must be a number"
         if not (math.isfinite(v) and ok(v)):

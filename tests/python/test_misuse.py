@@ -302,7 +302,7 @@ def test_bad_numbers_are_named():
     for kwargs, message in [
         ({"lr": float("inf")}, "lr is inf"),
         ({"lr": float("nan")}, "lr is nan"),
-        ({"eps": 0.0}, "eps is 0.0; it must be finite and > 0"),
+        ({"eps": 0.0}, r"eps is 0.0; it must be finite and in \[1.2e-38, 3.4e38\]"),
         # Text is no number, though float() reads it (torch.optim refuses it too).
         ({"lr": "0.1"}, "lr is '0.1'; it must be a number"),
         ({"betas": (0.9, "0.99")}, r"betas\[1\] is '0.99'; it must be a number"),
@@ -334,6 +334,34 @@ def test_bad_numbers_are_named():
         opt.step()
     opt.param_groups[0]["weight_decay"] = 0.0
     opt.step()
+
+
+def test_numbers_the_fp32_update_cannot_take_are_named_in_the_users_terms():
+    """The engine refuses what is finite in double but not usable in the fp32 update;
+    its message named its own group index (0 when a frozen group came first) and
+    "beta2". The plug-in applies the same rules first and names param_groups[i] and
+    betas[1]."""
+    frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = OffloadAdam([{"params": [frozen]}, {"params": [w]}])
+    w.grad = torch.ones(3)
+    for key, value, message in [
+        ("eps", 1e-45, r"param_groups\[1\]: eps is 1e-45; it must be finite and in "
+                       r"\[1.2e-38, 3.4e38\]"),
+        ("betas", (0.9, 0.99999999999), r"param_groups\[1\]: betas\[1\] is 0.99999999999; "
+                                        r"it must be in \[0, 1\), and below 1 in fp32"),
+        ("lr", 1e39, r"param_groups\[1\]: lr is 1e\+39"),
+        ("weight_decay", 1e39, r"param_groups\[1\]: weight_decay is 1e\+39"),
+    ]:
+        good = opt.param_groups[1][key]
+        opt.param_groups[1][key] = value
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        opt.param_groups[1][key] = good
+    opt.step()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr is 1e\+39"):
+        OffloadAdam([{"params": [frozen]}, {"params": [torch.nn.Parameter(torch.zeros(2))],
+                                             "lr": 1e39}])
 
 
 def test_engine_errors_name_the_argument_that_set_the_key():
