@@ -12,6 +12,8 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <regex>
@@ -455,14 +457,82 @@ std::string KeptLoadedSave(const OffloadOptimizer& opt, const SaveOptions& o) {
   return loaded.saves_after + 1 < SavesKept(o.keep_checkpoints) ? loaded.dir : "";
 }
 
+// Whether the save this optimizer last loaded is one of `dir`'s.
+bool LoadedFrom(const OffloadOptimizer& opt, const std::string& dir) {
+  const std::string& loaded = opt.loaded_save().dir;
+  std::error_code ec;
+  return !loaded.empty() && fs::equivalent(fs::path(loaded).parent_path(), dir, ec);
+}
+
 // A save published into the directory of the save loaded from counts
 // towards its release (KeptLoadedSave).
 void CountSaveAfterLoad(OffloadOptimizer& opt, const std::string& dir) {
+  if (!LoadedFrom(opt, dir)) return;
   OffloadOptimizer::LoadedSave loaded = opt.loaded_save();
-  std::error_code ec;
-  if (loaded.dir.empty() || !fs::equivalent(fs::path(loaded.dir).parent_path(), dir, ec)) return;
   ++loaded.saves_after;
   opt.set_loaded_save(std::move(loaded));
+}
+
+// Which live optimizer of this process saves into a directory, per rank.
+// Two that save into one (a GAN's generator and discriminator) replace each
+// other's saves as the current one, retention removes the other's older
+// saves, and a load takes whichever came last: a save into a directory that
+// another live optimizer of the same rank saved into is refused, unless
+// the saver loaded from it (a resume takes the directory over). An entry
+// ends with its optimizer (OffloadOptimizer::identity expires).
+class DirOwners {
+ public:
+  struct Owner {
+    std::weak_ptr<const void> who;
+    int64_t step = 0;  // of its last save there
+  };
+  static DirOwners& Get() {
+    static DirOwners* owners = new DirOwners;  // outlives optimizers destroyed at exit
+    return *owners;
+  }
+  // The other live optimizer that saves into `dir` for `rank`, if any.
+  std::optional<Owner> Other(const std::string& dir, int rank,
+                             const std::weak_ptr<const void>& me) {
+    std::lock_guard lock(mu_);
+    std::erase_if(owners_, [](const auto& e) { return e.second.who.expired(); });
+    auto it = owners_.find({dir, rank});
+    if (it == owners_.end() || Same(it->second.who, me)) return std::nullopt;
+    return it->second;
+  }
+  void Take(const std::string& dir, int rank, std::weak_ptr<const void> me, int64_t step) {
+    std::lock_guard lock(mu_);
+    owners_[{dir, rank}] = Owner{.who = std::move(me), .step = step};
+  }
+
+ private:
+  static bool Same(const std::weak_ptr<const void>& a, const std::weak_ptr<const void>& b) {
+    return !a.owner_before(b) && !b.owner_before(a);
+  }
+  std::mutex mu_;
+  std::map<std::pair<std::string, int>, Owner> owners_;
+};
+
+// DirOwners' key: the directory with its symbolic links resolved, so that
+// two spellings of one directory are one.
+std::string OwnedDir(const std::string& dir) {
+  std::error_code ec;
+  const fs::path p = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  return ec ? ComparableDir(dir) : ComparableDir(p.string());
+}
+
+Status CheckDirOwner(const OffloadOptimizer& opt, const std::string& dir, std::string_view op) {
+  const auto other = DirOwners::Get().Other(OwnedDir(dir), opt.rank(), opt.identity());
+  if (!other || LoadedFrom(opt, dir)) return OkStatus();
+  const std::string name = fs::path(ComparableDir(dir)).filename().string();
+  return FailedPreconditionError(fmt::format(
+      "{}: another optimizer of this process saves into {} (its last save there was at step "
+      "{}) and is still alive: two optimizers saving into one directory replace each other's "
+      "saves as the current one, retention removes the other's older saves, and a load takes "
+      "whichever came last. Give each optimizer a directory of its own (for example "
+      "{}/generator and {}/discriminator), or destroy the other optimizer first (Python: its "
+      "close()). An optimizer that loaded from {} (a resume) may save there; nothing was "
+      "written",
+      op, dir, other->step, name, name, dir));
 }
 
 // Rank 0, after every rank wrote its part, holding the save lock: point
@@ -879,6 +949,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
           op, o.chunk_bytes, kMaxCheckpointChunkBytes));
     }
     STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, op));
+    STRATA_RETURN_IF_ERROR(CheckDirOwner(opt, dir, op));
     STRATA_ASSIGN_OR_RETURN(storage, StorageRef::Of(o.storage));
     return OkStatus();
   }();
@@ -999,6 +1070,9 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   Result<double> worst = coll.AllReduce(static_cast<int>(mine), ReduceOp::kMax);
   if (!worst.ok()) return unagreed(Collective::Unagreed(published, worst.status()));
   const auto outcome = static_cast<Outcome>(static_cast<int>(*worst));
+  if (outcome != Outcome::kNotPublished) {
+    DirOwners::Get().Take(OwnedDir(dir), opt.rank(), opt.identity(), opt.step_count());
+  }
   if (outcome == Outcome::kPublished) {
     CountSaveAfterLoad(opt, dir);
     return OkStatus();

@@ -418,6 +418,7 @@ struct OffloadOptimizer::Impl {
   size_t grad_read_bytes = 2;           // bytes per element the optimizer reads (StepStats)
   bool host_stats = false;              // the statistics were a host pass (accumulation)
   LoadedSave loaded_save;               // the save the last checkpoint load read
+  std::shared_ptr<const int> identity = std::make_shared<const int>(0);  // identity()
   // The state is what InitState writes from the params (state_from_params()).
   bool state_from_params = false;
   // The statistics of a step the loss scaler refused (an overflow at
@@ -2058,6 +2059,7 @@ const OffloadOptimizer::LoadedSave& OffloadOptimizer::loaded_save() const {
   return impl_->loaded_save;
 }
 void OffloadOptimizer::set_loaded_save(LoadedSave save) { impl_->loaded_save = std::move(save); }
+std::weak_ptr<const void> OffloadOptimizer::identity() const { return impl_->identity; }
 
 Status OffloadOptimizer::RestoreCounters(int64_t step, const LossScalerState& scaler) {
   if (step < 0) {

@@ -410,6 +410,10 @@ class OffloadOptimizer {
   };
   const LoadedSave& loaded_save() const;
   void set_loaded_save(LoadedSave save);
+  // This optimizer while it lives (expired once it is destroyed): the
+  // checkpoint module remembers which live optimizer of the process saves
+  // into a directory, and refuses a second one.
+  std::weak_ptr<const void> identity() const;
 
   // Recomputes the trainer's param tensors from the committed fp32 master
   // weights (cast to param_dtype, all-gathered), as a step does after its

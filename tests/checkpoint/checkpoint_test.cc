@@ -525,6 +525,7 @@ TEST_F(BadInputTest, LatestJsonThatIsADirectoryIsNamedByLoadAndSave) {
   ExpectMentions(s, latest + " is not a file (a directory), so it names no save: move it away");
   ExpectMentions(s, std::filesystem::path(save_dir_).filename().string());
   const auto before = testing::DirNames(dir_.path());
+  saved_.reset();  // else the save is refused as a second live optimizer saving into dir_
   s = target_->Save(dir_.path());
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
   ExpectMentions(s, latest + " is a directory, not the file Save writes");
@@ -1517,6 +1518,59 @@ TEST(RetentionTest, KeepsTheNewestSavesAndRemovesLeftovers) {
   ASSERT_TRUE(c.Save(dir.path()).ok());
   EXPECT_EQ(SaveDirs(dir.path()).size(), 4u);
   ASSERT_TRUE(other.opt(0).Load(dir.path()).ok());
+}
+
+// Two live optimizers of one process saving into one directory (a GAN's
+// generator and discriminator) replaced each other's saves: the second's
+// save became the current one, retention removed the first's, and a load
+// took whichever came last. The second save is refused before anything is
+// written, under any spelling of the directory; it is allowed once the
+// first optimizer is gone, or when the saver resumed from that directory.
+TEST(DirOwnerTest, ASecondLiveOptimizerSavingIntoOneDirectoryIsRefused) {
+  namespace fs = std::filesystem;
+  const uint64_t seed = TestSeed();
+  TempDir dir, links;
+  auto first = std::make_unique<Cluster>(1, CkptConfig(Where::kHost), seed);
+  Cluster second(1, CkptConfig(Where::kHost), seed + 1);
+  ASSERT_TRUE(first->status().ok() && second.status().ok());
+  ASSERT_TRUE(first->Train(seed, 2).ok());
+  ASSERT_TRUE(second.Train(seed + 1, 1).ok());
+  ASSERT_TRUE(first->Save(dir.path()).ok());
+  ASSERT_TRUE(first->Save(dir.path()).ok()) << "the same optimizer saves again";
+  const std::string latest = testing::ReadFileBytes(dir.File("latest.json"));
+  const auto names = testing::DirNames(dir.path());
+  fs::create_directory_symlink(dir.path(), links.File("alias"));
+  for (const std::string& spelling : {dir.path(), dir.path() + "/", links.File("alias")}) {
+    SCOPED_TRACE(spelling);
+    Status s = second.Save(spelling);
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+    ExpectMentions(s, "another optimizer of this process saves into " + spelling +
+                          " (its last save there was at step 2) and is still alive");
+    ExpectMentions(s, "Give each optimizer a directory of its own");
+    ExpectMentions(s, "nothing was written");
+    EXPECT_EQ(testing::DirNames(dir.path()), names);
+    EXPECT_EQ(testing::ReadFileBytes(dir.File("latest.json")), latest);
+  }
+  // A directory of its own, or one beside, is the second's.
+  ASSERT_TRUE(second.Save(dir.File("discriminator")).ok());
+
+  // A resume from the directory takes it over: then the first is refused.
+  auto resumed = std::make_unique<Cluster>(1, CkptConfig(Where::kHost), seed + 2);
+  ASSERT_TRUE(resumed->status().ok());
+  ASSERT_TRUE(resumed->Load(dir.path()).ok());
+  ASSERT_TRUE(resumed->Train(seed, 1).ok());
+  Status s = resumed->Save(dir.path());
+  ASSERT_TRUE(s.ok()) << s;
+  s = first->Save(dir.path());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  ExpectMentions(s, "(its last save there was at step 3)");
+
+  // Once the optimizer that saved last is gone, the directory is free.
+  Cluster late(1, CkptConfig(Where::kHost), seed + 3);
+  ASSERT_TRUE(late.status().ok());
+  resumed.reset();
+  s = late.Save(dir.path());
+  EXPECT_TRUE(s.ok()) << s;
 }
 
 // Retention removes only what Strata wrote: a directory named exactly as a

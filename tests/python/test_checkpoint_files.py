@@ -67,6 +67,41 @@ def test_saves_keep_the_users_step_files_and_prune_their_own(tmp_path, how):
     assert saves_in(runs) == sorted(published[-2:])
 
 
+@pytest.mark.parametrize("how", ["save_checkpoint", "state_dict_dir"])
+def test_a_gans_two_optimizers_cannot_save_into_one_directory(tmp_path, how):
+    """A generator's and a discriminator's optimizers (same shapes) saving into one
+    directory replaced each other's saves, and load_checkpoint gave the generator
+    whichever came last. The second save is refused and writes nothing; the
+    directory is free again once the first optimizer is closed."""
+    ckpt = tmp_path / "ckpt"
+    kw = {"state_dict_dir": ckpt} if how == "state_dict_dir" else {}
+    (gen, g_opt), (disc, d_opt) = trained(**kw), trained(**kw)
+
+    def save(opt):
+        return opt.state_dict() if how == "state_dict_dir" else opt.save_checkpoint(ckpt)
+
+    step(gen, g_opt)
+    save(g_opt)
+    latest = (ckpt / "latest.json").read_bytes()
+    saves = saves_in(ckpt)
+    step(disc, d_opt)
+    with pytest.raises(strata.StrataError) as e:
+        save(d_opt)
+    assert f"another optimizer of this process saves into {ckpt}" in str(e.value)
+    assert "Give each optimizer a directory of its own" in str(e.value)
+    assert "nothing was written" in str(e.value)
+    assert (ckpt / "latest.json").read_bytes() == latest and saves_in(ckpt) == saves
+    # The generator's save is still the one a resume finds.
+    want = [p.detach().clone() for p in gen.parameters()]
+    g_opt.close()
+    fresh, f_opt = trained()
+    f_opt.load_checkpoint(ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), want))
+    f_opt.close()
+    save(d_opt)  # the generator's optimizer is closed: the directory is free
+    assert saves_in(ckpt) != saves
+
+
 def chmod_tree(root, dirs, files):
     for base, subdirs, names in os.walk(root):
         for n in names:
