@@ -1889,6 +1889,19 @@ class OffloadAdam(torch.optim.Optimizer):
                             "(the state itself loads as it is)")
                     raise ValueError(f"{bad}param_groups[{gi}] has {flag}=True; OffloadAdam "
                                      f"runs Adam/AdamW without {flag}{hint}")
+            # Newer torch keeps AdamW as Adam with decoupled_weight_decay=True in every
+            # group (older dicts cannot tell the two apart). Where a group decays, the
+            # state would go on under the other rule with the saved weight_decay.
+            decoupled = g.get("decoupled_weight_decay")
+            if decoupled is not None and bool(decoupled) != self._adamw and (
+                    g.get("weight_decay") or self.param_groups[gi]["weight_decay"]):
+                saved = ("torch.optim.AdamW (decoupled_weight_decay=True)" if decoupled else
+                         "torch.optim.Adam with L2 decay (decoupled_weight_decay=False)")
+                here = "AdamW (adamw=True)" if self._adamw else "Adam with L2 decay (adamw=False)"
+                raise ValueError(f"{bad}param_groups[{gi}] was saved by {saved} with "
+                                 f"weight_decay {g.get('weight_decay')}; this optimizer runs "
+                                 f"{here}: the decay would go on under another rule. Build "
+                                 f"OffloadAdam with adamw={bool(decoupled)}")
         # torch numbers every param of every group, frozen ones included.
         flat = [p for g in self.param_groups for p in g["params"]]
         index_of = {id(p): i for i, p in enumerate(flat)}

@@ -264,6 +264,43 @@ def test_a_torch_adamw_state_dict_loads_and_training_continues_alike():
         ours.load_state_dict(bad)
 
 
+def test_a_newer_torch_state_dict_of_the_other_decay_rule_is_refused():
+    """Newer torch writes decoupled_weight_decay into every Adam/AdamW group. A
+    torch.optim.Adam (L2 decay) state_dict loaded into the default OffloadAdam (AdamW)
+    used to go on under decoupled decay with the saved weight_decay, silently."""
+    m_ref = Net()
+    ref = torch.optim.Adam(m_ref.parameters(), lr=1e-2, weight_decay=0.1)
+    train(m_ref, ref, 2)
+
+    def saved(decoupled, weight_decay=0.1):
+        sd = ref.state_dict()
+        for g in sd["param_groups"]:
+            g.update(decoupled_weight_decay=decoupled, weight_decay=weight_decay)
+        return sd
+
+    ours = OffloadAdam(Net().parameters(), lr=1e-2)
+    before = [t.clone() for _, _, t in ours.iter_state()]
+    with pytest.raises(ValueError) as e:
+        ours.load_state_dict(saved(False))
+    assert ("param_groups[0] was saved by torch.optim.Adam with L2 decay "
+            "(decoupled_weight_decay=False) with weight_decay 0.1; this optimizer runs AdamW "
+            "(adamw=True)") in str(e.value)
+    assert "Build OffloadAdam with adamw=False" in str(e.value)
+    assert ours.step_count == 0 and ours.param_groups[0]["weight_decay"] == 0.0
+    assert all(torch.equal(a, b) for a, (_, _, b) in zip(before, ours.iter_state()))
+    l2 = OffloadAdam(Net().parameters(), lr=1e-2, adamw=False)
+    with pytest.raises(ValueError, match=r"saved by torch.optim.AdamW \(decoupled_weight_decay="
+                       r"True\) with weight_decay 0.1; this optimizer runs Adam with L2 decay"):
+        l2.load_state_dict(saved(True))
+    # The same rule, or no decay on either side: both load.
+    l2.load_state_dict(saved(False))
+    ours.load_state_dict(saved(True))
+    ours.close()
+    ours = OffloadAdam(Net().parameters(), lr=1e-2)
+    ours.load_state_dict(saved(False, weight_decay=0.0))
+    assert ours.step_count == 2
+
+
 # ---- Two optimizers on one nvme_path -------------------------------------------------
 
 # A host budget that holds all the state: no byte on NVMe, the directory still its own.
