@@ -75,6 +75,12 @@ struct DriveRates {
   // Reads of one file and writes of another at once (`bytes` each), as a
   // step's read-ahead and write-behind run: bytes moved both ways / time.
   double mixed_bytes_per_sec = 0;
+  // A durable write of new files, as a checkpoint save makes: the first
+  // pass into the probe's new files, then their fdatasync. Below
+  // write_bytes_per_sec (an overwrite of those files, not synced) by the
+  // allocation and by the time the drive's (or the host's) write cache
+  // takes to drain.
+  double synced_write_bytes_per_sec = 0;
 };
 // Writes two files of `bytes_per_dir` (whole blocks) under each directory
 // and measures reads, writes and both at once; the files are removed

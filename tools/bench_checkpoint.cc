@@ -1,8 +1,9 @@
 // `strata bench checkpoint`: SaveCheckpoint, the verify pass alone and
 // LoadCheckpoint of one optimizer's state, against the drive measured in the
 // same run. The bound of a save is its bytes written at the checkpoint
-// drive's write rate (plus, with state on NVMe, the state read at the state
-// drive's read rate: in sequence when both are one drive, else the larger);
+// drive's synced write rate (a save is durable: new files written, then
+// fdatasync; plus, with state on NVMe, the state read at the state drive's
+// read rate: in sequence when both are one drive, else the larger);
 // a load's is its bytes read once at the read rate (plus the state written
 // back). Two loads are timed: into the stepped optimizer, whose state must
 // survive a bad checkpoint, so every file is verified before it is read
@@ -245,7 +246,7 @@ Status RunCheckpoint(const CheckpointArgs& a) {
     return one_drive ? a_sec + b_sec : std::max(a_sec, b_sec);
   };
   const bool bounded = ckpt_drive.read_bytes_per_sec > 0;
-  const double save_bound = both(t(state_bytes, ckpt_drive.write_bytes_per_sec),
+  const double save_bound = both(t(state_bytes, ckpt_drive.synced_write_bytes_per_sec),
                                  t(nvme_bytes, state_drive.read_bytes_per_sec));
   const double load_bound = both(t(state_bytes, ckpt_drive.read_bytes_per_sec),
                                  t(nvme_bytes, state_drive.write_bytes_per_sec));
@@ -266,6 +267,7 @@ Status RunCheckpoint(const CheckpointArgs& a) {
         {"resume_sec", resume},
         {"drive_read_bytes_per_sec", ckpt_drive.read_bytes_per_sec},
         {"drive_write_bytes_per_sec", ckpt_drive.write_bytes_per_sec},
+        {"drive_synced_write_bytes_per_sec", ckpt_drive.synced_write_bytes_per_sec},
         {"drive_direct_io", ckpt_drive.direct},
         {"save_bound_sec", bounded ? nlohmann::json(save_bound) : nlohmann::json()},
         {"verify_bound_sec", bounded ? nlohmann::json(verify_bound) : nlohmann::json()},
@@ -288,10 +290,12 @@ Status RunCheckpoint(const CheckpointArgs& a) {
               FormatBytes(plan.nvme_state_bytes).c_str(),
               nvme ? (one_drive ? ", the same drive as the checkpoints" : ", another drive") : "");
   if (bounded) {
-    std::printf(
-        "drive: read %s, write %s (%s%s)\n", FormatRate(ckpt_drive.read_bytes_per_sec).c_str(),
-        FormatRate(ckpt_drive.write_bytes_per_sec).c_str(), FormatBytes(ckpt_drive.bytes).c_str(),
-        ckpt_drive.direct ? ", O_DIRECT" : ", buffered: the page cache, not the drive");
+    std::printf("drive: read %s, write %s, written and synced %s (%s%s)\n",
+                FormatRate(ckpt_drive.read_bytes_per_sec).c_str(),
+                FormatRate(ckpt_drive.write_bytes_per_sec).c_str(),
+                FormatRate(ckpt_drive.synced_write_bytes_per_sec).c_str(),
+                FormatBytes(ckpt_drive.bytes).c_str(),
+                ckpt_drive.direct ? ", O_DIRECT" : ", buffered: the page cache, not the drive");
   }
   auto line = [&](const char* what, double sec, double bound) {
     std::printf("%-7s %9s  %10s of state", what, FormatSeconds(sec).c_str(),

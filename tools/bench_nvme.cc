@@ -618,6 +618,7 @@ Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t
   struct FileSet {
     std::vector<std::unique_ptr<File>> files;
     std::vector<std::unique_ptr<AlignedBuffers>> bufs;
+    double new_synced_sec = 0;  // the first pass into the new files, and their fdatasync
     Result<double> Pass(IoOp op, uint64_t bytes, uint64_t block, uint32_t qd) {
       return RunPass(files, op, bytes, block, qd, bufs, Progress::kQuiet);
     }
@@ -636,14 +637,18 @@ Result<DriveRates> MeasureDriveRates(std::span<const std::string> dirs, uint64_t
       set.bufs.push_back(std::move(b));
       set.files.push_back(std::move(f));
     }
+    const auto start = std::chrono::steady_clock::now();
     STRATA_RETURN_IF_ERROR(set.Pass(IoOp::kWrite, per_file, block_bytes, queue_depth).status());
     for (auto& f : set.files) STRATA_RETURN_IF_ERROR(f->Sync());
+    set.new_synced_sec =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return set;
   };
   STRATA_ASSIGN_OR_RETURN(FileSet first, open_set("dat"));
   auto pass = [&](IoOp op) { return first.Pass(op, per_file, block_bytes, queue_depth); };
   DriveRates r{.bytes = per_file * first.files.size(),
                .direct = first.files[0]->info().io_mode == IoMode::kDirect};
+  r.synced_write_bytes_per_sec = static_cast<double>(r.bytes) / first.new_synced_sec;
   STRATA_ASSIGN_OR_RETURN(r.write_bytes_per_sec, pass(IoOp::kWrite));
   for (auto& f : first.files) STRATA_RETURN_IF_ERROR(f->Sync());
   STRATA_ASSIGN_OR_RETURN(r.read_bytes_per_sec, pass(IoOp::kRead));

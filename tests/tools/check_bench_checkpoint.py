@@ -55,6 +55,10 @@ def main():
             fail(f"{args}: {k} {j[k]}")
     if not j["drive_read_bytes_per_sec"] > 0 or not j["drive_write_bytes_per_sec"] > 0:
         fail(f"{args}: no drive baseline: {j}")
+    # A save is durable: its bound is the state written into new files and synced.
+    synced = j["drive_synced_write_bytes_per_sec"]
+    if not synced > 0 or abs(j["save_bound_sec"] * synced / j["state_bytes"] - 1) > 1e-9:
+        fail(f"{args}: the save bound is not the state at the synced write rate: {j}")
     for k in ("save", "verify", "load", "resume"):
         bound = j[f"{k}_bound_sec"] if k != "resume" else j["load_bound_sec"]
         e = j[f"{k}_efficiency"]
