@@ -16,6 +16,7 @@
 #include "kernels/kernels.h"
 #include "offload/checkpoint_internal.h"
 #include "runtime/atomic_file.h"
+#include "runtime/host_region.h"
 #include "runtime/log.h"
 #include "runtime/units.h"
 
@@ -297,10 +298,9 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
   // of its own while this one is converted and written. 4096-aligned, so
   // the reader reads whole chunks straight into them.
   const uint64_t part_elems = RoundUp(std::max<uint64_t>(options.buffer_bytes / 8, 1024), 1024);
-  std::unique_ptr<float, decltype(&std::free)> bufs(
-      static_cast<float*>(std::aligned_alloc(kFileAlign, 2 * part_elems * sizeof(float))),
-      &std::free);
-  if (bufs == nullptr) return ResourceExhaustedError(op + ": no memory for the copy buffers");
+  Result<HostRegion> region = HostRegion::Map(2 * part_elems * sizeof(float));
+  if (!region.ok()) return ResourceExhaustedError(op + ": no memory for the copy buffers");
+  float* const bufs = reinterpret_cast<float*>(region->data());
   std::vector<std::byte> converted;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   uint64_t total_bytes = 0;
@@ -355,7 +355,7 @@ Result<ExportResult> ExportSafetensors(const std::string& dir, const std::string
         }
       }
       auto buffer = [&](size_t p) {
-        return std::span<float>(bufs.get() + (p % 2) * part_elems, parts[p].elems);
+        return std::span<float>(bufs + (p % 2) * part_elems, parts[p].elems);
       };
       auto read = [&](size_t p) {
         return std::async(std::launch::async, [&, p] {

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "offload/checkpoint_internal.h"
+#include "runtime/host_region.h"
 #include "runtime/json_parse.h"
 #include "runtime/units.h"
 
@@ -26,29 +27,6 @@ namespace strata {
 using namespace checkpoint_internal;  // NOLINT: this file's own helpers
 
 namespace {
-
-// 4096-aligned host memory for O_DIRECT; empty (data() null) when the
-// memory could not be had.
-class AlignedBytes {
- public:
-  AlignedBytes() = default;
-  explicit AlignedBytes(size_t bytes)
-      : data_(static_cast<std::byte*>(std::aligned_alloc(kFileAlign, RoundUp(bytes, kFileAlign)))),
-        size_(data_ != nullptr ? bytes : 0) {}
-  std::byte* data() const { return data_; }
-  AlignedBytes(AlignedBytes&& o) noexcept { *this = std::move(o); }
-  AlignedBytes& operator=(AlignedBytes&& o) noexcept {
-    std::swap(data_, o.data_);
-    std::swap(size_, o.size_);
-    return *this;
-  }
-  ~AlignedBytes() { std::free(data_); }
-  std::span<std::byte> span() const { return {data_, size_}; }
-
- private:
-  std::byte* data_ = nullptr;
-  size_t size_ = 0;
-};
 
 // Chunk reads in flight per array: queue_depth within [1, kMaxReadDepth]
 // (deeper gains a drive nothing and holds a chunk of memory per request).
@@ -117,13 +95,14 @@ Status ForEachArray(uint32_t n, int threads, const std::function<Status(uint32_t
 // ran out of descriptors). Reads go through the files rank by rank, so the
 // read-ahead within a file is kept.
 struct Lane {
-  std::vector<AlignedBytes> bufs;
+  HostRegion region;                       // bufs and cache, one chunk each
+  std::vector<std::span<std::byte>> bufs;  // per slot
   std::vector<IoRequest> reqs;
   std::vector<uint8_t> done;               // per slot: its request was reaped
   std::vector<std::span<std::byte>> into;  // per slot: where its chunk is read
   File* file = nullptr;                    // nullptr: no stream
   uint64_t next = 0, submitted = 0;
-  AlignedBytes cache;
+  std::span<std::byte> cache;
   int64_t cache_rank = -1, cache_chunk = -1;
   uint64_t cache_bytes = 0;
   std::unique_ptr<File> open;  // the file of rank open_rank; the stream's, if any
@@ -184,18 +163,20 @@ Result<Lane*> CheckpointReader::Impl::LaneOf(uint32_t array) {
   if (lane == nullptr) {
     auto made = std::make_unique<Lane>();
     const uint32_t depth = ReadDepth(options);
-    made->cache = AlignedBytes(info->chunk_bytes);
-    bool all = made->cache.data() != nullptr;
-    for (uint32_t i = 0; i < depth && all; ++i) {
-      made->bufs.emplace_back(info->chunk_bytes);
-      all = made->bufs.back().data() != nullptr;
-    }
-    if (!all) {
+    // Chunk sizes are multiples of kFileAlign (the format's), so each
+    // buffer starts aligned for O_DIRECT.
+    const uint64_t cb = info->chunk_bytes;
+    Result<HostRegion> region = HostRegion::Map((depth + 1) * cb);
+    if (!region.ok()) {
       return ResourceExhaustedError(fmt::format(
           "read checkpoint {}: no memory for the read buffers of array '{}' ({} chunks of "
           "chunk_bytes {}: queue_depth + 1); lower the reader's queue_depth or free memory",
           info->save_dir, info->arrays[array], depth + 1, FormatBytes(info->chunk_bytes)));
     }
+    made->region = std::move(*region);
+    for (uint32_t i = 0; i < depth; ++i)
+      made->bufs.push_back(made->region.span().subspan(i * cb, cb));
+    made->cache = made->region.span().subspan(depth * cb, cb);
     made->reqs.resize(depth);
     made->done.resize(depth);
     made->into.resize(depth);
@@ -249,7 +230,7 @@ Status CheckpointReader::Impl::ReadChunks(
   STRATA_ASSIGN_OR_RETURN(Lane * lane_of, LaneOf(array));
   Lane& lane = *lane_of;
   if (first < last && lane.cache_rank == rank && lane.cache_chunk == static_cast<int64_t>(first)) {
-    fn(first, lane.cache.span().first(lane.cache_bytes));
+    fn(first, lane.cache.first(lane.cache_bytes));
     ++first;
   }
   if (first >= last) return OkStatus();
@@ -272,8 +253,7 @@ Status CheckpointReader::Impl::ReadChunks(
       const uint64_t len = chunk_len(c);
       std::byte* at = c < last && place && len % kFileAlign == 0 ? place(c, len) : nullptr;
       if (at != nullptr && reinterpret_cast<uintptr_t>(at) % kFileAlign != 0) at = nullptr;
-      lane.into[slot] =
-          at != nullptr ? std::span<std::byte>(at, len) : lane.bufs[slot].span().first(len);
+      lane.into[slot] = at != nullptr ? std::span<std::byte>(at, len) : lane.bufs[slot].first(len);
       reqs[slot] = IoRequest::Read(c * cb, lane.into[slot], slot);
       lane.done[slot] = 0;
       if (Status s = file->Submit({&reqs[slot], 1}); !s.ok()) {
@@ -309,7 +289,7 @@ Status CheckpointReader::Impl::ReadChunks(
     }
     fn(next, data);
     if (next + 1 == last) {
-      std::memcpy(lane.cache.span().data(), data.data(), data.size());
+      std::memcpy(lane.cache.data(), data.data(), data.size());
       lane.cache_rank = rank;
       lane.cache_chunk = static_cast<int64_t>(next);
       lane.cache_bytes = data.size();

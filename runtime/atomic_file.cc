@@ -131,14 +131,10 @@ Status CheckOutputPath(const std::string& path, ExistingFile existing) {
   return OkStatus();
 }
 
-// One write buffer: 4096-aligned (O_DIRECT) and its request. `data` is
-// nullptr when the memory could not be had (Create says so).
+// One write buffer, 4096-aligned (O_DIRECT) in the writer's buffers_, and
+// its request.
 struct AtomicFileWriter::Chunk {
-  explicit Chunk(uint64_t bytes)
-      : data(static_cast<std::byte*>(
-            std::aligned_alloc(kDirectAlign, RoundUp(bytes, kDirectAlign)))) {}
-  ~Chunk() { std::free(data); }
-  std::byte* data;
+  std::byte* data = nullptr;
   IoRequest request;
 };
 
@@ -191,16 +187,20 @@ Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(Storage& stor
       return std::move(s).WithContext("write " + path);
     }
   }
+  const uint64_t stride = RoundUp(options.chunk_bytes, kDirectAlign);
+  Result<HostRegion> buffers = HostRegion::Map(depth * stride);
+  if (!buffers.ok()) {
+    const Status none = ResourceExhaustedError(fmt::format(
+        "write {}: no memory for {} write buffers of {} bytes (queue_depth x chunk_bytes); "
+        "lower either",
+        path, depth, options.chunk_bytes));
+    w->Abandon();
+    return none;
+  }
+  w->buffers_ = std::move(*buffers);
   for (uint32_t i = 0; i < depth; ++i) {
-    w->chunks_.push_back(std::make_unique<Chunk>(options.chunk_bytes));
-    if (w->chunks_.back()->data == nullptr) {
-      const Status none = ResourceExhaustedError(fmt::format(
-          "write {}: no memory for {} write buffers of {} bytes (queue_depth x chunk_bytes); "
-          "lower either",
-          path, depth, options.chunk_bytes));
-      w->Abandon();
-      return none;
-    }
+    w->chunks_.push_back(std::make_unique<Chunk>());
+    w->chunks_.back()->data = w->buffers_.data() + i * stride;
     w->free_.push_back(i);
   }
   w->options_ = std::move(options);
@@ -307,6 +307,7 @@ Status AtomicFileWriter::Seal() {
   }
   file_.reset();
   chunks_.clear();
+  buffers_ = HostRegion();
   free_.clear();
   sealed_ = true;
   return OkStatus();

@@ -43,6 +43,7 @@
 #include <string_view>
 #include <vector>
 
+#include "runtime/host_region.h"
 #include "runtime/status.h"
 #include "runtime/storage.h"
 
@@ -130,6 +131,7 @@ class AtomicFileWriter {
   std::string path_;
   std::string temp_path_;
   std::unique_ptr<File> file_;
+  HostRegion buffers_;  // the chunks' memory
   std::vector<std::unique_ptr<Chunk>> chunks_;
   std::vector<uint32_t> free_;
   int cur_ = -1;

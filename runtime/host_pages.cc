@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "runtime/host_pages_internal.h"
+#include "runtime/host_region.h"
 #include "runtime/units.h"
 
 namespace strata::internal {
@@ -58,3 +59,30 @@ void PrefaultInParallel(void* p, size_t bytes) {
 }
 
 }  // namespace strata::internal
+
+namespace strata {
+
+Result<HostRegion> HostRegion::Map(size_t bytes) {
+  constexpr size_t kPage = 4096;
+  const size_t unit = bytes >= internal::kHostHugePageBytes ? internal::kHostHugePageBytes : kPage;
+  const size_t mapped = (std::max<size_t>(bytes, 1) + unit - 1) / unit * unit;
+  STRATA_ASSIGN_OR_RETURN(void* p, internal::MapHugePageAligned(mapped));
+  HostRegion r;
+  r.data_ = static_cast<std::byte*>(p);
+  r.size_ = bytes;
+  r.mapped_ = mapped;
+  return r;
+}
+
+HostRegion& HostRegion::operator=(HostRegion&& o) noexcept {
+  std::swap(data_, o.data_);
+  std::swap(size_, o.size_);
+  std::swap(mapped_, o.mapped_);
+  return *this;
+}
+
+HostRegion::~HostRegion() {
+  if (data_ != nullptr) ::munmap(data_, mapped_);
+}
+
+}  // namespace strata
