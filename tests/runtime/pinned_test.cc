@@ -82,6 +82,17 @@ std::string ThpSetting(const char* name) {
   return b == std::string::npos || e == std::string::npos ? "" : s.substr(b, e - b + 1);
 }
 
+// Why advised ranges may get no huge page at fault time ("" when they do).
+std::string WhyNoHugePages(const std::string& enabled, const std::string& defrag) {
+  if (enabled != "[always]" && enabled != "[madvise]") {
+    return "transparent huge pages are " + (enabled.empty() ? std::string("absent") : enabled);
+  }
+  if (defrag != "[always]" && defrag != "[madvise]" && defrag != "[defer+madvise]") {
+    return "THP defrag is " + defrag + ": huge pages at fault time are not guaranteed";
+  }
+  return "";
+}
+
 // AnonHugePages (bytes) of the mapping of /proc/self/smaps that contains p.
 uint64_t AnonHugePagesBytes(const void* p) {
   std::FILE* f = std::fopen("/proc/self/smaps", "r");
@@ -107,12 +118,7 @@ uint64_t AnonHugePagesBytes(const void* p) {
 TEST(PinnedPool, SlabsAreBackedByHugePagesWhereTheKernelAllowsIt) {
   const std::string enabled = ThpSetting("enabled");
   const std::string defrag = ThpSetting("defrag");
-  if (enabled != "[always]" && enabled != "[madvise]") {
-    GTEST_SKIP() << "transparent huge pages are " << (enabled.empty() ? "absent" : enabled);
-  }
-  if (defrag != "[always]" && defrag != "[madvise]" && defrag != "[defer+madvise]") {
-    GTEST_SKIP() << "THP defrag is " << defrag << ": huge pages at fault time are not guaranteed";
-  }
+  if (const std::string why = WhyNoHugePages(enabled, defrag); !why.empty()) GTEST_SKIP() << why;
   auto dev = MakeHost();
   PinnedPool pool = MakePool(*dev, 16 * kMiB, 8 * kMiB);
   auto b = pool.Allocate(8 * kMiB);
@@ -143,12 +149,7 @@ TEST(HostRegion, IsAlignedZeroedAndBackedByHugePagesWhereTheKernelAllowsIt) {
   }
   const std::string enabled = ThpSetting("enabled");
   const std::string defrag = ThpSetting("defrag");
-  if (enabled != "[always]" && enabled != "[madvise]") {
-    GTEST_SKIP() << "transparent huge pages are " << (enabled.empty() ? "absent" : enabled);
-  }
-  if (defrag != "[always]" && defrag != "[madvise]" && defrag != "[defer+madvise]") {
-    GTEST_SKIP() << "THP defrag is " << defrag << ": huge pages at fault time are not guaranteed";
-  }
+  if (const std::string why = WhyNoHugePages(enabled, defrag); !why.empty()) GTEST_SKIP() << why;
   Result<HostRegion> r = HostRegion::Map(9 * kMiB);  // a reader lane: 8 + 1 chunks of 1 MiB
   ASSERT_TRUE(r.ok()) << r.status();
   std::memset(r->data(), 1, r->size());
