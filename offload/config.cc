@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 
+#include "runtime/json_walker.h"
 #include "runtime/log.h"
 #include "runtime/spelling.h"
 #include "runtime/units.h"
@@ -811,104 +812,11 @@ Status ParseStrata(const Json& s, OffloadConfig& c, std::optional<double> ratio)
   return OkStatus();
 }
 
-// Walks a document keeping the key path, to say where it failed to parse or
-// where an object repeats a key (the DOM keeps only the last value, so a
-// repeated key would silently drop a setting). nlohmann reports a syntax
-// error and a number beyond a double (1e400, out_of_range.406) alike through
-// parse_error(); this handler never throws, so neither can escape (a
-// rethrowing re-parse once let the out_of_range one through, aborting the
-// caller).
-class DocumentWalker final : public nlohmann::json_sax<Json> {
- public:
-  bool null() override { return Value(); }
-  bool boolean(bool) override { return Value(); }
-  bool number_integer(number_integer_t) override { return Value(); }
-  bool number_unsigned(number_unsigned_t) override { return Value(); }
-  bool number_float(number_float_t, const string_t&) override { return Value(); }
-  bool string(string_t&) override { return Value(); }
-  bool binary(binary_t&) override { return Value(); }
-  bool start_object(std::size_t) override {
-    return Push(Frame{.is_array = false, .key = {}, .index = 0, .keys = {}});
-  }
-  bool key(string_t& k) override {
-    if (frames_.empty()) return true;
-    frames_.back().key = k;
-    if (!frames_.back().keys.insert(k).second && repeated_.empty()) repeated_ = Path();
-    return true;
-  }
-  bool end_object() override { return Pop(); }
-  bool start_array(std::size_t) override {
-    return Push(Frame{.is_array = true, .key = {}, .index = 0, .keys = {}});
-  }
-  bool end_array() override { return Pop(); }
-  bool parse_error(std::size_t /*position*/, const std::string& last_token,
-                   const nlohmann::detail::exception& ex) override {
-    failed_ = true;
-    token_ = last_token;
-    id_ = ex.id;
-    what_ = ex.what();
-    return false;
-  }
-
-  bool failed() const { return failed_; }
-  // The path of the first key an object repeats; empty when none does.
-  const std::string& repeated() const { return repeated_; }
-  const std::string& token() const { return token_; }
-  int id() const { return id_; }
-  const std::string& what() const { return what_; }
-
-  // "optimizer.params.lr", "optimizer.params.betas[1]"; empty at the top.
-  std::string Path() const {
-    std::string path;
-    for (const Frame& f : frames_) {
-      if (f.is_array) {
-        path += fmt::format("[{}]", f.index);
-      } else if (!f.key.empty()) {
-        path += path.empty() ? f.key : "." + f.key;
-      }
-    }
-    return path;
-  }
-
- private:
-  struct Frame {
-    bool is_array = false;
-    std::string key;   // the object's current key
-    size_t index = 0;  // the array's current element
-    std::set<std::string> keys;  // the object's keys so far
-  };
-  // A value is complete: the next error is past it, at its parent.
-  bool Value() {
-    if (frames_.empty()) return true;
-    if (frames_.back().is_array) {
-      ++frames_.back().index;
-    } else {
-      frames_.back().key.clear();
-    }
-    return true;
-  }
-  bool Push(Frame f) {
-    frames_.push_back(std::move(f));
-    return true;
-  }
-  bool Pop() {
-    if (!frames_.empty()) frames_.pop_back();
-    return Value();
-  }
-
-  std::vector<Frame> frames_;
-  std::string repeated_;
-  bool failed_ = false;
-  std::string token_;
-  int id_ = 0;
-  std::string what_;
-};
-
 // nlohmann's exception ids (json.exception.<kind>.<id>).
 constexpr int kNumberOverflow = 406;
 
 Status ExplainParseFailure(std::string_view text) {
-  DocumentWalker locator;
+  JsonWalker locator;
   // The document is already known to be malformed; sax_parse only replays
   // the parse to find where. It reports through the handler, never throws.
   (void)Json::sax_parse(text.begin(), text.end(), &locator);
@@ -1081,13 +989,11 @@ Result<OffloadConfig> ParseConfigJson(std::string_view text) {
   Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return ExplainParseFailure(text);
   if (!doc.is_object()) return TypeError("config", doc, "a JSON object");
-  DocumentWalker walker;
-  (void)Json::sax_parse(text.begin(), text.end(), &walker);
-  if (!walker.repeated().empty()) {
+  if (const std::string repeated = RepeatedJsonKey(text); !repeated.empty()) {
     return InvalidArgumentError(fmt::format(
         "parse config JSON: the key {} appears more than once in its object; JSON keeps only the "
         "last value, so remove the others",
-        walker.repeated()));
+        repeated));
   }
   Result<OffloadConfig> c = ParseDocument(doc);
   // A Hugging Face config has "auto" in several places: name them all at

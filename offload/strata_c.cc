@@ -23,6 +23,7 @@
 #include "runtime/comm.h"
 #include "runtime/device.h"
 #include "runtime/json_parse.h"
+#include "runtime/json_walker.h"
 #include "runtime/log.h"
 #include "runtime/status.h"
 #include "runtime/trace.h"
@@ -560,6 +561,13 @@ int strata_optimizer_trace_write(strata_optimizer* opt, const char* path,
         return strata::InvalidArgumentError(fmt::format(
             "{}: other_data_json is a JSON {}, not an object ('{}'); give an object or NULL", kFn,
             other.type_name(), other_data_json));
+      }
+      if (const std::string repeated = strata::RepeatedJsonKey(other_data_json);
+          !repeated.empty()) {
+        return strata::InvalidArgumentError(fmt::format(
+            "{}: other_data_json has the key {} more than once; JSON keeps only the last value, "
+            "so remove the others",
+            kFn, repeated));
       }
     }
     const strata::OffloadOptimizer& o = *opt->opt;

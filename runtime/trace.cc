@@ -8,6 +8,7 @@
 
 #include "runtime/atomic_file.h"
 #include "runtime/json_parse.h"
+#include "runtime/json_walker.h"
 #include "runtime/storage.h"
 #include "runtime/units.h"
 
@@ -117,6 +118,12 @@ Result<std::string> TraceRecorder::ChromeTraceJson(std::string_view other_data_j
   if (!other.is_object()) {
     return InvalidArgumentError(fmt::format(
         "write chrome trace: the other data must be a JSON object, got '{}'", other_data_json));
+  }
+  if (const std::string repeated = RepeatedJsonKey(other_data_json); !repeated.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "write chrome trace: the other data has the key {} more than once; JSON keeps only the "
+        "last value, so remove the others",
+        repeated));
   }
   const std::vector<TraceEvent> events = Events();
   uint64_t origin = UINT64_MAX;

@@ -410,6 +410,9 @@ static void Trace(strata_device* dev, const char* dir) {
   EXPECT(strata_optimizer_trace_write(opt, path, "{\"run\": ") == STRATA_INVALID_ARGUMENT);
   EXPECT(strstr(strata_last_error(), "other_data_json is not valid JSON") != NULL);
   EXPECT(strata_optimizer_trace_write(opt, path, "{\"big\": 1e400}") == STRATA_INVALID_ARGUMENT);
+  EXPECT(strata_optimizer_trace_write(opt, path, "{\"run\": 1, \"run\": 2}") ==
+         STRATA_INVALID_ARGUMENT);
+  EXPECT(strstr(strata_last_error(), "other_data_json has the key run more than once") != NULL);
   char missing[720];
   snprintf(missing, sizeof missing, "%s/no/such/trace.json", dir);
   EXPECT(strata_optimizer_trace_write(opt, missing, NULL) != STRATA_OK);

@@ -244,6 +244,11 @@ TEST(Trace, ChromeJsonHasARankProcessATrackThreadSlicesAndCounters) {
   EXPECT_EQ(too_deep.status().code(), StatusCode::kInvalidArgument) << too_deep.status();
   EXPECT_NE(too_deep.status().message().find("nests deeper than 64 levels"), std::string::npos)
       << too_deep.status();
+  // A repeated key: JSON would keep the last value and drop the other.
+  auto twice = t->ChromeTraceJson(R"({"run": "a", "cfg": {"lr": 1, "lr": 2}})");
+  EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument) << twice.status();
+  EXPECT_NE(twice.status().message().find("the key cfg.lr more than once"), std::string::npos)
+      << twice.status();
 }
 
 TEST(Trace, WritesTheFileOrSaysWhereItCouldNot) {
