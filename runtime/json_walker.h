@@ -1,7 +1,4 @@
-// A SAX walk over a JSON document that keeps the key path: where the text
-// fails to parse, and the first key an object repeats (the DOM keeps only
-// the last value of a repeated key, so a repeated setting would be dropped
-// without a word). For text from files and callers: configs, trace data.
+// JsonWalker, for JSON text from files and callers (configs, trace data).
 #pragma once
 
 #include <fmt/format.h>
