@@ -520,8 +520,10 @@ std::string OwnedDir(const std::string& dir) {
   return ec ? ComparableDir(dir) : ComparableDir(p.string());
 }
 
-Status CheckDirOwner(const OffloadOptimizer& opt, const std::string& dir, std::string_view op) {
-  const auto other = DirOwners::Get().Other(OwnedDir(dir), opt.rank(), opt.identity());
+// `owned` is OwnedDir(dir).
+Status CheckDirOwner(const OffloadOptimizer& opt, const std::string& dir, const std::string& owned,
+                     std::string_view op) {
+  const auto other = DirOwners::Get().Other(owned, opt.rank(), opt.identity());
   if (!other || LoadedFrom(opt, dir)) return OkStatus();
   const std::string name = fs::path(ComparableDir(dir)).filename().string();
   return FailedPreconditionError(fmt::format(
@@ -922,6 +924,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   const std::string op = fmt::format("save checkpoint {} (rank {}, step {})",
                                      dir.empty() ? "''" : dir, opt.rank(), opt.step_count());
   const std::string nothing_written = op + ": nothing was written";
+  const std::string owned = OwnedDir(dir);  // DirOwners' key
   // Before the collective and the save lock: a forked child would wait on
   // the parent's threads, or take its lock.
   STRATA_RETURN_IF_ERROR(opt.CheckNotForked(nothing_written));
@@ -949,7 +952,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
           op, o.chunk_bytes, kMaxCheckpointChunkBytes));
     }
     STRATA_RETURN_IF_ERROR(CheckShapes(opt, o.shapes, op));
-    STRATA_RETURN_IF_ERROR(CheckDirOwner(opt, dir, op));
+    STRATA_RETURN_IF_ERROR(CheckDirOwner(opt, dir, owned, op));
     STRATA_ASSIGN_OR_RETURN(storage, StorageRef::Of(o.storage));
     return OkStatus();
   }();
@@ -1071,7 +1074,7 @@ Status SaveCheckpoint(OffloadOptimizer& opt, const std::string& dir, const SaveO
   if (!worst.ok()) return unagreed(Collective::Unagreed(published, worst.status()));
   const auto outcome = static_cast<Outcome>(static_cast<int>(*worst));
   if (outcome != Outcome::kNotPublished) {
-    DirOwners::Get().Take(OwnedDir(dir), opt.rank(), opt.identity(), opt.step_count());
+    DirOwners::Get().Take(owned, opt.rank(), opt.identity(), opt.step_count());
   }
   if (outcome == Outcome::kPublished) {
     CountSaveAfterLoad(opt, dir);
